@@ -1,0 +1,1 @@
+"""Generated from proto/ by tools/genproto.py. Do not edit."""
