@@ -1,0 +1,55 @@
+"""Turn a policy's choice into a :class:`Plan` (shared by every policy)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from .plan import Allocation, Plan
+from .policy import Policy
+from .predictor import BatchLatencyPredictor, batch_features
+from .snapshot import Snapshot
+
+__all__ = ["assemble_plan", "position_in"]
+
+
+def position_in(queue: np.ndarray) -> Callable[[int], int]:
+    """Sort key: a request's position in the queue."""
+    where = {int(i): k for k, i in enumerate(queue)}
+    return lambda i: where[int(i)]
+
+
+def assemble_plan(
+    policy: Policy,
+    snap: Snapshot,
+    predictor: BatchLatencyPredictor,
+    decodes: np.ndarray,
+    pre_alloc: list[tuple[int, int]],
+    path: str,
+    t0: int,
+    breakdown_ns: dict[str, int],
+) -> Plan:
+    """Build the plan and predict the latency of exactly the batch it names."""
+    idx = [int(i) for i in decodes] + [i for i, _ in pre_alloc]
+    tok = [1] * len(decodes) + [t for _, t in pre_alloc]
+    if idx:
+        c = np.array(tok, dtype=np.float64)
+        u = snap.kv_tokens[np.array(idx)].astype(np.float64)
+        x, s = batch_features(c, u)
+        pred = float(predictor.predict_ms(x[None, :], np.array([s]))[0])
+    else:
+        pred = 0.0
+    allocs = tuple(Allocation(snap.ids[i], t) for i, t in zip(idx, tok, strict=True))
+    return Plan(
+        policy=policy.name,
+        policy_version=policy.version,
+        predictor_version=predictor.version,
+        path=path,
+        token_budget=int(sum(tok)),
+        predicted_latency_ms=pred,
+        allocations=allocs,
+        decision_us=(time.perf_counter_ns() - t0) // 1000,
+        breakdown_us={k: v // 1000 for k, v in breakdown_ns.items()},
+    )

@@ -1,0 +1,205 @@
+"""Baseline policies, on the same snapshot, predictor and limits as SlidingServe.
+
+* ``vllm-fcfs`` — vLLM V1's default: running requests (decodes and started
+  prefills) first, then waiting ones, each in arrival order, each taking what
+  it still needs from a fixed ``max_batch_tokens`` budget (chunked prefill).
+* ``sarathi`` — fixed chunk budget (decode tokens count in it); decodes
+  first, then started prefills, then waiting ones, FCFS.
+* ``sarathi-edf`` — as ``sarathi``; prefills by TTFT deadline a + L^ttft.
+* ``qoserve`` — the public QoServe/Niyama scheduler (microsoft/sarathi-serve,
+  branch ``niyama_asplos2026``, commit 72339db5, ``deadline_scheduler.py``):
+  decodes first; the total budget is the largest entry of a token search
+  space whose predicted time × 1.2 fits the smallest decode slack (128 when
+  none fits, the largest when there are no decodes); prefills by (relegated,
+  a + L^ttft + 0.008 s × remaining tokens); a request that has not started
+  is relegated when now + remaining / ρ passes its TTFT deadline.
+
+QoServe keeps relegation sticky in per-request state.  The service is
+stateless per iteration, so here the relegation test is re-evaluated on each
+snapshot; a request that was relegated rarely becomes un-relegated because it
+is not served in between.  ρ is the engine's measured prefill throughput
+(QoServe's EMA) when the snapshot carries it, else the predictor's estimate.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .assemble import assemble_plan
+from .batch import CandidateQueue, kv_prefill_cap, select_decodes
+from .params import param
+from .plan import Plan
+from .predictor import BatchLatencyPredictor
+from .registry import PolicySpec, register
+from .snapshot import Snapshot
+from .sorter import id_rank, edf_order, fcfs_order, prefill_indices
+
+__all__ = ["QoServeParams", "SarathiParams", "VllmFcfsParams"]
+
+VERSION = "1.0.0"
+
+
+# ----------------------------------------------------------------- vllm-fcfs
+@dataclass(frozen=True, slots=True)
+class VllmFcfsParams:
+    kv_decode_reserve: int = param(
+        0, lo=0, hi=1024, doc="KV tokens kept free per running decode (vLLM keeps none)"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class VllmFcfsPolicy:
+    name: str
+    version: str
+    params: VllmFcfsParams
+
+    def plan(self, snapshot: Snapshot, predictor: BatchLatencyPredictor) -> Plan:
+        snap = snapshot
+        t0 = time.perf_counter_ns()
+        started = np.flatnonzero(snap.computed_tokens > 0)
+        waiting = np.flatnonzero(snap.computed_tokens == 0)
+        order = np.concatenate([fcfs_order(snap, started), fcfs_order(snap, waiting)])
+        n_dec_all = int(snap.is_decoding.sum())
+        budget = snap.max_batch_tokens
+        seqs = snap.max_num_seqs
+        kv = kv_prefill_cap(snap, 0, n_dec_all, self.params.kv_decode_reserve)
+        decodes: list[int] = []
+        pre: list[tuple[int, int]] = []
+        for i in order.tolist():
+            if budget <= 0 or seqs <= 0 or kv <= 0:
+                break
+            need = 1 if snap.is_decoding[i] else int(snap.remaining_prefill[i])
+            take = min(need, budget, kv)
+            if snap.is_decoding[i]:
+                decodes.append(i)
+            else:
+                pre.append((i, take))
+            budget -= take
+            kv -= take
+            seqs -= 1
+        t1 = time.perf_counter_ns()
+        return assemble_plan(
+            self, snap, predictor, np.array(decodes, dtype=np.int64), pre, self.name, t0,
+            {"sorter": t1 - t0},
+        )
+
+
+# ------------------------------------------------------------ sarathi (+EDF)
+@dataclass(frozen=True, slots=True)
+class SarathiParams:
+    chunk_size: int = param(512, lo=1, hi=1 << 20, doc="fixed token budget per iteration, decodes included")
+    kv_decode_reserve: int = param(1, lo=0, hi=1024, doc="KV tokens kept free per running decode")
+
+
+@dataclass(frozen=True, slots=True)
+class SarathiPolicy:
+    name: str
+    version: str
+    params: SarathiParams
+    edf: bool
+
+    def plan(self, snapshot: Snapshot, predictor: BatchLatencyPredictor) -> Plan:
+        snap = snapshot
+        t0 = time.perf_counter_ns()
+        dec_all = np.flatnonzero(snap.is_decoding)
+        budget = min(self.params.chunk_size, snap.max_batch_tokens)
+        dec_fcfs = fcfs_order(snap, dec_all)
+        decodes = np.sort(dec_fcfs[: min(len(dec_fcfs), budget, snap.max_num_seqs,
+                                         snap.free_kv_tokens if snap.free_kv_tokens is not None else budget)])
+        pre = prefill_indices(snap)
+        if self.edf:
+            queue = edf_order(snap, pre)
+        else:
+            started = pre[snap.computed_tokens[pre] > 0]
+            waiting = pre[snap.computed_tokens[pre] == 0]
+            queue = np.concatenate([fcfs_order(snap, started), fcfs_order(snap, waiting)])
+        t1 = time.perf_counter_ns()
+        cq = CandidateQueue.build(
+            snap, predictor, decodes, queue, n_all_decodes=len(dec_all),
+            kv_decode_reserve=self.params.kv_decode_reserve, budget=budget,
+        )
+        return assemble_plan(
+            self, snap, predictor, decodes, cq.fill(cq.first_cap), self.name, t0, {"sorter": t1 - t0}
+        )
+
+
+# ------------------------------------------------------------------- qoserve
+@dataclass(frozen=True, slots=True)
+class QoServeParams:
+    safety_factor: float = param(1.2, lo=0.0, hi=100.0, doc="predicted time is multiplied by this")
+    hybrid_coef_s: float = param(
+        0.008, lo=0.0, hi=10.0, doc="seconds added to the deadline per remaining prompt token"
+    )
+    min_chunk: int = param(128, lo=1, hi=1 << 20, doc="first and fallback entry of the search space")
+    chunk_step: int = param(256, lo=1, hi=1 << 20, doc="step of the search space after min_chunk")
+    kv_decode_reserve: int = param(1, lo=0, hi=1024, doc="KV tokens kept free per running decode")
+
+
+@dataclass(frozen=True, slots=True)
+class QoServePolicy:
+    name: str
+    version: str
+    params: QoServeParams
+
+    def search_space(self, max_batch_tokens: int) -> np.ndarray:
+        p = self.params
+        pts = [p.min_chunk, *range(p.chunk_step * ((p.min_chunk // p.chunk_step) + 1), max_batch_tokens + 1,
+                                   p.chunk_step), max_batch_tokens]
+        return np.unique(np.minimum(np.array(pts, dtype=np.int64), max_batch_tokens))
+
+    def plan(self, snapshot: Snapshot, predictor: BatchLatencyPredictor) -> Plan:
+        p = self.params
+        snap = snapshot
+        t0 = time.perf_counter_ns()
+        dec_all = np.flatnonzero(snap.is_decoding)
+        decodes = select_decodes(snap, dec_all)
+        pre = prefill_indices(snap)
+        rho = snap.prefill_throughput or predictor.prefill_throughput(snap.max_batch_tokens)
+        r = snap.remaining_prefill[pre]
+        deadline = snap.ttft_deadline[pre]
+        relegated = (snap.computed_tokens[pre] == 0) & (snap.now + r / rho > deadline)
+        key = deadline + p.hybrid_coef_s * r
+        queue = pre[np.lexsort((id_rank(snap, pre), snap.arrival[pre], key, relegated))]
+        t1 = time.perf_counter_ns()
+        cq = CandidateQueue.build(
+            snap, predictor, decodes, queue, n_all_decodes=len(dec_all),
+            kv_decode_reserve=p.kv_decode_reserve,
+        )
+        n_dec = len(decodes)
+        space = self.search_space(snap.max_batch_tokens)
+        prefill = np.clip(space - n_dec, 0, cq.first_cap)
+        if n_dec == 0:
+            total = int(space[-1])
+        else:
+            min_slack_ms = float(snap.slack[decodes].min()) * 1e3
+            t = cq.segment_time_ms(np.zeros(len(prefill), dtype=np.int64), prefill) * p.safety_factor
+            ok = np.flatnonzero(t <= min_slack_ms) if min_slack_ms > 0 else np.array([], dtype=np.int64)
+            total = int(space[ok[-1]]) if len(ok) else int(space[0])
+        p1 = int(np.clip(total - n_dec, 0, cq.first_cap))
+        t2 = time.perf_counter_ns()
+        return assemble_plan(
+            self, snap, predictor, decodes, cq.fill(p1), self.name, t0,
+            {"sorter": t1 - t0, "chunker": t2 - t1},
+        )
+
+
+register(PolicySpec(
+    "vllm-fcfs", VERSION, "vLLM V1 default: running first, then waiting, FCFS, fixed max_batch_tokens.",
+    VllmFcfsParams(), lambda n, v, p: VllmFcfsPolicy(n, v, p),
+))
+register(PolicySpec(
+    "sarathi", VERSION, "Sarathi-Serve: fixed chunk budget, decodes first, then prefills FCFS.",
+    SarathiParams(), lambda n, v, p: SarathiPolicy(n, v, p, edf=False),
+))
+register(PolicySpec(
+    "sarathi-edf", VERSION, "Sarathi-EDF: fixed chunk budget, decodes first, prefills by TTFT deadline.",
+    SarathiParams(), lambda n, v, p: SarathiPolicy(n, v, p, edf=True),
+))
+register(PolicySpec(
+    "qoserve", VERSION,
+    "QoServe: dynamic chunking on the smallest decode slack, hybrid priority, eager relegation.",
+    QoServeParams(), lambda n, v, p: QoServePolicy(n, v, p),
+))

@@ -1,0 +1,294 @@
+"""Candidate batches: decode selection, greedy fill and their predicted times.
+
+Every policy builds the same kind of batch: the scheduled decodes (one token
+each) plus a greedy fill of an ordered prefill queue Q, where each request
+takes min(remaining, left) tokens (ARCHITECTURE §4, "Token budget and greedy
+fill").  Concatenating the remaining prompt tokens of Q gives one *token
+stream*; a fill of P tokens is the stream prefix [0, P), and the look-ahead
+iterations of the SlidingChunker are further segments [X, Y) of the same
+stream.  Prefix sums over Q turn the features (4)–(6) of any segment into a
+handful of vectorised numpy operations, so hundreds of candidate budgets cost
+about as much as one.
+
+Limits: the first iteration's fill is capped by the token budget left after
+decodes, by ``max_num_seqs`` (number of requests) and by the KV headroom:
+prefill tokens ≤ free_kv_tokens − scheduled decodes − ``kv_decode_reserve``
+× all decodes (room for the decodes' next tokens, which the paper ignores).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .predictor import BatchLatencyPredictor, scenario_codes
+from .snapshot import Snapshot
+from .sorter import id_rank
+
+__all__ = ["CandidateQueue", "select_decodes"]
+
+
+def select_decodes(snap: Snapshot, dec_idx: np.ndarray, order: np.ndarray | None = None) -> np.ndarray:
+    """Decodes that fit the limits, most urgent first when not all fit.
+
+    ``order`` is the priority among ``dec_idx`` (default: live decodes by
+    ascending TBT slack, then expired ones, ties by arrival and id).  Each
+    decode takes one token of ``max_batch_tokens``, one sequence slot and one
+    KV slot.
+    """
+    cap = min(snap.max_batch_tokens, snap.max_num_seqs)
+    if snap.free_kv_tokens is not None:
+        cap = min(cap, snap.free_kv_tokens)
+    if len(dec_idx) <= cap:
+        return dec_idx
+    if order is None:
+        order = urgent_decode_order(snap, dec_idx)
+    return np.sort(dec_idx[order[:cap]])
+
+
+def urgent_decode_order(snap: Snapshot, dec_idx: np.ndarray) -> np.ndarray:
+    s = snap.slack[dec_idx]
+    return np.lexsort((id_rank(snap, dec_idx), snap.arrival[dec_idx], s, s <= 0))
+
+
+def kv_prefill_cap(snap: Snapshot, n_sched_dec: int, n_all_dec: int, reserve: int) -> int:
+    if snap.free_kv_tokens is None:
+        return 1 << 62
+    return max(0, snap.free_kv_tokens - n_sched_dec - reserve * n_all_dec)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class CandidateQueue:
+    """Scheduled decodes + an ordered prefill queue, ready for fast prediction.
+
+    ``queue`` holds snapshot indices of prefill requests in priority order;
+    ``r``/``u0`` their remaining and already-computed prompt tokens; ``R`` the
+    stream boundaries (R[0] = 0, R[j+1] = R[j] + r[j]).
+    """
+
+    snap: Snapshot
+    predictor: BatchLatencyPredictor
+    decodes: np.ndarray
+    queue: np.ndarray
+    r: np.ndarray
+    u0: np.ndarray
+    R: np.ndarray
+    dec_u: float
+    #: Prefill tokens the first iteration may take (budget, seqs, KV, supply).
+    first_cap: int
+    #: Prefill tokens any later look-ahead iteration may take.
+    iter_cap: int
+    #: Prefill tokens the KV headroom allows this iteration.
+    kv_cap: int
+    # prefix sums of full-request contributions (index j covers queue[:j])
+    _p1: np.ndarray
+    _p2: np.ndarray
+    _p3: np.ndarray
+    _p4: np.ndarray
+    _p5: np.ndarray
+    _p6: np.ndarray
+    _sparse: list[np.ndarray]
+
+    @classmethod
+    def build(
+        cls,
+        snap: Snapshot,
+        predictor: BatchLatencyPredictor,
+        decodes: np.ndarray,
+        queue: np.ndarray,
+        *,
+        n_all_decodes: int,
+        kv_decode_reserve: int = 1,
+        budget: int | None = None,
+    ) -> CandidateQueue:
+        """``budget`` (total tokens, default ``max_batch_tokens``) bounds every
+        iteration; fixed-budget baselines pass their chunk size."""
+        budget = snap.max_batch_tokens if budget is None else min(budget, snap.max_batch_tokens)
+        n_dec = len(decodes)
+        r = snap.remaining_prefill[queue].astype(np.int64)
+        u0 = snap.computed_tokens[queue].astype(np.int64)
+        R = np.zeros(len(queue) + 1, dtype=np.int64)
+        np.cumsum(r, out=R[1:])
+        seq_left = max(0, snap.max_num_seqs - n_dec)
+        iter_cap = max(0, budget - n_dec)
+        kv_cap = kv_prefill_cap(snap, n_dec, n_all_decodes, kv_decode_reserve)
+        first_cap = min(iter_cap, int(R[min(seq_left, len(queue))]), kv_cap)
+        rf = r.astype(np.float64)
+        uf = u0.astype(np.float64)
+        big = r > 1
+        one = ~big
+
+        def pref(x: np.ndarray) -> np.ndarray:
+            out = np.zeros(len(x) + 1)
+            np.cumsum(x, out=out[1:])
+            return out
+
+        rbig = np.where(big, rf, 0.0)
+        sparse = [rbig]
+        k = 1
+        while 2 * k <= len(rbig):
+            prev = sparse[-1]
+            sparse.append(np.maximum(prev[:-k], prev[k:]))
+            k *= 2
+        return cls(
+            snap=snap,
+            predictor=predictor,
+            decodes=decodes,
+            queue=queue,
+            r=r,
+            u0=u0,
+            R=R,
+            dec_u=float(snap.kv_tokens[decodes].sum()),
+            first_cap=int(first_cap),
+            iter_cap=int(iter_cap),
+            kv_cap=int(kv_cap),
+            _p1=pref(np.where(big, rf * (uf + rf), 0.0)),
+            _p2=pref(rbig * rbig),
+            _p3=pref(uf),
+            _p4=pref(one.astype(np.float64)),
+            _p5=pref(np.where(one, uf, 0.0)),
+            _p6=pref(rbig),
+            _sparse=sparse,
+        )
+
+    @property
+    def n_dec(self) -> int:
+        return len(self.decodes)
+
+    @property
+    def supply(self) -> int:
+        """All prompt tokens the queue still needs."""
+        return int(self.R[-1])
+
+    # ------------------------------------------------------------- features
+    def _range_max(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """max(rbig[a:b]) per element (0 where the range is empty)."""
+        length = b - a
+        out = np.zeros(len(a))
+        ok = length > 0
+        if not ok.any():
+            return out
+        lvl = np.zeros(len(a), dtype=np.int64)
+        lvl[ok] = np.floor(np.log2(length[ok])).astype(np.int64)
+        for k in np.unique(lvl[ok]):
+            m = ok & (lvl == k)
+            tab = self._sparse[k]
+            out[m] = np.maximum(tab[a[m]], tab[b[m] - (1 << k)])
+        return out
+
+    def segment_features(
+        self, X: np.ndarray, Y: np.ndarray, step: int = 0
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Features and scenario of the batch "decodes + stream segment [X, Y)".
+
+        ``step`` is the look-ahead iteration (0 = this one): decodes are
+        ``step`` tokens longer and the segment's first request has already
+        computed its tokens before X.
+        """
+        X = np.asarray(X, dtype=np.int64)
+        Y = np.asarray(Y, dtype=np.int64)
+        n = len(X)
+        feats = np.zeros((n, 7))
+        R, r, u0 = self.R, self.r, self.u0
+        nq = len(r)
+        nonempty = Y > X
+        if nq:
+            jh = np.clip(np.searchsorted(R, X, side="right") - 1, 0, nq - 1)
+            jt = np.clip(np.searchsorted(R, Y - 1, side="right") - 1, 0, nq - 1)
+            single = nonempty & (jh == jt)
+            multi = nonempty & (jh < jt)
+            # head piece: [X, min(Y, R[jh+1]))
+            ch = np.where(nonempty, np.minimum(Y, R[jh + 1]) - X, 0)
+            uh = u0[jh] + (X - R[jh])
+            # tail piece (only when the segment spans two or more requests)
+            ct = np.where(multi, Y - R[jt], 0)
+            ut = u0[jt]
+            # full requests strictly between head and tail
+            a = np.where(multi, jh + 1, 0)
+            b = np.where(multi, jt, 0)
+            b = np.maximum(a, b)
+            chf = ch.astype(np.float64)
+            uhf = uh.astype(np.float64)
+            ctf = ct.astype(np.float64)
+            utf = ut.astype(np.float64)
+            hb, tb = ch > 1, ct > 1
+            h1, t1 = ch == 1, ct == 1
+            feats[:, 0] = (
+                self._p1[b] - self._p1[a]
+                + np.where(hb, chf * (uhf + chf), 0.0)
+                + np.where(tb, ctf * (utf + ctf), 0.0)
+            )
+            feats[:, 1] = self._p2[b] - self._p2[a] + np.where(hb, chf * chf, 0.0) + np.where(tb, ctf * ctf, 0.0)
+            feats[:, 2] = (
+                self._p3[b] - self._p3[a] + np.where(ch > 0, uhf, 0.0) + np.where(ct > 0, utf, 0.0)
+            )
+            feats[:, 3] = self._p4[b] - self._p4[a] + h1 + t1
+            feats[:, 4] = self._p5[b] - self._p5[a] + np.where(h1, uhf, 0.0) + np.where(t1, utf, 0.0)
+            feats[:, 5] = self._p6[b] - self._p6[a] + np.where(hb, chf, 0.0) + np.where(tb, ctf, 0.0)
+            feats[:, 6] = np.maximum(
+                self._range_max(a, b), np.maximum(np.where(hb, chf, 0.0), np.where(tb, ctf, 0.0))
+            )
+            del single
+        dec_u = self.dec_u + step * self.n_dec
+        feats[:, 2] += dec_u
+        feats[:, 3] += self.n_dec
+        feats[:, 4] += dec_u
+        return feats, scenario_codes(feats[:, 3], feats[:, 5])
+
+    def segment_time_ms(self, X: np.ndarray, Y: np.ndarray, step: int = 0) -> np.ndarray:
+        f, s = self.segment_features(X, Y, step)
+        t = self.predictor.predict_ms(f, s)
+        if self.n_dec == 0:
+            t = np.where(np.asarray(Y) > np.asarray(X), t, 0.0)
+        return t
+
+    # --------------------------------------------------------- budget curve
+    def fill_curve_ms(self, limit: int | None = None) -> np.ndarray:
+        """Predicted time of decodes + the first P stream tokens, P = 0..limit
+        (default: ``max_batch_tokens`` − decodes, capped by the supply).
+
+        The curve ignores the sequence and KV caps on purpose: it maps a token
+        budget to a time, which BatchConstructor needs beyond the greedy fill.
+        """
+        if limit is None:
+            limit = min(self.iter_cap, self.supply)
+        P = np.arange(limit + 1, dtype=np.int64)
+        return self.segment_time_ms(np.zeros_like(P), P)
+
+    def fill(self, prefill_tokens: int) -> list[tuple[int, int]]:
+        """(snapshot index, tokens) of the greedy fill of ``prefill_tokens``."""
+        out = []
+        left = prefill_tokens
+        for j, idx in enumerate(self.queue):
+            if left <= 0:
+                break
+            take = int(min(self.r[j], left))
+            out.append((int(idx), take))
+            left -= take
+        return out
+
+
+class BudgetCurve:
+    """TimeToBudget on the exact integer grid.
+
+    A fitted linear model need not be monotone in the budget, so instead of a
+    binary search we evaluate every budget once and answer "largest P whose
+    predicted time ≤ T" through the suffix minimum, which *is* monotone.
+    """
+
+    __slots__ = ("n_dec", "suffix_min", "times")
+
+    def __init__(self, times: np.ndarray, n_dec: int):
+        self.times = times
+        self.n_dec = n_dec
+        self.suffix_min = np.minimum.accumulate(times[::-1])[::-1]
+
+    def prefill_tokens_within(self, t_ms: float) -> int:
+        """Largest prefill token count P with T̂(decodes + P) ≤ t_ms; −1 if none."""
+        return int(np.searchsorted(self.suffix_min, t_ms, side="right")) - 1
+
+    def time_to_budget(self, t_ms: float) -> int:
+        """TimeToBudget(T): the largest total budget (decodes included), or
+        ``n_dec − 1`` when even the decodes alone are predicted over T."""
+        return self.n_dec + self.prefill_tokens_within(t_ms)

@@ -1,0 +1,109 @@
+"""SlidingChunker, formulas (7)–(9), generalised to a window of k iterations.
+
+Decision on the paper's two-window problem (ARCHITECTURE §4): with decode
+windows W_m = min over safe decodes of (s_i + (m − 1)·L_i^tbt), choose token
+counts b_1..b_k whose *cumulative* predicted times fit every window,
+Σ_{l ≤ m} T̂_l(b_l) ≤ W_m, maximise the total B_Σ, and among the splits that
+reach it minimise Σ T̂_l (ties: larger b_1).  Only b_1 is executed.  k = 1 is
+the greedy rule TimeToBudget(T_cur); k = 2 is the paper.
+
+Search.  Iteration l processes the stream segment [X_{l−1}, X_l), so the
+cost of a step depends only on (l, X_{l−1}, X_l).  Because the constraints
+are upper bounds on cumulative time, the least cumulative time that reaches
+position X after l steps dominates every other way of getting there; a DP
+over (step, position) is therefore exact, O(k·G²) for G grid positions,
+instead of enumerating the G^k splits.  Positions are multiples of
+``granularity`` tokens plus the request boundaries of the stream and the
+first-iteration cap, so a chunk can always end exactly where a prompt ends.
+
+Drain rule (our addition): when the whole queue fits in this iteration and
+the batch plus decode-only iterations after it fit every window, take it all.
+Splitting a queue that can be drained would only delay first tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .batch import CandidateQueue
+from .snapshot import Snapshot
+
+__all__ = ["MAX_BOUNDARIES", "grid_positions", "sliding_chunk", "window_limits_ms"]
+
+#: Request boundaries added to the grid (the first ones of the stream).
+MAX_BOUNDARIES = 64
+
+
+def window_limits_ms(snap: Snapshot, decodes: np.ndarray, k: int) -> np.ndarray | None:
+    """W_1..W_k in ms over safe decodes (formulas (7), (8)); None if D_safe = ∅."""
+    if len(decodes) == 0:
+        return None
+    s = snap.slack[decodes]
+    safe = s > 0
+    if not safe.any():
+        return None
+    s, tbt = s[safe], snap.tbt_slo[decodes][safe]
+    steps = np.arange(k)[:, None]
+    return (s[None, :] + steps * tbt[None, :]).min(axis=1) * 1e3
+
+
+def grid_positions(cq: CandidateQueue, k: int, granularity: int) -> np.ndarray:
+    """Stream positions the search may stop at (sorted, unique, from 0)."""
+    xmax = min(cq.supply, cq.first_cap + (k - 1) * cq.iter_cap)
+    g = max(1, granularity)
+    pts = [np.arange(0, xmax + 1, g, dtype=np.int64), cq.R[: MAX_BOUNDARIES + 1], [cq.first_cap, xmax]]
+    grid = np.unique(np.concatenate([np.asarray(p, dtype=np.int64) for p in pts]))
+    return grid[grid <= xmax]
+
+
+def _drain(cq: CandidateQueue, W: np.ndarray) -> bool:
+    if cq.supply == 0 or cq.supply > cq.first_cap:
+        return False
+    zero = np.zeros(1, dtype=np.int64)
+    total = float(cq.segment_time_ms(zero, np.array([cq.supply]))[0])
+    if total > W[0]:
+        return False
+    for m in range(1, len(W)):
+        total += float(cq.segment_time_ms(np.array([cq.supply]), np.array([cq.supply]), m)[0])
+        if total > W[m]:
+            return False
+    return True
+
+
+def sliding_chunk(cq: CandidateQueue, W: np.ndarray, granularity: int = 16) -> int:
+    """Prefill tokens for this iteration (b_1 − |D|); 0 when nothing fits."""
+    k = len(W)
+    if cq.supply == 0 or cq.first_cap == 0:
+        return 0
+    if _drain(cq, W):
+        return cq.supply
+    grid = grid_positions(cq, k, granularity)
+    inf = np.inf
+    first = grid <= cq.first_cap
+    best = np.full(len(grid), inf)
+    t1 = cq.segment_time_ms(np.zeros(int(first.sum()), dtype=np.int64), grid[first])
+    best[first] = np.where(t1 <= W[0], t1, inf)
+    if not np.isfinite(best).any():
+        return 0
+    parents: list[np.ndarray] = []
+    for m in range(1, k):
+        src = np.flatnonzero(np.isfinite(best))
+        X = grid[src][:, None]
+        Y = grid[None, :]
+        ok = (Y >= X) & (Y - X <= cq.iter_cap)
+        xi, yi = np.nonzero(ok)
+        tot = np.full((len(src), len(grid)), inf)
+        if len(xi):
+            t = cq.segment_time_ms(grid[src][xi], grid[yi], m)
+            tot[xi, yi] = best[src][xi] + t
+        tot[tot > W[m]] = inf
+        # argmin over sources, ties to the larger X (later rows): flip rows.
+        flipped = tot[::-1]
+        arg = len(src) - 1 - np.argmin(flipped, axis=0)
+        best = tot[arg, np.arange(len(grid))]
+        parents.append(src[arg])
+    feasible = np.flatnonzero(np.isfinite(best))
+    pos = int(feasible[-1])  # largest total B_Σ; best[pos] is the least Σ T̂
+    for par in reversed(parents):
+        pos = int(par[pos])
+    return int(grid[pos])

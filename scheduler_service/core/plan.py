@@ -1,0 +1,86 @@
+"""The plan a policy returns: the batch allocation A* for one iteration."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["PATHS", "Allocation", "Plan"]
+
+#: Paths of the SlidingServe policy; baselines report their own name.
+PATHS = ("sliding_chunker", "batch_constructor", "decode_only", "idle")
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    id: str
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Invariants: ``token_budget == sum(a.tokens for a in allocations)``;
+    every ``tokens >= 1``; ids unique and present in the snapshot.
+
+    ``decision_us`` and ``breakdown_us`` are measurements, not decisions: two
+    plans for the same snapshot compare equal by :meth:`decision_key`.
+    """
+
+    policy: str
+    policy_version: str
+    predictor_version: str
+    path: str
+    token_budget: int
+    predicted_latency_ms: float
+    allocations: tuple[Allocation, ...]
+    decision_us: int = 0
+    #: Decision time per component (sorter, predictor, chunker, constructor).
+    breakdown_us: Mapping[str, int] = field(default_factory=dict)
+
+    def decision_key(self) -> tuple[Any, ...]:
+        return (
+            self.policy,
+            self.policy_version,
+            self.predictor_version,
+            self.path,
+            self.token_budget,
+            self.predicted_latency_ms,
+            self.allocations,
+        )
+
+    def as_dict(self) -> dict[str, int]:
+        return {a.id: a.tokens for a in self.allocations}
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "policy": self.policy,
+            "policy_version": self.policy_version,
+            "predictor_version": self.predictor_version,
+            "path": self.path,
+            "token_budget": self.token_budget,
+            "predicted_latency_ms": round(self.predicted_latency_ms, 6),
+            "allocations": [{"id": a.id, "tokens": a.tokens} for a in self.allocations],
+            "decision_us": self.decision_us,
+        }
+        if self.breakdown_us:
+            out["breakdown_us"] = dict(self.breakdown_us)
+        return out
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Plan:
+        return cls(
+            policy=str(d["policy"]),
+            policy_version=str(d.get("policy_version", "")),
+            predictor_version=str(d.get("predictor_version", "")),
+            path=str(d["path"]),
+            token_budget=int(d["token_budget"]),
+            predicted_latency_ms=float(d.get("predicted_latency_ms", 0.0)),
+            allocations=tuple(Allocation(str(a["id"]), int(a["tokens"])) for a in d["allocations"]),
+            decision_us=int(d.get("decision_us", 0)),
+            breakdown_us={str(k): int(v) for k, v in d.get("breakdown_us", {}).items()},
+        )

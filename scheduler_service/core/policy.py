@@ -1,0 +1,33 @@
+"""The policy contract.
+
+Call cycle: an engine builds a :class:`~.snapshot.Snapshot` every iteration,
+the service calls ``policy.plan(snapshot, predictor)`` and returns the
+:class:`~.plan.Plan`; the engine executes it and reports the measured latency,
+which eventually becomes a new predictor version.  A policy object is
+immutable and holds no per-engine state: the same snapshot, policy version and
+predictor version always give the same plan.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+from .plan import Plan
+from .predictor import BatchLatencyPredictor
+from .snapshot import Snapshot
+
+__all__ = ["Policy"]
+
+
+@runtime_checkable
+class Policy(Protocol):
+    #: Registry name, e.g. ``"slidingserve"``.
+    name: str
+    #: Changes whenever the policy's behaviour or parameters change.
+    version: str
+    #: Frozen dataclass of typed parameters (see :mod:`.params`).
+    params: Any
+
+    def plan(self, snapshot: Snapshot, predictor: BatchLatencyPredictor) -> Plan:
+        """Decide one iteration.  Must respect every limit of the snapshot."""
+        ...

@@ -1,0 +1,133 @@
+"""The SlidingServe policy and the Table-4 ablations.
+
+One decision (ARCHITECTURE §4):
+
+1. decodes get one token each (the most urgent when limits force fewer);
+2. MLPS orders waiting + prefilling requests, expired ones last;
+3. the violation check fills that queue greedily to TimeToBudget(T_cur) and
+   predicts T̂_full; live prefills with slack below it are risky;
+4. risky → BatchConstructor; no risky or no feasible anchor → SlidingChunker
+   with window k, then a greedy fill of its budget.
+
+The ablations switch parts off: ``sarathi-edf+sc`` (EDF order, chunker only),
+``sarathi-edf+sc+mlps`` (MLPS order, chunker only).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .assemble import assemble_plan, position_in
+from .batch import BudgetCurve, CandidateQueue, select_decodes
+from .chunker import sliding_chunk, window_limits_ms
+from .constructor import construct_batch
+from .params import param
+from .plan import Plan
+from .predictor import BatchLatencyPredictor
+from .registry import PolicySpec, register
+from .snapshot import Snapshot
+from .sorter import edf_order, mlps_order, prefill_indices
+
+__all__ = ["SlidingServeParams", "SlidingServePolicy"]
+
+VERSION = "1.0.0"
+
+
+@dataclass(frozen=True, slots=True)
+class SlidingServeParams:
+    window: int = param(2, lo=1, hi=4, doc="SlidingChunker window k (1 = greedy, 2 = paper)")
+    alpha: float = param(1.0, lo=0.0, hi=1e6, doc="MLPS urgency threshold α of formula (14)")
+    epsilon_s: float = param(1e-3, lo=1e-9, hi=10.0, doc="MLPS slack floor ε in seconds (13)")
+    granularity: int = param(16, lo=1, hi=4096, doc="token grid of the window search")
+    max_candidates: int = param(64, lo=1, hi=100_000, doc="BatchConstructor candidate pool size")
+    kv_decode_reserve: int = param(
+        1, lo=0, hi=1024, doc="KV tokens kept free per running decode for its next tokens"
+    )
+    order: str = param("mlps", choices=("mlps", "edf"), doc="prefill queue order")
+    batch_constructor: bool = param(True, doc="route risky batches to BatchConstructor")
+
+
+@dataclass(frozen=True, slots=True)
+class SlidingServePolicy:
+    name: str
+    version: str
+    params: SlidingServeParams
+
+    def plan(self, snapshot: Snapshot, predictor: BatchLatencyPredictor) -> Plan:
+        p = self.params
+        snap = snapshot
+        t0 = time.perf_counter_ns()
+        dec_all = np.flatnonzero(snap.is_decoding)
+        decodes = select_decodes(snap, dec_all)
+        n_dec = len(decodes)
+        pre = prefill_indices(snap)
+        if p.order == "mlps":
+            rho = snap.prefill_throughput or predictor.prefill_throughput(snap.max_batch_tokens)
+            queue = mlps_order(snap, pre, rho, p.alpha, p.epsilon_s)
+        else:
+            queue = edf_order(snap, pre, expired_last=False)
+        t1 = time.perf_counter_ns()
+        cq = CandidateQueue.build(
+            snap, predictor, decodes, queue,
+            n_all_decodes=len(dec_all), kv_decode_reserve=p.kv_decode_reserve,
+        )
+        curve = BudgetCurve(cq.fill_curve_ms(), n_dec)
+        W = window_limits_ms(snap, decodes, p.window)
+        t2 = time.perf_counter_ns()
+
+        chosen = None
+        t3 = t2
+        if p.batch_constructor and cq.first_cap > 0:
+            cand = cq.first_cap if W is None else min(max(curve.prefill_tokens_within(W[0]), 0), cq.first_cap)
+            t_full = float(curve.times[cand])
+            live = pre[snap.slack[pre] > 0]
+            chosen = construct_batch(
+                snap, live, curve, n_dec, t_full,
+                token_cap=min(cq.iter_cap, cq.kv_cap),
+                seq_cap=max(0, snap.max_num_seqs - n_dec),
+                max_candidates=p.max_candidates,
+            )
+            t3 = time.perf_counter_ns()
+
+        if chosen is not None:
+            pre_alloc = [(i, int(snap.remaining_prefill[i])) for i in sorted(chosen.chosen, key=position_in(queue))]
+            path = "batch_constructor"
+            t4 = t3
+        else:
+            if W is None:
+                p1 = cq.first_cap
+            elif p.window == 1:
+                p1 = min(max(curve.prefill_tokens_within(W[0]), 0), cq.first_cap)
+            else:
+                p1 = sliding_chunk(cq, W, p.granularity)
+            pre_alloc = cq.fill(p1)
+            path = "sliding_chunker" if pre_alloc else ("decode_only" if n_dec else "idle")
+            t4 = time.perf_counter_ns()
+        return assemble_plan(
+            self, snap, predictor, decodes, pre_alloc, path, t0,
+            {"sorter": t1 - t0, "predictor": t2 - t1, "constructor": t3 - t2, "chunker": t4 - t3},
+        )
+
+
+def _factory(name: str, version: str, params: SlidingServeParams) -> SlidingServePolicy:
+    return SlidingServePolicy(name, version, params)
+
+
+register(PolicySpec(
+    "slidingserve", VERSION,
+    "SlidingServe: MLPS order, violation check, BatchConstructor or SlidingChunker (k-window).",
+    SlidingServeParams(), _factory,
+))
+register(PolicySpec(
+    "sarathi-edf+sc", VERSION,
+    "Ablation: Sarathi-EDF order with the SlidingChunker budget (no MLPS, no BatchConstructor).",
+    SlidingServeParams(order="edf", batch_constructor=False), _factory,
+))
+register(PolicySpec(
+    "sarathi-edf+sc+mlps", VERSION,
+    "Ablation: MLPS order with the SlidingChunker budget (no BatchConstructor).",
+    SlidingServeParams(order="mlps", batch_constructor=False), _factory,
+))

@@ -1,0 +1,466 @@
+"""The engine's queue snapshot: what a policy sees in one iteration.
+
+A snapshot is columnar (one numpy array per request attribute) because every
+policy works on whole columns at once and the wire format is columnar too.
+All times are on the *engine's* clock (``now`` included): a policy never reads
+its own clock, so a snapshot replays to the same plan byte for byte.
+
+Request states (ARCHITECTURE §3):
+
+* waiting    — ``computed_tokens == 0``
+* prefilling — ``0 < computed_tokens < prompt_tokens``
+* decoding   — ``computed_tokens == prompt_tokens`` (then ``output_tokens >= 1``)
+
+``output_tokens`` must be 0 until the prompt is fully computed; an engine that
+recomputes a preempted request folds its generated tokens into the prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .errors import FieldViolation, ValidationError
+
+__all__ = ["DEFAULT_MAX_REQUESTS", "Request", "Snapshot"]
+
+#: Upper bound on requests in one snapshot unless the caller sets another.
+DEFAULT_MAX_REQUESTS = 100_000
+#: Largest token count accepted anywhere (guards int64 arithmetic downstream).
+MAX_TOKENS = 1 << 40
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One request as the engine sees it; a row of a :class:`Snapshot`."""
+
+    id: str
+    arrival: float
+    prompt_tokens: int
+    computed_tokens: int = 0
+    output_tokens: int = 0
+    ttft_slo: float = 1.0
+    tbt_slo: float = 0.1
+    protected: bool = False
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    a.setflags(write=False)
+    return a
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Snapshot:
+    """A validated, immutable snapshot.  Build it with :meth:`from_requests`,
+    :meth:`from_columns` or :meth:`from_json`; the constructor itself does not
+    validate.
+
+    Invariants (checked by :meth:`validate`): all columns have ``len(ids)``
+    rows; ids are unique non-empty strings; ``0 <= computed_tokens <=
+    prompt_tokens``; ``prompt_tokens >= 1``; ``output_tokens == 0`` while
+    ``computed_tokens < prompt_tokens`` and ``>= 1`` once equal; times and SLOs
+    finite, SLOs > 0; ``max_batch_tokens >= 1``, ``max_num_seqs >= 1``.
+    """
+
+    now: float
+    max_batch_tokens: int
+    max_num_seqs: int
+    ids: tuple[str, ...]
+    arrival: np.ndarray
+    prompt_tokens: np.ndarray
+    computed_tokens: np.ndarray
+    output_tokens: np.ndarray
+    ttft_slo: np.ndarray
+    tbt_slo: np.ndarray
+    protected: np.ndarray
+    free_kv_tokens: int | None = None
+    prefill_throughput: float | None = None
+    #: Engine profile key (model/hardware/TP); informational for policies.
+    profile: str = ""
+    _cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    # ------------------------------------------------------------------ build
+    @classmethod
+    def from_columns(
+        cls,
+        *,
+        now: float,
+        max_batch_tokens: int,
+        max_num_seqs: int,
+        ids: Sequence[str],
+        arrival: Any,
+        prompt_tokens: Any,
+        computed_tokens: Any,
+        output_tokens: Any,
+        ttft_slo: Any,
+        tbt_slo: Any,
+        protected: Any,
+        free_kv_tokens: int | None = None,
+        prefill_throughput: float | None = None,
+        profile: str = "",
+        max_requests: int = DEFAULT_MAX_REQUESTS,
+    ) -> Snapshot:
+        """Validate columns and build a snapshot; raises :class:`ValidationError`."""
+        errs: list[FieldViolation] = []
+        scal = _validate_scalars(
+            errs, now, max_batch_tokens, max_num_seqs, free_kv_tokens, prefill_throughput
+        )
+        n = len(ids)
+        if n > max_requests:
+            errs.append(
+                FieldViolation("requests", f"has {n} requests, more than the limit {max_requests}")
+            )
+            raise ValidationError(errs)
+        cols = {
+            "arrival": (arrival, np.float64),
+            "prompt_tokens": (prompt_tokens, np.int64),
+            "computed_tokens": (computed_tokens, np.int64),
+            "output_tokens": (output_tokens, np.int64),
+            "ttft_slo": (ttft_slo, np.float64),
+            "tbt_slo": (tbt_slo, np.float64),
+            "protected": (protected, np.bool_),
+        }
+        arrays: dict[str, np.ndarray] = {}
+        for name, (values, dtype) in cols.items():
+            arr = _column(errs, name, values, dtype, n)
+            if arr is not None:
+                arrays[name] = arr
+        ids_t = tuple(ids)
+        _validate_ids(errs, ids_t)
+        if errs:
+            raise ValidationError(errs)
+        _validate_rows(errs, arrays)
+        if errs:
+            raise ValidationError(errs)
+        return cls(
+            now=scal[0],
+            max_batch_tokens=scal[1],
+            max_num_seqs=scal[2],
+            ids=ids_t,
+            free_kv_tokens=scal[3],
+            prefill_throughput=scal[4],
+            profile=str(profile),
+            **{k: _readonly(v) for k, v in arrays.items()},
+        )
+
+    @classmethod
+    def from_requests(
+        cls,
+        requests: Iterable[Request],
+        *,
+        now: float,
+        max_batch_tokens: int = 2048,
+        max_num_seqs: int = 256,
+        free_kv_tokens: int | None = None,
+        prefill_throughput: float | None = None,
+        profile: str = "",
+        max_requests: int = DEFAULT_MAX_REQUESTS,
+    ) -> Snapshot:
+        reqs = list(requests)
+        return cls.from_columns(
+            now=now,
+            max_batch_tokens=max_batch_tokens,
+            max_num_seqs=max_num_seqs,
+            ids=[r.id for r in reqs],
+            arrival=[r.arrival for r in reqs],
+            prompt_tokens=[r.prompt_tokens for r in reqs],
+            computed_tokens=[r.computed_tokens for r in reqs],
+            output_tokens=[r.output_tokens for r in reqs],
+            ttft_slo=[r.ttft_slo for r in reqs],
+            tbt_slo=[r.tbt_slo for r in reqs],
+            protected=[r.protected for r in reqs],
+            free_kv_tokens=free_kv_tokens,
+            prefill_throughput=prefill_throughput,
+            profile=profile,
+            max_requests=max_requests,
+        )
+
+    # ------------------------------------------------------------------- JSON
+    @classmethod
+    def from_json(
+        cls, data: str | bytes | Mapping[str, Any], *, max_requests: int = DEFAULT_MAX_REQUESTS
+    ) -> Snapshot:
+        """Parse the ARCHITECTURE §3 JSON form (a string or a decoded object)."""
+        if isinstance(data, str | bytes):
+            try:
+                data = json.loads(data)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ValidationError.single("snapshot", f"is not valid JSON: {e}") from None
+        if not isinstance(data, Mapping):
+            raise ValidationError.single("snapshot", "must be a JSON object")
+        known = {
+            "now", "max_batch_tokens", "max_num_seqs", "free_kv_tokens",
+            "prefill_throughput", "requests", "profile",
+        }
+        errs = [FieldViolation(k, "unknown field") for k in data if k not in known]
+        for k in ("now", "max_batch_tokens", "max_num_seqs", "requests"):
+            if k not in data:
+                errs.append(FieldViolation(k, "is required"))
+        reqs = data.get("requests", [])
+        if not isinstance(reqs, list):
+            errs.append(FieldViolation("requests", "must be a list"))
+            reqs = []
+        if len(reqs) > max_requests:
+            errs.append(
+                FieldViolation(
+                    "requests", f"has {len(reqs)} requests, more than the limit {max_requests}"
+                )
+            )
+            raise ValidationError(errs)
+        cols: dict[str, list[Any]] = {k: [] for k in _REQUEST_FIELDS}
+        for i, r in enumerate(reqs):
+            if not isinstance(r, Mapping):
+                errs.append(FieldViolation(f"requests[{i}]", "must be an object"))
+                continue
+            for k in r:
+                if k not in _REQUEST_FIELDS:
+                    errs.append(FieldViolation(f"requests[{i}].{k}", "unknown field"))
+            for k, (default, required) in _REQUEST_FIELDS.items():
+                if k in r:
+                    cols[k].append(r[k])
+                elif required:
+                    errs.append(FieldViolation(f"requests[{i}].{k}", "is required"))
+                    cols[k].append(default)
+                else:
+                    cols[k].append(default)
+        if errs:
+            raise ValidationError(errs)
+        for i, v in enumerate(cols["id"]):
+            if not isinstance(v, str):
+                errs.append(FieldViolation(f"requests[{i}].id", "must be a string"))
+        if errs:
+            raise ValidationError(errs)
+        return cls.from_columns(
+            now=data["now"],
+            max_batch_tokens=data["max_batch_tokens"],
+            max_num_seqs=data["max_num_seqs"],
+            free_kv_tokens=data.get("free_kv_tokens"),
+            prefill_throughput=data.get("prefill_throughput"),
+            profile=data.get("profile", "") or "",
+            ids=cols["id"],
+            arrival=cols["arrival"],
+            prompt_tokens=cols["prompt_tokens"],
+            computed_tokens=cols["computed_tokens"],
+            output_tokens=cols["output_tokens"],
+            ttft_slo=cols["ttft_slo"],
+            tbt_slo=cols["tbt_slo"],
+            protected=cols["protected"],
+            max_requests=max_requests,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "now": self.now,
+            "max_batch_tokens": self.max_batch_tokens,
+            "max_num_seqs": self.max_num_seqs,
+        }
+        if self.free_kv_tokens is not None:
+            out["free_kv_tokens"] = self.free_kv_tokens
+        if self.prefill_throughput is not None:
+            out["prefill_throughput"] = self.prefill_throughput
+        if self.profile:
+            out["profile"] = self.profile
+        out["requests"] = [
+            {
+                "id": rid,
+                "arrival": float(self.arrival[i]),
+                "prompt_tokens": int(self.prompt_tokens[i]),
+                "computed_tokens": int(self.computed_tokens[i]),
+                "output_tokens": int(self.output_tokens[i]),
+                "ttft_slo": float(self.ttft_slo[i]),
+                "tbt_slo": float(self.tbt_slo[i]),
+                "protected": bool(self.protected[i]),
+            }
+            for i, rid in enumerate(self.ids)
+        ]
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    def requests(self) -> list[Request]:
+        return [Request(**r) for r in self.to_dict()["requests"]]
+
+    # ---------------------------------------------------------------- derived
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def is_decoding(self) -> np.ndarray:
+        return self._memo("is_decoding", lambda: self.computed_tokens == self.prompt_tokens)
+
+    @property
+    def remaining_prefill(self) -> np.ndarray:
+        """r_i = p_i − c_i (formula 10); 0 for decodes."""
+        return self._memo("remaining", lambda: self.prompt_tokens - self.computed_tokens)
+
+    @property
+    def ttft_deadline(self) -> np.ndarray:
+        return self._memo("ttft_deadline", lambda: self.arrival + self.ttft_slo)
+
+    @property
+    def slack(self) -> np.ndarray:
+        """s_i: TTFT slack for prefills (11), TBT slack for decodes (ARCHITECTURE §4)."""
+
+        def compute() -> np.ndarray:
+            k = np.where(self.is_decoding, self.output_tokens, 0)
+            return self.arrival + self.ttft_slo + k * self.tbt_slo - self.now
+
+        return self._memo("slack", compute)
+
+    @property
+    def kv_tokens(self) -> np.ndarray:
+        """u_i: tokens already in the KV cache (a decode's last token is not yet)."""
+
+        def compute() -> np.ndarray:
+            return np.where(
+                self.is_decoding,
+                self.prompt_tokens + self.output_tokens - 1,
+                self.computed_tokens,
+            )
+
+        return self._memo("kv", compute)
+
+    def _memo(self, key: str, fn: Any) -> np.ndarray:
+        v = self._cache.get(key)
+        if v is None:
+            v = _readonly(np.asarray(fn()))
+            self._cache[key] = v
+        return v
+
+
+_REQUEST_FIELDS: dict[str, tuple[Any, bool]] = {
+    "id": ("", True),
+    "arrival": (0.0, True),
+    "prompt_tokens": (0, True),
+    "computed_tokens": (0, False),
+    "output_tokens": (0, False),
+    "ttft_slo": (0.0, True),
+    "tbt_slo": (0.0, True),
+    "protected": (False, False),
+}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int | np.integer) and not isinstance(v, bool | np.bool_)
+
+
+def _is_real(v: Any) -> bool:
+    return isinstance(v, int | float | np.integer | np.floating) and not isinstance(
+        v, bool | np.bool_
+    )
+
+
+def _validate_scalars(
+    errs: list[FieldViolation],
+    now: Any,
+    max_batch_tokens: Any,
+    max_num_seqs: Any,
+    free_kv_tokens: Any,
+    prefill_throughput: Any,
+) -> tuple[float, int, int, int | None, float | None]:
+    if not _is_real(now) or not math.isfinite(now):
+        errs.append(FieldViolation("now", "must be a finite number of seconds"))
+        now = 0.0
+    for name, v in (("max_batch_tokens", max_batch_tokens), ("max_num_seqs", max_num_seqs)):
+        if not _is_int(v) or not 1 <= v <= MAX_TOKENS:
+            errs.append(FieldViolation(name, f"must be an integer >= 1, got {v!r}"))
+    if free_kv_tokens is not None and (not _is_int(free_kv_tokens) or not 0 <= free_kv_tokens <= MAX_TOKENS):
+        errs.append(
+            FieldViolation("free_kv_tokens", f"must be an integer >= 0, got {free_kv_tokens!r}")
+        )
+    if prefill_throughput is not None and (
+        not _is_real(prefill_throughput)
+        or not math.isfinite(prefill_throughput)
+        or prefill_throughput <= 0
+    ):
+        errs.append(
+            FieldViolation(
+                "prefill_throughput", f"must be a finite number > 0, got {prefill_throughput!r}"
+            )
+        )
+    return (
+        float(now),
+        int(max_batch_tokens) if _is_int(max_batch_tokens) else 1,
+        int(max_num_seqs) if _is_int(max_num_seqs) else 1,
+        None if free_kv_tokens is None or not _is_int(free_kv_tokens) else int(free_kv_tokens),
+        None if prefill_throughput is None or not _is_real(prefill_throughput) else float(prefill_throughput),
+    )
+
+
+def _column(
+    errs: list[FieldViolation], name: str, values: Any, dtype: Any, n: int
+) -> np.ndarray | None:
+    if isinstance(values, np.ndarray):
+        arr = values
+        if arr.ndim != 1:
+            errs.append(FieldViolation(name, "must be one-dimensional"))
+            return None
+        kind_ok = {
+            np.float64: arr.dtype.kind in "fiu",
+            np.int64: arr.dtype.kind in "iu",
+            np.bool_: arr.dtype.kind == "b",
+        }[dtype]
+        if not kind_ok:
+            errs.append(FieldViolation(name, f"has dtype {arr.dtype}, expected {np.dtype(dtype)}"))
+            return None
+        arr = arr.astype(dtype, copy=True)
+    else:
+        seq = list(values)
+        check = {np.float64: _is_real, np.int64: _is_int, np.bool_: lambda v: isinstance(v, bool | np.bool_)}[dtype]
+        bad = [i for i, v in enumerate(seq) if not check(v)]
+        if bad:
+            what = {np.float64: "a number", np.int64: "an integer", np.bool_: "a boolean"}[dtype]
+            for i in bad[:5]:
+                errs.append(FieldViolation(f"requests[{i}].{name}", f"must be {what}, got {seq[i]!r}"))
+            return None
+        try:
+            arr = np.array(seq, dtype=dtype)
+        except OverflowError:
+            errs.append(FieldViolation(name, "has a value out of range"))
+            return None
+    if len(arr) != n:
+        errs.append(FieldViolation(name, f"has {len(arr)} entries but there are {n} ids"))
+        return None
+    return arr
+
+
+def _validate_ids(errs: list[FieldViolation], ids: tuple[str, ...]) -> None:
+    seen: dict[str, int] = {}
+    for i, rid in enumerate(ids):
+        if not isinstance(rid, str) or not rid:
+            errs.append(FieldViolation(f"requests[{i}].id", "must be a non-empty string"))
+        elif len(rid) > 256:
+            errs.append(FieldViolation(f"requests[{i}].id", "is longer than 256 characters"))
+        elif rid in seen:
+            errs.append(
+                FieldViolation(f"requests[{i}].id", f"duplicates requests[{seen[rid]}].id {rid!r}")
+            )
+        else:
+            seen[rid] = i
+        if len(errs) >= 20:
+            return
+
+
+def _validate_rows(errs: list[FieldViolation], a: dict[str, np.ndarray]) -> None:
+    """Vectorised row checks; per-row messages are built only for failing rows."""
+    p, c, o = a["prompt_tokens"], a["computed_tokens"], a["output_tokens"]
+    checks: list[tuple[str, np.ndarray, str]] = [
+        ("arrival", ~np.isfinite(a["arrival"]), "must be finite"),
+        ("ttft_slo", ~(np.isfinite(a["ttft_slo"]) & (a["ttft_slo"] > 0)), "must be finite and > 0"),
+        ("tbt_slo", ~(np.isfinite(a["tbt_slo"]) & (a["tbt_slo"] > 0)), "must be finite and > 0"),
+        ("prompt_tokens", (p < 1) | (p > MAX_TOKENS), "must be >= 1"),
+        ("computed_tokens", c < 0, "must be >= 0"),
+        ("computed_tokens", c > p, "exceeds prompt_tokens"),
+        ("output_tokens", (o < 0) | (o > MAX_TOKENS), "must be >= 0"),
+        ("output_tokens", (c < p) & (o > 0), "must be 0 while the prompt is not fully computed"),
+        ("output_tokens", (c == p) & (o < 1), "must be >= 1 once the prompt is fully computed"),
+    ]
+    for name, bad, msg in checks:
+        for i in np.flatnonzero(bad)[:5]:
+            errs.append(FieldViolation(f"requests[{int(i)}].{name}", msg))

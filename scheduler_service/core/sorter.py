@@ -1,0 +1,71 @@
+"""Orders of the prefill queue (waiting + prefilling requests).
+
+All sorts are total and deterministic: remaining ties break by arrival, then
+by id, so the same snapshot always yields the same queue.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .snapshot import Snapshot
+
+__all__ = ["edf_order", "fcfs_order", "id_rank", "mlps_keys", "mlps_order", "prefill_indices"]
+
+
+def prefill_indices(snap: Snapshot) -> np.ndarray:
+    return np.flatnonzero(~snap.is_decoding)
+
+
+def id_rank(snap: Snapshot, idx: np.ndarray) -> np.ndarray:
+    ids = np.array([snap.ids[i] for i in idx]) if len(idx) else np.array([], dtype=str)
+    order = np.argsort(ids, kind="stable")
+    rank = np.empty(len(idx), dtype=np.int64)
+    rank[order] = np.arange(len(idx))
+    return rank
+
+
+def mlps_keys(
+    snap: Snapshot, idx: np.ndarray, throughput: float, alpha: float, eps: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(1 − g_i, 1 − e_i, r_i) of formulas (10)–(15) for requests ``idx``."""
+    r = snap.remaining_prefill[idx]
+    s = snap.slack[idx]
+    u = r / (throughput * np.maximum(s, eps))  # (13)
+    e = u > alpha  # (14)
+    return (~snap.protected[idx]).astype(np.int8), (~e).astype(np.int8), r
+
+
+def mlps_order(
+    snap: Snapshot,
+    idx: np.ndarray,
+    throughput: float,
+    alpha: float,
+    eps: float,
+    expired_last: bool = True,
+) -> np.ndarray:
+    """Formula (16): LexSort by (1 − g, 1 − e, r), ascending.
+
+    With ``expired_last`` requests whose TTFT deadline has passed go after all
+    live ones (same key among themselves): they can no longer meet their SLO,
+    so they get only budget that live requests leave.
+    """
+    if len(idx) == 0:
+        return idx
+    g, e, r = mlps_keys(snap, idx, throughput, alpha, eps)
+    expired = (snap.slack[idx] <= 0).astype(np.int8) if expired_last else np.zeros(len(idx), np.int8)
+    return idx[np.lexsort((id_rank(snap, idx), snap.arrival[idx], r, e, g, expired))]
+
+
+def edf_order(snap: Snapshot, idx: np.ndarray, expired_last: bool = False) -> np.ndarray:
+    """Earliest TTFT deadline a_i + L_i^ttft first (Sarathi-EDF)."""
+    if len(idx) == 0:
+        return idx
+    expired = (snap.slack[idx] <= 0).astype(np.int8) if expired_last else np.zeros(len(idx), np.int8)
+    return idx[np.lexsort((id_rank(snap, idx), snap.arrival[idx], snap.ttft_deadline[idx], expired))]
+
+
+def fcfs_order(snap: Snapshot, idx: np.ndarray) -> np.ndarray:
+    if len(idx) == 0:
+        return idx
+    return idx[np.lexsort((id_rank(snap, idx), snap.arrival[idx]))]
