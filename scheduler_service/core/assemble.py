@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -12,13 +12,14 @@ from .policy import Policy
 from .predictor import BatchLatencyPredictor, batch_features
 from .snapshot import Snapshot
 
-__all__ = ["assemble_plan", "position_in"]
+__all__ = ["assemble_plan", "in_queue_order"]
 
 
-def position_in(queue: np.ndarray) -> Callable[[int], int]:
-    """Sort key: a request's position in the queue."""
-    where = {int(i): k for k, i in enumerate(queue)}
-    return lambda i: where[int(i)]
+def in_queue_order(chosen: Iterable[int], queue: np.ndarray) -> list[int]:
+    """``chosen`` snapshot indices sorted by their position in ``queue``."""
+    c = np.fromiter(chosen, dtype=np.int64)
+    pos = np.flatnonzero(np.isin(queue, c))
+    return queue[pos].tolist()
 
 
 def assemble_plan(
@@ -32,7 +33,7 @@ def assemble_plan(
     breakdown_ns: dict[str, int],
 ) -> Plan:
     """Build the plan and predict the latency of exactly the batch it names."""
-    idx = [int(i) for i in decodes] + [i for i, _ in pre_alloc]
+    idx = decodes.tolist() + [i for i, _ in pre_alloc]
     tok = [1] * len(decodes) + [t for _, t in pre_alloc]
     if idx:
         c = np.array(tok, dtype=np.float64)
@@ -41,7 +42,8 @@ def assemble_plan(
         pred = float(predictor.predict_ms(x[None, :], np.array([s]))[0])
     else:
         pred = 0.0
-    allocs = tuple(Allocation(snap.ids[i], t) for i, t in zip(idx, tok, strict=True))
+    ids = snap.ids
+    allocs = tuple(map(Allocation, [ids[i] for i in idx], tok))
     return Plan(
         policy=policy.name,
         policy_version=policy.version,

@@ -35,7 +35,7 @@ from .plan import Plan
 from .predictor import BatchLatencyPredictor
 from .registry import PolicySpec, register
 from .snapshot import Snapshot
-from .sorter import id_rank, edf_order, fcfs_order, prefill_indices
+from .sorter import edf_order, fcfs_order, ordered, prefill_indices
 
 __all__ = ["QoServeParams", "SarathiParams", "VllmFcfsParams"]
 
@@ -162,7 +162,7 @@ class QoServePolicy:
         deadline = snap.ttft_deadline[pre]
         relegated = (snap.computed_tokens[pre] == 0) & (snap.now + r / rho > deadline)
         key = deadline + p.hybrid_coef_s * r
-        queue = pre[np.lexsort((id_rank(snap, pre), snap.arrival[pre], key, relegated))]
+        queue = ordered(snap, pre, relegated, key)
         t1 = time.perf_counter_ns()
         cq = CandidateQueue.build(
             snap, predictor, decodes, queue, n_all_decodes=len(dec_all),

@@ -24,32 +24,25 @@ import numpy as np
 
 from .predictor import BatchLatencyPredictor, scenario_codes
 from .snapshot import Snapshot
-from .sorter import id_rank
+from .sorter import ordered
 
 __all__ = ["CandidateQueue", "select_decodes"]
 
 
-def select_decodes(snap: Snapshot, dec_idx: np.ndarray, order: np.ndarray | None = None) -> np.ndarray:
+def select_decodes(snap: Snapshot, dec_idx: np.ndarray) -> np.ndarray:
     """Decodes that fit the limits, most urgent first when not all fit.
 
-    ``order`` is the priority among ``dec_idx`` (default: live decodes by
-    ascending TBT slack, then expired ones, ties by arrival and id).  Each
-    decode takes one token of ``max_batch_tokens``, one sequence slot and one
-    KV slot.
+    Priority: live decodes by ascending TBT slack, then expired ones (ties
+    by arrival and id).  Each decode takes one token of ``max_batch_tokens``,
+    one sequence slot and one KV slot.
     """
     cap = min(snap.max_batch_tokens, snap.max_num_seqs)
     if snap.free_kv_tokens is not None:
         cap = min(cap, snap.free_kv_tokens)
     if len(dec_idx) <= cap:
         return dec_idx
-    if order is None:
-        order = urgent_decode_order(snap, dec_idx)
-    return np.sort(dec_idx[order[:cap]])
-
-
-def urgent_decode_order(snap: Snapshot, dec_idx: np.ndarray) -> np.ndarray:
     s = snap.slack[dec_idx]
-    return np.lexsort((id_rank(snap, dec_idx), snap.arrival[dec_idx], s, s <= 0))
+    return np.sort(ordered(snap, dec_idx, s <= 0, s)[:cap])
 
 
 def kv_prefill_cap(snap: Snapshot, n_sched_dec: int, n_all_dec: int, reserve: int) -> int:
@@ -89,6 +82,7 @@ class CandidateQueue:
     _p5: np.ndarray
     _p6: np.ndarray
     _sparse: list[np.ndarray]
+    _pmax: np.ndarray
 
     @classmethod
     def build(
@@ -150,6 +144,7 @@ class CandidateQueue:
             _p5=pref(np.where(one, uf, 0.0)),
             _p6=pref(rbig),
             _sparse=sparse,
+            _pmax=np.concatenate([[0.0], np.maximum.accumulate(rbig)]) if len(rbig) else np.zeros(1),
         )
 
     @property
@@ -236,8 +231,36 @@ class CandidateQueue:
         feats[:, 4] += dec_u
         return feats, scenario_codes(feats[:, 3], feats[:, 5])
 
+    def prefix_features(self, P: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Features of "decodes + stream prefix [0, P)": the greedy fill of P
+        tokens.  Same result as ``segment_features(0, P)`` with half the work,
+        because the partial request can only be the last one."""
+        P = np.asarray(P, dtype=np.int64)
+        feats = np.zeros((len(P), 7))
+        nq = len(self.r)
+        if nq:
+            j = np.minimum(np.searchsorted(self.R, P, side="right") - 1, nq)
+            jc = np.minimum(j, nq - 1)
+            c = np.where(j < nq, P - self.R[jc], 0).astype(np.float64)
+            u = self.u0[jc].astype(np.float64)
+            big, one, some = c > 1, c == 1, c > 0
+            feats[:, 0] = self._p1[j] + np.where(big, c * (u + c), 0.0)
+            feats[:, 1] = self._p2[j] + np.where(big, c * c, 0.0)
+            feats[:, 2] = self._p3[j] + np.where(some, u, 0.0)
+            feats[:, 3] = self._p4[j] + one
+            feats[:, 4] = self._p5[j] + np.where(one, u, 0.0)
+            feats[:, 5] = self._p6[j] + np.where(big, c, 0.0)
+            feats[:, 6] = np.maximum(self._pmax[j], np.where(big, c, 0.0))
+        feats[:, 2] += self.dec_u
+        feats[:, 3] += self.n_dec
+        feats[:, 4] += self.dec_u
+        return feats, scenario_codes(feats[:, 3], feats[:, 5])
+
     def segment_time_ms(self, X: np.ndarray, Y: np.ndarray, step: int = 0) -> np.ndarray:
-        f, s = self.segment_features(X, Y, step)
+        if step == 0 and not np.any(X):
+            f, s = self.prefix_features(Y)
+        else:
+            f, s = self.segment_features(X, Y, step)
         t = self.predictor.predict_ms(f, s)
         if self.n_dec == 0:
             t = np.where(np.asarray(Y) > np.asarray(X), t, 0.0)
@@ -287,6 +310,9 @@ class BudgetCurve:
     def prefill_tokens_within(self, t_ms: float) -> int:
         """Largest prefill token count P with T̂(decodes + P) ≤ t_ms; −1 if none."""
         return int(np.searchsorted(self.suffix_min, t_ms, side="right")) - 1
+
+    def prefill_tokens_within_many(self, t_ms: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.suffix_min, t_ms, side="right").astype(np.int64) - 1
 
     def time_to_budget(self, t_ms: float) -> int:
         """TimeToBudget(T): the largest total budget (decodes included), or

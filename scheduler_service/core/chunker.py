@@ -31,7 +31,7 @@ from .snapshot import Snapshot
 __all__ = ["MAX_BOUNDARIES", "grid_positions", "sliding_chunk", "window_limits_ms"]
 
 #: Request boundaries added to the grid (the first ones of the stream).
-MAX_BOUNDARIES = 64
+MAX_BOUNDARIES = 16
 
 
 def window_limits_ms(snap: Snapshot, decodes: np.ndarray, k: int) -> np.ndarray | None:
@@ -47,10 +47,17 @@ def window_limits_ms(snap: Snapshot, decodes: np.ndarray, k: int) -> np.ndarray 
     return (s[None, :] + steps * tbt[None, :]).min(axis=1) * 1e3
 
 
-def grid_positions(cq: CandidateQueue, k: int, granularity: int) -> np.ndarray:
-    """Stream positions the search may stop at (sorted, unique, from 0)."""
+def grid_positions(cq: CandidateQueue, k: int, granularity: int, max_points: int = 1 << 30) -> np.ndarray:
+    """Stream positions the search may stop at (sorted, unique, from 0).
+
+    The step is ``granularity``, widened to a multiple of it when the window
+    would otherwise hold more than ``max_points`` positions per iteration.
+    """
     xmax = min(cq.supply, cq.first_cap + (k - 1) * cq.iter_cap)
+    per_iter = max(cq.first_cap, min(cq.iter_cap, xmax))
     g = max(1, granularity)
+    if per_iter > g * max_points:
+        g *= -(-per_iter // (g * max_points))
     pts = [np.arange(0, xmax + 1, g, dtype=np.int64), cq.R[: MAX_BOUNDARIES + 1], [cq.first_cap, xmax]]
     grid = np.unique(np.concatenate([np.asarray(p, dtype=np.int64) for p in pts]))
     return grid[grid <= xmax]
@@ -70,14 +77,14 @@ def _drain(cq: CandidateQueue, W: np.ndarray) -> bool:
     return True
 
 
-def sliding_chunk(cq: CandidateQueue, W: np.ndarray, granularity: int = 16) -> int:
+def sliding_chunk(cq: CandidateQueue, W: np.ndarray, granularity: int = 16, max_points: int = 1 << 30) -> int:
     """Prefill tokens for this iteration (b_1 − |D|); 0 when nothing fits."""
     k = len(W)
     if cq.supply == 0 or cq.first_cap == 0:
         return 0
     if _drain(cq, W):
         return cq.supply
-    grid = grid_positions(cq, k, granularity)
+    grid = grid_positions(cq, k, granularity, max_points)
     inf = np.inf
     first = grid <= cq.first_cap
     best = np.full(len(grid), inf)

@@ -32,7 +32,7 @@ import numpy as np
 
 from .batch import BudgetCurve
 from .snapshot import Snapshot
-from .sorter import id_rank
+from .sorter import ordered
 
 __all__ = ["ConstructorResult", "construct_batch"]
 
@@ -46,7 +46,7 @@ class ConstructorResult:
 
 
 def _order_by_slack_desc(snap: Snapshot, idx: np.ndarray) -> np.ndarray:
-    return idx[np.lexsort((id_rank(snap, idx), snap.arrival[idx], -snap.slack[idx]))]
+    return ordered(snap, idx, -snap.slack[idx])
 
 
 def construct_batch(
@@ -72,22 +72,29 @@ def construct_batch(
         return None
     r_all = snap.remaining_prefill[live].astype(np.float64)
     v_all = 1.0 / (s_all / s_all.sum() + r_all / r_all.sum())  # (18)
-    value = dict(zip(live.tolist(), v_all.tolist(), strict=True))
-    # Anchors and their capacities (17).
-    cap_of: dict[int, int] = {}
-    for a in risky.tolist():
-        c_a = min(curve.time_to_budget(float(snap.slack[a]) * 1e3) - n_dec, token_cap)
-        r_a = int(snap.remaining_prefill[a])
-        if r_a <= c_a:
-            cap_of[a] = c_a - r_a
-    if not cap_of:
+    # Anchors and their capacities (17), all at once.
+    c_a = np.minimum(curve.prefill_tokens_within_many(snap.slack[risky] * 1e3), token_cap)
+    r_a = snap.remaining_prefill[risky]
+    ok = r_a <= c_a
+    if not ok.any():
         return None
+    cap_of = dict(zip(risky[ok].tolist(), (c_a - r_a)[ok].tolist(), strict=True))
     cmax = max(cap_of.values())
     # Candidate pool: top values plus anchors, then the slack-descending order.
-    keep = set(live[np.argsort(-v_all, kind="stable")[:max_candidates]].tolist()) | set(cap_of)
-    pool = _order_by_slack_desc(snap, np.array(sorted(keep), dtype=np.int64))
+    if len(live) > max_candidates:
+        top = np.argpartition(-v_all, max_candidates - 1)[:max_candidates]
+        keep = np.zeros(len(live), dtype=bool)
+        keep[top] = True
+        keep |= np.isin(live, risky[ok])
+        pool_pos = np.flatnonzero(keep)
+    else:
+        pool_pos = np.arange(len(live))
+    value_of = np.zeros(len(snap))
+    value_of[live] = v_all
+    pool = _order_by_slack_desc(snap, live[pool_pos])
     w = snap.remaining_prefill[pool].astype(np.int64)
-    v = np.array([value[i] for i in pool.tolist()])
+    v = value_of[pool]
+    value = dict(zip(pool.tolist(), v.tolist(), strict=True))
     dp = np.zeros(cmax + 1)
     cnt = np.zeros(cmax + 1, dtype=np.int64)
     wsum = np.zeros(cmax + 1, dtype=np.int64)

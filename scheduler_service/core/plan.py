@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = ["PATHS", "Allocation", "Plan"]
 
@@ -13,8 +13,9 @@ __all__ = ["PATHS", "Allocation", "Plan"]
 PATHS = ("sliding_chunker", "batch_constructor", "decode_only", "idle")
 
 
-@dataclass(frozen=True, slots=True)
-class Allocation:
+class Allocation(NamedTuple):
+    """(request id, tokens this iteration); a tuple because plans carry hundreds."""
+
     id: str
     tokens: int
 

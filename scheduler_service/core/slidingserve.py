@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .assemble import assemble_plan, position_in
+from .assemble import assemble_plan, in_queue_order
 from .batch import BudgetCurve, CandidateQueue, select_decodes
 from .chunker import sliding_chunk, window_limits_ms
 from .constructor import construct_batch
@@ -42,6 +42,9 @@ class SlidingServeParams:
     alpha: float = param(1.0, lo=0.0, hi=1e6, doc="MLPS urgency threshold α of formula (14)")
     epsilon_s: float = param(1e-3, lo=1e-9, hi=10.0, doc="MLPS slack floor ε in seconds (13)")
     granularity: int = param(16, lo=1, hi=4096, doc="token grid of the window search")
+    max_grid: int = param(
+        48, lo=2, hi=100_000, doc="most grid positions per iteration; the step widens beyond"
+    )
     max_candidates: int = param(64, lo=1, hi=100_000, doc="BatchConstructor candidate pool size")
     kv_decode_reserve: int = param(
         1, lo=0, hi=1024, doc="KV tokens kept free per running decode for its next tokens"
@@ -93,7 +96,7 @@ class SlidingServePolicy:
             t3 = time.perf_counter_ns()
 
         if chosen is not None:
-            pre_alloc = [(i, int(snap.remaining_prefill[i])) for i in sorted(chosen.chosen, key=position_in(queue))]
+            pre_alloc = [(i, int(snap.remaining_prefill[i])) for i in in_queue_order(chosen.chosen, queue)]
             path = "batch_constructor"
             t4 = t3
         else:
@@ -102,7 +105,7 @@ class SlidingServePolicy:
             elif p.window == 1:
                 p1 = min(max(curve.prefill_tokens_within(W[0]), 0), cq.first_cap)
             else:
-                p1 = sliding_chunk(cq, W, p.granularity)
+                p1 = sliding_chunk(cq, W, p.granularity, p.max_grid)
             pre_alloc = cq.fill(p1)
             path = "sliding_chunker" if pre_alloc else ("decode_only" if n_dec else "idle")
             t4 = time.perf_counter_ns()

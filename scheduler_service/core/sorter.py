@@ -10,7 +10,7 @@ import numpy as np
 
 from .snapshot import Snapshot
 
-__all__ = ["edf_order", "fcfs_order", "id_rank", "mlps_keys", "mlps_order", "prefill_indices"]
+__all__ = ["edf_order", "fcfs_order", "id_rank", "mlps_keys", "ordered", "mlps_order", "prefill_indices"]
 
 
 def prefill_indices(snap: Snapshot) -> np.ndarray:
@@ -23,6 +23,24 @@ def id_rank(snap: Snapshot, idx: np.ndarray) -> np.ndarray:
     rank = np.empty(len(idx), dtype=np.int64)
     rank[order] = np.arange(len(idx))
     return rank
+
+
+def ordered(snap: Snapshot, idx: np.ndarray, *keys: np.ndarray) -> np.ndarray:
+    """``idx`` sorted by ``keys`` (most significant first), then arrival, then id.
+
+    Ids only break exact ties, which are rare; building the id ranks costs
+    more than the sort itself, so it happens only when a tie exists.
+    """
+    cols = (snap.arrival[idx], *reversed(keys))
+    perm = np.lexsort(cols)
+    if len(perm) > 1:
+        tie = np.ones(len(perm) - 1, dtype=bool)
+        for col in cols:
+            sc = col[perm]
+            tie &= sc[1:] == sc[:-1]
+        if tie.any():
+            perm = np.lexsort((id_rank(snap, idx), *cols))
+    return idx[perm]
 
 
 def mlps_keys(
@@ -54,7 +72,7 @@ def mlps_order(
         return idx
     g, e, r = mlps_keys(snap, idx, throughput, alpha, eps)
     expired = (snap.slack[idx] <= 0).astype(np.int8) if expired_last else np.zeros(len(idx), np.int8)
-    return idx[np.lexsort((id_rank(snap, idx), snap.arrival[idx], r, e, g, expired))]
+    return ordered(snap, idx, expired, g, e, r)
 
 
 def edf_order(snap: Snapshot, idx: np.ndarray, expired_last: bool = False) -> np.ndarray:
@@ -62,10 +80,10 @@ def edf_order(snap: Snapshot, idx: np.ndarray, expired_last: bool = False) -> np
     if len(idx) == 0:
         return idx
     expired = (snap.slack[idx] <= 0).astype(np.int8) if expired_last else np.zeros(len(idx), np.int8)
-    return idx[np.lexsort((id_rank(snap, idx), snap.arrival[idx], snap.ttft_deadline[idx], expired))]
+    return ordered(snap, idx, expired, snap.ttft_deadline[idx])
 
 
 def fcfs_order(snap: Snapshot, idx: np.ndarray) -> np.ndarray:
     if len(idx) == 0:
         return idx
-    return idx[np.lexsort((id_rank(snap, idx), snap.arrival[idx]))]
+    return ordered(snap, idx)
