@@ -256,6 +256,61 @@ class CandidateQueue:
         feats[:, 4] += self.dec_u
         return feats, scenario_codes(feats[:, 3], feats[:, 5])
 
+    def pair_times_ms(self, X: np.ndarray, Y: np.ndarray, step: int) -> np.ndarray:
+        """Predicted times of segments [X_a, Y_b) for every pair, as an
+        (len(X), len(Y)) matrix (inf where Y_b < X_a).  Same values as
+        :meth:`segment_time_ms`, computed by broadcasting a per-X head and a
+        per-Y tail instead of gathering pair by pair (the window search's
+        inner loop)."""
+        X = np.asarray(X, dtype=np.int64)
+        Y = np.asarray(Y, dtype=np.int64)
+        nq = len(self.r)
+        R, u0 = self.R, self.u0
+        shape = (len(X), len(Y))
+        f = np.zeros((7, *shape))
+        if nq:
+            jh = np.clip(np.searchsorted(R, X, side="right") - 1, 0, nq - 1)
+            jt = np.clip(np.searchsorted(R, Y - 1, side="right") - 1, 0, nq - 1)
+            Xc, Yr = X[:, None], Y[None, :]
+            nonempty = Yr > Xc
+            multi = nonempty & (jt[None, :] > jh[:, None])
+            ch = np.where(nonempty, np.minimum(Yr, R[jh + 1][:, None]) - Xc, 0).astype(np.float64)
+            uh = (u0[jh] + (X - R[jh])).astype(np.float64)[:, None]
+            ct = np.where(multi, (Y - R[jt])[None, :], 0).astype(np.float64)
+            ut = u0[jt].astype(np.float64)[None, :]
+            a = (jh + 1)[:, None]
+            b = jt[None, :]
+
+            def mid(p: np.ndarray) -> np.ndarray:
+                return np.where(multi, p[b] - p[a], 0.0)
+
+            hb, tb, h1, t1 = ch > 1, ct > 1, ch == 1, ct == 1
+            chb = np.where(hb, ch, 0.0)
+            ctb = np.where(tb, ct, 0.0)
+            f[0] = mid(self._p1) + chb * (uh + ch) + ctb * (ut + ct)
+            f[1] = mid(self._p2) + chb * ch + ctb * ct
+            f[2] = mid(self._p3) + np.where(ch > 0, uh, 0.0) + np.where(ct > 0, ut, 0.0)
+            f[3] = mid(self._p4) + h1 + t1
+            f[4] = mid(self._p5) + np.where(h1, uh, 0.0) + np.where(t1, ut, 0.0)
+            f[5] = mid(self._p6) + chb + ctb
+            # max over the full requests jh+1 .. jt-1: a running max per row.
+            span = int(jt.max()) + 1
+            cols = np.arange(span)
+            rb = self._sparse[0][:span]
+            run = np.maximum.accumulate(np.where(cols[None, :] > jh[:, None], rb[None, :], 0.0), axis=1)
+            inner = run[:, np.maximum(jt - 1, 0)]
+            f[6] = np.maximum(np.where(multi, inner, 0.0), np.maximum(chb, ctb))
+        dec_u = self.dec_u + step * self.n_dec
+        f[2] += dec_u
+        f[3] += self.n_dec
+        f[4] += dec_u
+        scen = scenario_codes(f[3], f[5])
+        w = self.predictor._coef[scen.astype(np.intp)]
+        t = w[..., 0] + np.einsum("k...,...k->...", f, w[..., 1:])
+        if self.n_dec == 0:
+            t = np.where(Y[None, :] > X[:, None], t, 0.0)
+        return np.where(Y[None, :] >= X[:, None], t, np.inf)
+
     def segment_time_ms(self, X: np.ndarray, Y: np.ndarray, step: int = 0) -> np.ndarray:
         if step == 0 and not np.any(X):
             f, s = self.prefix_features(Y)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .batch import CandidateQueue
+from .batch import BudgetCurve, CandidateQueue
 from .snapshot import Snapshot
 
 __all__ = ["MAX_BOUNDARIES", "grid_positions", "sliding_chunk", "window_limits_ms"]
@@ -47,14 +47,17 @@ def window_limits_ms(snap: Snapshot, decodes: np.ndarray, k: int) -> np.ndarray 
     return (s[None, :] + steps * tbt[None, :]).min(axis=1) * 1e3
 
 
-def grid_positions(cq: CandidateQueue, k: int, granularity: int, max_points: int = 1 << 30) -> np.ndarray:
+def grid_positions(
+    cq: CandidateQueue, k: int, granularity: int, max_points: int = 1 << 30, first_tokens: int | None = None
+) -> np.ndarray:
     """Stream positions the search may stop at (sorted, unique, from 0).
 
-    The step is ``granularity``, widened to a multiple of it when the window
-    would otherwise hold more than ``max_points`` positions per iteration.
+    The step is ``granularity``, widened to a multiple of it when the first
+    iteration's feasible range (``first_tokens``, default its cap) would hold
+    more than ``max_points`` positions.
     """
     xmax = min(cq.supply, cq.first_cap + (k - 1) * cq.iter_cap)
-    per_iter = max(cq.first_cap, min(cq.iter_cap, xmax))
+    per_iter = cq.first_cap if first_tokens is None else max(1, min(first_tokens, cq.first_cap))
     g = max(1, granularity)
     if per_iter > g * max_points:
         g *= -(-per_iter // (g * max_points))
@@ -77,14 +80,29 @@ def _drain(cq: CandidateQueue, W: np.ndarray) -> bool:
     return True
 
 
-def sliding_chunk(cq: CandidateQueue, W: np.ndarray, granularity: int = 16, max_points: int = 1 << 30) -> int:
-    """Prefill tokens for this iteration (b_1 − |D|); 0 when nothing fits."""
+def sliding_chunk(
+    cq: CandidateQueue,
+    W: np.ndarray,
+    granularity: int = 16,
+    max_points: int = 1 << 30,
+    curve: BudgetCurve | None = None,
+) -> int:
+    """Prefill tokens for this iteration (b_1 − |D|); 0 when nothing fits.
+
+    ``curve`` (the fill curve of ``cq``, if the caller has it) saves
+    recomputing how far the first iteration can go within W_1.
+    """
     k = len(W)
     if cq.supply == 0 or cq.first_cap == 0:
         return 0
     if _drain(cq, W):
         return cq.supply
-    grid = grid_positions(cq, k, granularity, max_points)
+    if curve is None:
+        curve = BudgetCurve(cq.fill_curve_ms(cq.first_cap), cq.n_dec)
+    reach = min(curve.prefill_tokens_within(float(W[0])), cq.first_cap)
+    if reach < 0:
+        return 0
+    grid = grid_positions(cq, k, granularity, max_points, first_tokens=reach)
     inf = np.inf
     first = grid <= cq.first_cap
     best = np.full(len(grid), inf)
@@ -95,14 +113,8 @@ def sliding_chunk(cq: CandidateQueue, W: np.ndarray, granularity: int = 16, max_
     parents: list[np.ndarray] = []
     for m in range(1, k):
         src = np.flatnonzero(np.isfinite(best))
-        X = grid[src][:, None]
-        Y = grid[None, :]
-        ok = (Y >= X) & (Y - X <= cq.iter_cap)
-        xi, yi = np.nonzero(ok)
-        tot = np.full((len(src), len(grid)), inf)
-        if len(xi):
-            t = cq.segment_time_ms(grid[src][xi], grid[yi], m)
-            tot[xi, yi] = best[src][xi] + t
+        tot = best[src][:, None] + cq.pair_times_ms(grid[src], grid, m)
+        tot[grid[None, :] - grid[src][:, None] > cq.iter_cap] = inf
         tot[tot > W[m]] = inf
         # argmin over sources, ties to the larger X (later rows): flip rows.
         flipped = tot[::-1]

@@ -43,7 +43,7 @@ class SlidingServeParams:
     epsilon_s: float = param(1e-3, lo=1e-9, hi=10.0, doc="MLPS slack floor ε in seconds (13)")
     granularity: int = param(16, lo=1, hi=4096, doc="token grid of the window search")
     max_grid: int = param(
-        48, lo=2, hi=100_000, doc="most grid positions per iteration; the step widens beyond"
+        32, lo=2, hi=100_000, doc="most grid positions per iteration; the step widens beyond"
     )
     max_candidates: int = param(64, lo=1, hi=100_000, doc="BatchConstructor candidate pool size")
     kv_decode_reserve: int = param(
@@ -105,7 +105,7 @@ class SlidingServePolicy:
             elif p.window == 1:
                 p1 = min(max(curve.prefill_tokens_within(W[0]), 0), cq.first_cap)
             else:
-                p1 = sliding_chunk(cq, W, p.granularity, p.max_grid)
+                p1 = sliding_chunk(cq, W, p.granularity, p.max_grid, curve)
             pre_alloc = cq.fill(p1)
             path = "sliding_chunker" if pre_alloc else ("decode_only" if n_dec else "idle")
             t4 = time.perf_counter_ns()

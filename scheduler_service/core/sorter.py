@@ -10,7 +10,7 @@ import numpy as np
 
 from .snapshot import Snapshot
 
-__all__ = ["edf_order", "fcfs_order", "id_rank", "mlps_keys", "ordered", "mlps_order", "prefill_indices"]
+__all__ = ["edf_order", "fcfs_order", "id_rank", "mlps_keys", "mlps_order", "ordered", "prefill_indices"]
 
 
 def prefill_indices(snap: Snapshot) -> np.ndarray:
