@@ -1,0 +1,266 @@
+"""``slidingserve`` — the command line.
+
+Subcommands (their names, flags and output formats are the public interface):
+
+* ``serve``     run the gRPC scheduling service
+* ``plan``      decide one iteration for a snapshot JSON file, offline or via a server
+* ``policies``  list policies, versions and parameters
+* ``predictor`` ``fit`` a predictor from a CSV of batch features and latencies;
+  ``show`` one (a file, the built-in default, or a server's)
+
+Bad input gives one line on stderr and exit code 2; nothing prints a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+__all__ = ["main"]
+
+EXIT_USAGE = 2
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise CliError(f"{self.prog}: {message}")
+
+
+def _read_json(path: str, what: str) -> Any:
+    try:
+        text = Path(path).read_text() if path != "-" else sys.stdin.read()
+    except OSError as e:
+        raise CliError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CliError(f"{what} {path} is not valid JSON: {e}") from None
+
+
+def _params(items: Sequence[str] | None) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise CliError(f"--param expects KEY=VALUE, got {item!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _load_predictor(path: str | None):  # type: ignore[no-untyped-def]
+    from scheduler_service.core import BatchLatencyPredictor, default_predictor
+
+    if path is None:
+        return default_predictor()
+    return BatchLatencyPredictor.from_dict(_read_json(path, "predictor"))
+
+
+# ------------------------------------------------------------------ commands
+def cmd_plan(args: argparse.Namespace) -> int:
+    from scheduler_service.core import Snapshot, registry
+
+    snapshot = Snapshot.from_json(_read_json(args.snapshot, "snapshot"))
+    params = _params(args.param)
+    if args.server:
+        if args.predictor:
+            raise CliError("--predictor applies offline only; a server uses its own predictor")
+        from clients.client import SchedulerClient
+
+        with SchedulerClient(args.server, timeout_s=args.timeout) as client:
+            plan = client.schedule(snapshot, policy=args.policy, params=params)
+    else:
+        policy = registry.create(args.policy or "slidingserve", params)
+        plan = policy.plan(snapshot, _load_predictor(args.predictor))
+    print(plan.to_json(indent=2))
+    return 0
+
+
+def cmd_policies(args: argparse.Namespace) -> int:
+    from scheduler_service.core import registry
+
+    if args.server:
+        from clients.client import SchedulerClient
+
+        with SchedulerClient(args.server, timeout_s=args.timeout) as client:
+            info = client.list_policies()
+    else:
+        info = {"policies": [registry.describe(n) for n in registry.names()], "default": "slidingserve"}
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+        return 0
+    for p in info["policies"]:
+        mark = " (default)" if p["name"] == info.get("default") else ""
+        print(f"{p['name']}  {p['version']}{mark}\n    {p['doc']}")
+        for prm in p["params"]:
+            bounds = ""
+            if prm.get("choices"):
+                bounds = f" one of {prm['choices']}"
+            elif prm.get("min") is not None or prm.get("max") is not None:
+                bounds = f" in [{prm.get('min')}, {prm.get('max')}]"
+            print(f"    --param {prm['name']}={prm['default']}  ({prm['type']}{bounds}) {prm['doc']}")
+    return 0
+
+
+def cmd_predictor_fit(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from scheduler_service.core import evaluate, fit_predictor
+    from scheduler_service.core.predictor import scenario_codes
+
+    features, latency = _read_samples_csv(args.csv)
+    scen = scenario_codes(features[:, 3], features[:, 5])
+    rng = np.random.default_rng(args.seed)
+    perm = rng.permutation(len(latency))
+    n_test = int(len(perm) * args.holdout)
+    test, train = perm[:n_test], perm[n_test:]
+    pred = fit_predictor(
+        features[train], scen[train], latency[train], min_samples=args.min_samples,
+        meta={"source": f"slidingserve predictor fit {Path(args.csv).name}"},
+    )
+    if n_test >= 2:
+        for name, m in evaluate(pred, features[test], scen[test], latency[test]).items():
+            print(
+                f"held-out {name:7s} n={m['n']:6d}  MAE {m['mae_ms']:.3f} ms  "
+                f"RMSE {m['rmse_ms']:.3f} ms  R² {m['r2']:.4f}",
+                file=sys.stderr,
+            )
+    text = pred.to_json()
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+        print(f"wrote predictor {pred.version} to {args.out}", file=sys.stderr)
+    else:
+        print(text)
+    return 0
+
+
+def _read_samples_csv(path: str):  # type: ignore[no-untyped-def]
+    """Columns x1..x7 and latency_ms (any order, extra columns ignored)."""
+    import csv
+
+    import numpy as np
+
+    need = [f"x{i}" for i in range(1, 8)] + ["latency_ms"]
+    try:
+        with open(path, newline="") as fh:
+            reader = csv.DictReader(fh)
+            missing = [c for c in need if c not in (reader.fieldnames or [])]
+            if missing:
+                raise CliError(f"{path}: missing columns {', '.join(missing)} (need {', '.join(need)})")
+            rows = []
+            for lineno, row in enumerate(reader, start=2):
+                try:
+                    rows.append([float(row[c]) for c in need])
+                except (TypeError, ValueError):
+                    raise CliError(f"{path}:{lineno}: non-numeric value") from None
+    except OSError as e:
+        raise CliError(f"cannot read {path}: {e.strerror or e}") from None
+    data = np.array(rows, dtype=np.float64).reshape(-1, len(need))
+    if len(data) < 10:
+        raise CliError(f"{path}: need at least 10 samples, got {len(data)}")
+    if not np.all(np.isfinite(data)) or np.any(data[:, -1] <= 0):
+        raise CliError(f"{path}: values must be finite and latency_ms > 0")
+    return data[:, :7], data[:, 7]
+
+
+def cmd_predictor_show(args: argparse.Namespace) -> int:
+    if args.server:
+        from clients.client import SchedulerClient
+
+        with SchedulerClient(args.server, timeout_s=args.timeout) as client:
+            info = client.get_predictor(args.profile or "")
+        print(json.dumps(info, indent=2, default=str))
+        return 0
+    print(_load_predictor(args.file).to_json())
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from scheduler_service.server.config import ServerConfig
+    from scheduler_service.server.app import serve
+
+    config = ServerConfig.from_file(args.config) if args.config else ServerConfig()
+    overrides = {k: v for k, v in (("port", args.port), ("host", args.host),
+                                    ("metrics_port", args.metrics_port)) if v is not None}
+    if overrides:
+        config = config.replace(**overrides)
+    serve(config)
+    return 0
+
+
+# -------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="slidingserve", description="SLO-aware batch scheduling service for LLM engines.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    s = sub.add_parser("serve", help="run the gRPC scheduling service")
+    s.add_argument("--port", type=int, help="gRPC port (default from config: 50051)")
+    s.add_argument("--host", help="bind address (default from config: [::])")
+    s.add_argument("--metrics-port", type=int, help="Prometheus port, 0 disables")
+    s.add_argument("--config", help="YAML/TOML/JSON server config file")
+    s.set_defaults(func=cmd_serve)
+
+    s = sub.add_parser("plan", help="decide one iteration for a snapshot JSON file")
+    s.add_argument("--snapshot", required=True, help="snapshot JSON (ARCHITECTURE §3), '-' for stdin")
+    s.add_argument("--policy", help="policy name (default slidingserve; see `slidingserve policies`)")
+    s.add_argument("--predictor", help="predictor JSON (default: the built-in one)")
+    s.add_argument("--param", action="append", metavar="KEY=VALUE", help="policy parameter override")
+    s.add_argument("--server", metavar="HOST:PORT", help="ask a running service instead of deciding locally")
+    s.add_argument("--timeout", type=float, default=5.0, help="per-call deadline in seconds (with --server)")
+    s.set_defaults(func=cmd_plan)
+
+    s = sub.add_parser("policies", help="list policies and their parameters")
+    s.add_argument("--server", metavar="HOST:PORT")
+    s.add_argument("--timeout", type=float, default=5.0)
+    s.add_argument("--json", action="store_true", help="print JSON")
+    s.set_defaults(func=cmd_policies)
+
+    s = sub.add_parser("predictor", help="fit or show batch-latency predictors")
+    psub = s.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    f = psub.add_parser("fit", help="fit from a CSV with columns x1..x7,latency_ms")
+    f.add_argument("--csv", required=True)
+    f.add_argument("--out", help="write the predictor JSON here (default: stdout)")
+    f.add_argument("--min-samples", type=int, default=30, help="samples a scenario needs for its own model")
+    f.add_argument("--holdout", type=float, default=0.2, help="fraction held out for the printed errors")
+    f.add_argument("--seed", type=int, default=0)
+    f.set_defaults(func=cmd_predictor_fit)
+    sh = psub.add_parser("show", help="print a predictor")
+    sh.add_argument("--file", help="predictor JSON (default: the built-in one)")
+    sh.add_argument("--server", metavar="HOST:PORT")
+    sh.add_argument("--profile", help="engine profile key (with --server)")
+    sh.add_argument("--timeout", type=float, default=5.0)
+    sh.set_defaults(func=cmd_predictor_show)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from scheduler_service.core import ValidationError
+
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        return int(args.func(args) or 0)
+    except CliError as e:
+        print(f"error: {e}", file=sys.stderr)
+    except ValidationError as e:
+        print(f"error: invalid input: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # remote errors and anything else: one line, no traceback
+        name = type(e).__name__
+        if name in ("SchedulerError", "ConfigError"):
+            print(f"error: {e}", file=sys.stderr)
+        else:
+            print(f"error: {name}: {e}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())
