@@ -1,0 +1,308 @@
+"""Batch-latency predictor: features (4)–(6), scenarios, fit, JSON, versions."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler_service.core import (
+    BatchLatencyPredictor,
+    LinearModel,
+    ValidationError,
+    batch_features,
+    default_predictor,
+    evaluate,
+    fit_predictor,
+)
+from scheduler_service.core.predictor import DECODE, MIXED, PREFILL, SCENARIOS, scenario_codes
+from tests.factories import brute_batch_features, linear_model, make_predictor, random_predictor
+from tests.strategies import predictors
+
+
+def feats(cu: list[tuple[int, int]]) -> tuple[list[float], int]:
+    c = np.array([a for a, _ in cu])
+    u = np.array([b for _, b in cu])
+    x, s = batch_features(c, u)
+    return x.tolist(), s
+
+
+# ------------------------------------------------------------ features
+def test_features_mixed_hand_computed() -> None:
+    # P = {(100, 50), (20, 0)}, D = {(1, 200), (1, 30)}
+    x, s = feats([(100, 50), (1, 200), (1, 30), (20, 0)])
+    assert x == [100 * 150 + 20 * 20, 100**2 + 20**2, 280, 2, 230, 120, 100]
+    assert s == MIXED
+
+
+def test_features_decode_only() -> None:
+    x, s = feats([(1, 10), (1, 20)])
+    assert x == [0, 0, 30, 2, 30, 0, 0]
+    assert s == DECODE
+
+
+def test_features_prefill_only() -> None:
+    x, s = feats([(5, 0), (3, 7)])
+    assert x == [5 * 5 + 3 * 10, 25 + 9, 7, 0, 0, 8, 5]
+    assert s == PREFILL
+
+
+def test_one_token_chunk_counts_as_a_decode() -> None:
+    # c == 1 is in D even for a request that is still prefilling.
+    x, s = feats([(1, 7)])
+    assert x == [0, 0, 7, 1, 7, 0, 0]
+    assert s == DECODE
+    x, s = feats([(1, 7), (2, 3)])
+    assert x == [2 * 5, 4, 10, 1, 7, 2, 2]
+    assert s == MIXED
+
+
+def test_c_equal_two_is_a_prefill() -> None:
+    x, s = feats([(2, 0)])
+    assert x == [4, 4, 0, 0, 0, 2, 2] and s == PREFILL
+
+
+@pytest.mark.parametrize(
+    ("n_dec", "pre_tok", "code"),
+    [(0, 0, DECODE), (3, 0, DECODE), (0, 5, PREFILL), (2, 5, MIXED), (1, 2, MIXED)],
+)
+def test_scenario_codes(n_dec: int, pre_tok: int, code: int) -> None:
+    assert scenario_codes(np.array([n_dec]), np.array([pre_tok])).tolist() == [code]
+    assert SCENARIOS[code] == ("decode", "prefill", "mixed")[code]
+
+
+def test_predict_batch_uses_the_scenario_model() -> None:
+    p = make_predictor(linear_model(100.0), decode=linear_model(1.0, x4=2.0),
+                       prefill=linear_model(3.0, x6=0.5), mixed=linear_model(7.0, x4=1.0, x6=1.0))
+    assert p.predict_batch_ms(np.array([1, 1]), np.array([5, 5])) == pytest.approx(1.0 + 4.0)
+    assert p.predict_batch_ms(np.array([10]), np.array([0])) == pytest.approx(3.0 + 5.0)
+    assert p.predict_batch_ms(np.array([10, 1]), np.array([0, 9])) == pytest.approx(7.0 + 1.0 + 10.0)
+    assert p.predict_batch_ms(np.array([], dtype=int), np.array([], dtype=int)) == 0.0
+
+
+def test_missing_scenario_falls_back_to_global() -> None:
+    g = linear_model(2.0, x6=0.1, x4=0.5)
+    p = make_predictor(g, decode=linear_model(1.0, x4=2.0))
+    assert p.predict_batch_ms(np.array([10]), np.array([0])) == pytest.approx(2.0 + 1.0)
+    assert p.predict_batch_ms(np.array([10, 1]), np.array([0, 0])) == pytest.approx(2.0 + 1.0 + 0.5)
+
+
+def test_prefill_throughput_estimate() -> None:
+    p = make_predictor(linear_model(1.0, x6=0.01))
+    # 1000 fresh tokens: 1 + 10 = 11 ms
+    assert p.prefill_throughput(1000) == pytest.approx(1000 / 11.0 * 1e3)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 300), st.integers(0, 5000)), min_size=1, max_size=12))
+def test_features_equal_plain_loop(cu: list[tuple[int, int]]) -> None:
+    x, _ = batch_features(np.array([c for c, _ in cu]), np.array([u for _, u in cu]))
+    np.testing.assert_allclose(x, brute_batch_features(cu))
+
+
+@settings(max_examples=30, deadline=None)
+@given(predictors(negative=True), st.integers(0, 2**31 - 1))
+def test_vectorised_predict_equals_per_batch(p: BatchLatencyPredictor, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    rows, scen, single = [], [], []
+    for _ in range(20):
+        n = int(rng.integers(1, 8))
+        c = rng.choice([1, 1, 2, 17, 300], size=n)
+        u = rng.integers(0, 4000, size=n)
+        x, s = batch_features(c, u)
+        rows.append(x)
+        scen.append(s)
+        single.append(p.predict_batch_ms(c, u))
+    vec = p.predict_ms(np.array(rows), np.array(scen))
+    np.testing.assert_allclose(vec, single, rtol=1e-12, atol=1e-9)
+
+
+# ------------------------------------------------------------------ fit
+TRUE = {
+    "decode": LinearModel(4.0, (0.0, 0.0, 0.0, 0.08, 2e-4, 0.0, 0.0)),
+    "prefill": LinearModel(3.0, (1e-6, 2e-6, 5e-5, 0.0, 0.0, 0.09, 0.003)),
+    "mixed": LinearModel(6.0, (2e-6, 1e-6, 3e-5, 0.05, 1e-4, 0.08, 0.002)),
+}
+
+
+def synthetic(seed: int, n_per: dict[str, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    X, S = [], []
+    for name, n in n_per.items():
+        for _ in range(n):
+            nd = int(rng.integers(0 if name == "prefill" else 1, 40)) if name != "prefill" else 0
+            npf = 0 if name == "decode" else int(rng.integers(1, 5))
+            c = np.concatenate([np.ones(nd), rng.integers(2, 600, npf)])
+            u = np.concatenate([rng.integers(10, 3000, nd), rng.integers(0, 2000, npf)])
+            x, s = batch_features(c, u)
+            assert SCENARIOS[s] == name
+            X.append(x)
+            S.append(s)
+    X_, S_ = np.array(X), np.array(S)
+    y = np.array([TRUE[SCENARIOS[s]].intercept_ms + np.dot(TRUE[SCENARIOS[s]].weights, x)
+                  for x, s in zip(X_, S_, strict=True)])
+    return X_, S_, y
+
+
+def test_fit_recovers_known_coefficients() -> None:
+    X, S, y = synthetic(1, {"decode": 200, "prefill": 200, "mixed": 300})
+    p = fit_predictor(X, S, y, min_samples=30)
+    assert all(p.scenarios[k] is not None for k in SCENARIOS)
+    m = p.scenarios["mixed"]
+    assert m is not None
+    # every feature varies independently in mixed batches: all weights identifiable
+    np.testing.assert_allclose(m.weights, TRUE["mixed"].weights, rtol=1e-4, atol=1e-9)
+    assert m.intercept_ms == pytest.approx(6.0, abs=1e-4)
+    d = p.scenarios["decode"]
+    assert d is not None
+    assert d.intercept_ms == pytest.approx(4.0, abs=1e-4)
+    assert d.weights[3] == pytest.approx(0.08, rel=1e-4)
+    # x3 == x5 in decode-only batches: only their sum is identifiable
+    assert d.weights[2] + d.weights[4] == pytest.approx(2e-4, rel=1e-4)
+    Xt, St, yt = synthetic(2, {"decode": 50, "prefill": 50, "mixed": 50})
+    np.testing.assert_allclose(p.predict_ms(Xt, St), yt, rtol=1e-5, atol=1e-4)
+    ev = evaluate(p, Xt, St, yt)
+    assert set(ev) == {"decode", "prefill", "mixed", "all"}
+    for k in ev:
+        assert ev[k]["r2"] == pytest.approx(1.0, abs=1e-8)
+        assert ev[k]["mae_ms"] < 1e-3
+    assert ev["all"]["n"] == 150
+    assert p.meta["samples"] == {"decode": 200, "prefill": 200, "mixed": 300}
+
+
+def test_fit_falls_back_to_global_when_a_scenario_is_thin() -> None:
+    X, S, y = synthetic(3, {"decode": 100, "prefill": 5, "mixed": 100})
+    p = fit_predictor(X, S, y, min_samples=30)
+    assert p.scenarios["prefill"] is None
+    assert p.scenarios["decode"] is not None and p.scenarios["mixed"] is not None
+    assert p.meta["samples"]["prefill"] == 5
+    g = p.global_model
+    xp = X[S == PREFILL]
+    expect = g.intercept_ms + xp @ np.array(g.weights)
+    np.testing.assert_allclose(p.predict_ms(xp, np.full(len(xp), PREFILL)), expect)
+    assert "prefill" not in p.to_dict()["scenarios"]
+
+
+def test_fit_min_samples_boundary() -> None:
+    X, S, y = synthetic(4, {"decode": 30, "prefill": 29, "mixed": 40})
+    p = fit_predictor(X, S, y, min_samples=30)
+    assert p.scenarios["decode"] is not None and p.scenarios["prefill"] is None
+
+
+def test_fit_positive_keeps_weights_non_negative() -> None:
+    X, S, y = synthetic(5, {"decode": 60, "prefill": 60, "mixed": 60})
+    y = y - 0.001 * X[:, 5]  # make the unconstrained fit want some smaller weights
+    p = fit_predictor(X, S, y, positive=True)
+    for m in [*p.scenarios.values(), p.global_model]:
+        assert m is not None and min(m.weights) >= 0.0
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        (np.zeros((10, 6)), np.zeros(10), np.zeros(10)),
+        (np.zeros((10, 7)), np.zeros(9), np.zeros(10)),
+        (np.zeros((10, 7)), np.zeros(10), np.full(10, np.nan)),
+        (np.zeros((1, 7)), np.zeros(1), np.zeros(1)),
+    ],
+)
+def test_fit_rejects_bad_samples(args: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+    with pytest.raises(ValidationError) as ei:
+        fit_predictor(*args)
+    assert ei.value.violations[0].field == "samples"
+
+
+# ------------------------------------------------------------ JSON/version
+def test_json_round_trip_preserves_predictions_and_version() -> None:
+    p = random_predictor(7, allow_negative=True)
+    p = BatchLatencyPredictor(scenarios={**p.scenarios, "prefill": None}, global_model=p.global_model,
+                              meta={"source": "test"})
+    q = BatchLatencyPredictor.from_json(p.to_json())
+    assert q.version == p.version and q.version.startswith("p-")
+    assert q.meta == {"source": "test"}
+    assert q.scenarios.get("prefill") is None
+    rng = np.random.default_rng(0)
+    X = rng.uniform(0, 1e4, (30, 7))
+    S = rng.integers(0, 3, 30)
+    np.testing.assert_array_equal(p.predict_ms(X, S), q.predict_ms(X, S))
+    assert BatchLatencyPredictor.from_dict(json.loads(p.to_json(indent=None))).version == p.version
+
+
+def test_spec_shaped_predictor_json_parses() -> None:
+    w = [0.0, 0.0, 0.0, 0.1, 0.0, 0.01, 0.0]
+    doc = {"scenarios": {k: {"intercept_ms": 5.0, "weights": w} for k in SCENARIOS},
+           "global": {"intercept_ms": 5, "weights": [0, 0, 0, 0, 0, 1, 0]}}
+    p = BatchLatencyPredictor.from_json(json.dumps(doc))
+    assert p.global_model == LinearModel(5.0, (0.0,) * 5 + (1.0, 0.0))
+    assert p.predict_batch_ms(np.array([100]), np.array([0])) == pytest.approx(6.0)
+
+
+def test_version_depends_on_coefficients_only() -> None:
+    base = make_predictor(linear_model(1.0, x6=0.01))
+    same = make_predictor(linear_model(1.0, x6=0.01))
+    assert base.version == same.version
+    assert BatchLatencyPredictor(scenarios=dict(base.scenarios), global_model=base.global_model,
+                                 meta={"anything": 1}).version == base.version
+    assert make_predictor(linear_model(1.0, x6=0.0100001)).version != base.version
+    assert make_predictor(linear_model(1.5, x6=0.01)).version != base.version
+    assert make_predictor(linear_model(1.0, x6=0.01), decode=linear_model(1.0, x6=0.01)).version != base.version
+
+
+def test_version_that_disagrees_is_rejected() -> None:
+    d = make_predictor().to_dict()
+    d["version"] = "p-000000000000"
+    with pytest.raises(ValidationError) as ei:
+        BatchLatencyPredictor.from_dict(d)
+    assert [v.field for v in ei.value.violations] == ["version"]
+
+
+GOOD = {"intercept_ms": 1.0, "weights": [0.0] * 7}
+
+
+@pytest.mark.parametrize(
+    ("doc", "fields"),
+    [
+        ({"scenarios": {}}, {"global"}),
+        ({"global": {"intercept_ms": "1", "weights": [0] * 7}}, {"global.intercept_ms"}),
+        ({"global": {"intercept_ms": True, "weights": [0] * 7}}, {"global.intercept_ms"}),
+        ({"global": {"intercept_ms": 1.0, "weights": [0] * 6}}, {"global.weights"}),
+        ({"global": {"intercept_ms": 1.0, "weights": [0] * 6 + [None]}}, {"global.weights"}),
+        ({"global": {"intercept_ms": 1.0, "weights": [0] * 6 + [float("inf")]}}, {"global.weights"}),
+        ({"global": {"intercept_ms": 1.0}}, {"global.weights"}),
+        ({"global": [1.0]}, {"global"}),
+        ({"global": GOOD, "scenarios": {"prefil": GOOD}}, {"scenarios.prefil"}),
+        ({"global": GOOD, "scenarios": []}, {"scenarios"}),
+        ({"global": GOOD, "scenarios": {"mixed": {"intercept_ms": float("nan"), "weights": [0] * 7}}},
+         {"scenarios.mixed.intercept_ms"}),
+        ({"scenarios": {"decode": {"weights": "x"}}}, {"scenarios.decode.weights", "scenarios.decode.intercept_ms", "global"}),
+    ],
+)
+def test_bad_predictor_json_names_fields(doc: dict, fields: set[str]) -> None:
+    with pytest.raises(ValidationError) as ei:
+        BatchLatencyPredictor.from_json(json.dumps(doc))
+    assert {v.field for v in ei.value.violations} == fields
+
+
+@pytest.mark.parametrize("text", ["{", "", "[1]", "42"])
+def test_bad_predictor_text(text: str) -> None:
+    with pytest.raises(ValidationError) as ei:
+        BatchLatencyPredictor.from_json(text)
+    assert [v.field for v in ei.value.violations] == ["predictor"]
+
+
+def test_constructor_rejects_bad_models() -> None:
+    with pytest.raises(ValueError):
+        LinearModel(0.0, (1.0,) * 6)
+    with pytest.raises(ValueError, match="unknown scenarios"):
+        BatchLatencyPredictor(scenarios={"warmup": None}, global_model=linear_model())
+
+
+def test_default_predictor_loads() -> None:
+    p = default_predictor()
+    assert p.version.startswith("p-")
+    assert p.version == BatchLatencyPredictor.from_json(p.to_json()).version
+    # a 512-token prefill chunk is predicted positive and slower than 1 decode
+    assert p.predict_batch_ms(np.array([512]), np.array([0])) > p.predict_batch_ms(np.array([1]), np.array([0])) > 0
