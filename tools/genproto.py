@@ -20,7 +20,6 @@ import argparse
 import filecmp
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path

@@ -1,0 +1,537 @@
+"""Python clients of the scheduling service: :class:`SchedulerClient` (sync) and
+:class:`AsyncSchedulerClient` (asyncio), with the same methods.
+
+They speak core types (``Snapshot`` in, ``Plan`` out), so an engine adapter can switch
+between an in-process policy and the remote service without touching its own code.  Every
+call takes a deadline (``timeout_s``; the client default applies when omitted) because an
+engine must fall back to a local decision rather than stall a GPU iteration.  Every failure
+is a :class:`SchedulerError` with the gRPC status code and, for bad input, the violated
+fields decoded from ``google.rpc.BadRequest``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+from collections.abc import AsyncIterable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import grpc
+import grpc.aio
+import numpy as np
+from google.rpc import error_details_pb2, status_pb2
+
+from scheduler_service.core import BatchLatencyPredictor, FieldViolation, Plan, Snapshot
+from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
+from scheduler_service.gen.slidingserve.v1 import scheduler_pb2_grpc as pb_grpc
+from scheduler_service.server.convert import (
+    plan_from_pb,
+    predictor_sample_counts,
+    profile_to_pb,
+    snapshot_to_pb,
+    violations_from_pb,
+)
+from scheduler_service.server.profile import EngineProfile
+
+__all__ = [
+    "AsyncSchedulerClient",
+    "EngineProfile",
+    "IterationReport",
+    "PolicyInfo",
+    "PolicyList",
+    "PolicyParamInfo",
+    "PredictorInfo",
+    "ReportSummary",
+    "SchedulerClient",
+    "SchedulerError",
+]
+
+SnapshotLike = Snapshot | pb.Snapshot | Mapping[str, Any]
+ProfileLike = EngineProfile | str | None
+_STATUS_DETAILS_KEY = "grpc-status-details-bin"
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+# ------------------------------------------------------------------ errors
+class SchedulerError(Exception):
+    """A failed call: ``code`` (grpc.StatusCode), ``message``, and ``violations`` (the
+    BadRequest field violations; empty unless ``code`` is INVALID_ARGUMENT)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, violations: Sequence[FieldViolation] = ()):
+        self.code = code
+        self.message = message
+        self.violations = tuple(violations)
+        super().__init__(f"{code.name}: {message}")
+
+    @property
+    def fields(self) -> list[str]:
+        return [v.field for v in self.violations]
+
+    @classmethod
+    def from_rpc_error(cls, err: grpc.RpcError) -> SchedulerError:
+        code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+        details = (err.details() if hasattr(err, "details") else None) or str(err)
+        violations: tuple[FieldViolation, ...] = ()
+        md = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+        for key, value in md or ():
+            if key == _STATUS_DETAILS_KEY:
+                st = status_pb2.Status.FromString(value)
+                for d in st.details:
+                    if d.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+                        bad = error_details_pb2.BadRequest()
+                        d.Unpack(bad)
+                        violations += violations_from_pb(bad.field_violations)
+        return cls(code, details, violations)
+
+    @classmethod
+    def from_pb(cls, err: pb.ScheduleError) -> SchedulerError:
+        code = _CODES.get(err.code, grpc.StatusCode.UNKNOWN)
+        return cls(code, err.message, violations_from_pb(err.field_violations))
+
+
+# ------------------------------------------------------------ result types
+@dataclass(frozen=True, slots=True)
+class IterationReport:
+    """One measured iteration: ``latency_ms`` plus either the batch composition (``c``:
+    tokens per request this iteration, ``u``: tokens already in KV) or the 7 ``features``
+    (with an optional ``scenario``: "decode", "prefill", "mixed")."""
+
+    latency_ms: float
+    c: Sequence[int] | np.ndarray | None = None
+    u: Sequence[int] | np.ndarray | None = None
+    features: Sequence[float] | np.ndarray | None = None
+    scenario: str | None = None
+    profile: EngineProfile | None = None
+    engine_id: str = ""
+    request_id: str = ""
+
+    def to_pb(self, default_profile: EngineProfile | None = None) -> pb.IterationReport:
+        msg = pb.IterationReport(latency_ms=float(self.latency_ms), engine_id=self.engine_id,
+                                 request_id=self.request_id)
+        prof = self.profile or default_profile
+        if prof is not None:
+            msg.engine_profile.CopyFrom(profile_to_pb(prof))
+        if self.features is not None:
+            msg.features.x.extend(np.asarray(self.features, dtype=np.float64).tolist())
+            if self.scenario:
+                msg.features.scenario = pb.Scenario.Value(f"SCENARIO_{self.scenario.upper()}")
+        else:
+            if self.c is None or self.u is None:
+                raise ValueError("an IterationReport needs c and u, or features")
+            msg.composition.c.extend(np.asarray(self.c, dtype=np.int64).tolist())
+            msg.composition.u.extend(np.asarray(self.u, dtype=np.int64).tolist())
+        return msg
+
+
+@dataclass(frozen=True, slots=True)
+class ReportSummary:
+    accepted: int
+    rejected: int
+    predictor_version: str
+    rejection_reasons: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyParamInfo:
+    name: str
+    type: str
+    default: str
+    min: float | None
+    max: float | None
+    choices: tuple[str, ...]
+    doc: str
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyInfo:
+    name: str
+    version: str
+    doc: str
+    params: tuple[PolicyParamInfo, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyList:
+    default_policy: str
+    policies: tuple[PolicyInfo, ...]
+
+    def names(self) -> list[str]:
+        return [p.name for p in self.policies]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "default_policy": self.default_policy,
+            "policies": [
+                {"name": p.name, "version": p.version, "doc": p.doc,
+                 "params": [{"name": q.name, "type": q.type, "default": q.default, "min": q.min,
+                             "max": q.max, "choices": list(q.choices) or None, "doc": q.doc}
+                            for q in p.params]}
+                for p in self.policies
+            ],
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class PredictorInfo:
+    predictor: BatchLatencyPredictor
+    version: str
+    profile_key: str
+    sample_counts: Mapping[str, int] = field(default_factory=dict)
+    reports_accepted: int = 0
+    buffered_samples: int = 0
+    refits: int = 0
+    published: int = 0
+
+
+# --------------------------------------------------------------- encoding
+def _profile(p: ProfileLike) -> EngineProfile | None:
+    if p is None or isinstance(p, EngineProfile):
+        return p
+    return EngineProfile.from_key(p)
+
+
+def _params_text(params: Mapping[str, Any] | None) -> dict[str, str]:
+    if not params:
+        return {}
+    return {str(k): ("true" if v else "false") if isinstance(v, bool) else str(v) for k, v in params.items()}
+
+
+@dataclass(slots=True)
+class _Encoder:
+    """Builds ScheduleRequests; shared by the sync and async clients."""
+
+    profile: EngineProfile | None
+    engine_id: str
+    encoding: str
+    _ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+
+    def request(self, snapshot: SnapshotLike, policy: str | None, params: Mapping[str, Any] | None,
+                request_id: str | None) -> pb.ScheduleRequest:
+        if isinstance(snapshot, pb.Snapshot):
+            snap_pb = snapshot
+        else:
+            snap = snapshot if isinstance(snapshot, Snapshot) else Snapshot.from_json(snapshot)
+            prof = self.profile if not snap.profile else None
+            snap_pb = snapshot_to_pb(snap, profile=prof, engine_id=self.engine_id, encoding=self.encoding)
+        return pb.ScheduleRequest(
+            request_id=request_id if request_id is not None else f"{self.engine_id or 'c'}-{next(self._ids)}",
+            snapshot=snap_pb, policy=policy or "", params=_params_text(params),
+        )
+
+    def reports(self, items: Iterable[IterationReport | pb.IterationReport]) -> Iterator[pb.IterationReport]:
+        for r in items:
+            yield r if isinstance(r, pb.IterationReport) else r.to_pb(self.profile)
+
+
+def _plan(resp: pb.ScheduleResponse) -> Plan:
+    if resp.HasField("error"):
+        raise SchedulerError.from_pb(resp.error)
+    return plan_from_pb(resp.plan)
+
+
+def _summary(msg: pb.ReportSummary) -> ReportSummary:
+    return ReportSummary(int(msg.accepted), int(msg.rejected), msg.predictor_version, tuple(msg.rejection_reasons))
+
+
+def _policy_list(msg: pb.ListPoliciesResponse) -> PolicyList:
+    return PolicyList(
+        msg.default_policy,
+        tuple(
+            PolicyInfo(p.name, p.version, p.doc, tuple(
+                PolicyParamInfo(q.name, q.type, q.default_value,
+                                q.min if q.HasField("min") else None,
+                                q.max if q.HasField("max") else None,
+                                tuple(q.choices), q.doc)
+                for q in p.params))
+            for p in msg.policies
+        ),
+    )
+
+
+def _predictor_info(msg: pb.GetPredictorResponse) -> PredictorInfo:
+    p = BatchLatencyPredictor.from_json(msg.predictor_json)
+    return PredictorInfo(p, msg.version, msg.profile_key, dict(msg.sample_counts) or predictor_sample_counts(p),
+                         msg.reports_accepted, msg.buffered_samples, msg.refits, msg.published)
+
+
+def _channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
+
+
+# ------------------------------------------------------------ sync client
+class SchedulerClient:
+    """Blocking client.  ``profile`` and ``engine_id`` are defaults for snapshots and
+    reports that carry none; ``encoding`` is "columns" (faster) or "rows"."""
+
+    def __init__(self, target: str, timeout_s: float = 1.0, *, profile: ProfileLike = None,
+                 engine_id: str = "", encoding: str = "columns", max_message_bytes: int = 64 << 20,
+                 channel: grpc.Channel | None = None) -> None:
+        self.target = target
+        self.timeout_s = timeout_s
+        self._enc = _Encoder(_profile(profile), engine_id, encoding)
+        self._channel = channel or grpc.insecure_channel(target, options=_channel_options(max_message_bytes))
+        self._stub = pb_grpc.SchedulerServiceStub(self._channel)
+
+    def _t(self, timeout_s: float | None) -> float:
+        return self.timeout_s if timeout_s is None else timeout_s
+
+    def schedule(self, snapshot: SnapshotLike, policy: str | None = None, params: Mapping[str, Any] | None = None,
+                 timeout_s: float | None = None, *, request_id: str | None = None) -> Plan:
+        req = self._enc.request(snapshot, policy, params, request_id)
+        try:
+            return _plan(self._stub.Schedule(req, timeout=self._t(timeout_s)))
+        except grpc.RpcError as e:
+            raise SchedulerError.from_rpc_error(e) from None
+
+    def stream(self) -> ScheduleStream:
+        """One long-lived ScheduleStream (use as a context manager, or ``close()`` it)."""
+        return ScheduleStream(self._stub, self._enc, self.timeout_s)
+
+    def report(self, reports: Iterable[IterationReport | pb.IterationReport],
+               timeout_s: float | None = None) -> ReportSummary:
+        try:
+            return _summary(self._stub.ReportIterations(self._enc.reports(reports), timeout=self._t(timeout_s)))
+        except grpc.RpcError as e:
+            raise SchedulerError.from_rpc_error(e) from None
+
+    def list_policies(self, timeout_s: float | None = None) -> PolicyList:
+        try:
+            return _policy_list(self._stub.ListPolicies(pb.ListPoliciesRequest(), timeout=self._t(timeout_s)))
+        except grpc.RpcError as e:
+            raise SchedulerError.from_rpc_error(e) from None
+
+    def get_predictor(self, profile: ProfileLike = None, timeout_s: float | None = None) -> PredictorInfo:
+        prof = _profile(profile) or self._enc.profile or EngineProfile()
+        req = pb.GetPredictorRequest(engine_profile=profile_to_pb(prof))
+        try:
+            return _predictor_info(self._stub.GetPredictor(req, timeout=self._t(timeout_s)))
+        except grpc.RpcError as e:
+            raise SchedulerError.from_rpc_error(e) from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> SchedulerClient:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+_END = object()
+
+
+class ScheduleStream:
+    """Sequential decisions over one bidirectional stream.
+
+    A reader thread moves responses into a queue so that :meth:`schedule` can wait with a
+    per-call deadline; a reply that arrives after its deadline is recognised by its
+    ``request_id`` and dropped.  A broken stream (server restart, cancellation) is reopened
+    on the next call, so an engine keeps one object for its whole life.
+    """
+
+    def __init__(self, stub: pb_grpc.SchedulerServiceStub, enc: _Encoder, timeout_s: float) -> None:
+        self._stub = stub
+        self._enc = enc
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._call: Any = None
+        self._send: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._recv: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._closed = False
+
+    def _open(self) -> None:
+        self._send = queue.SimpleQueue()
+        self._recv = queue.SimpleQueue()
+        send, recv = self._send, self._recv
+        call = self._stub.ScheduleStream(iter(send.get, _END))
+
+        def reader() -> None:
+            try:
+                for resp in call:
+                    recv.put(resp)
+                recv.put(SchedulerError(grpc.StatusCode.UNAVAILABLE, "the server closed the stream"))
+            except grpc.RpcError as e:
+                recv.put(SchedulerError.from_rpc_error(e))
+
+        threading.Thread(target=reader, name="schedule-stream-reader", daemon=True).start()
+        self._call = call
+
+    def _reset(self) -> None:
+        if self._call is not None:
+            self._send.put(_END)
+            self._call.cancel()
+            self._call = None
+
+    def schedule(self, snapshot: SnapshotLike, policy: str | None = None, params: Mapping[str, Any] | None = None,
+                 timeout_s: float | None = None, *, request_id: str | None = None) -> Plan:
+        req = self._enc.request(snapshot, policy, params, request_id)
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        with self._lock:
+            if self._closed:
+                raise SchedulerError(grpc.StatusCode.CANCELLED, "the stream is closed")
+            if self._call is None:
+                self._open()
+            self._send.put(req)
+            while True:
+                try:
+                    item = self._recv.get(timeout=timeout)
+                except queue.Empty:
+                    raise SchedulerError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                         f"no reply within {timeout:g} s") from None
+                if isinstance(item, SchedulerError):
+                    self._reset()
+                    raise item
+                if item.request_id == req.request_id:
+                    return _plan(item)
+                # else: a late reply to a call that already timed out
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self._call is not None:
+                self._send.put(_END)
+                self._call = None
+
+    def __enter__(self) -> ScheduleStream:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+# ----------------------------------------------------------- async client
+class AsyncSchedulerClient:
+    """asyncio twin of :class:`SchedulerClient` (grpc.aio); create it inside a running loop."""
+
+    def __init__(self, target: str, timeout_s: float = 1.0, *, profile: ProfileLike = None,
+                 engine_id: str = "", encoding: str = "columns", max_message_bytes: int = 64 << 20) -> None:
+        self.target = target
+        self.timeout_s = timeout_s
+        self._enc = _Encoder(_profile(profile), engine_id, encoding)
+        self._channel = grpc.aio.insecure_channel(target, options=_channel_options(max_message_bytes))
+        self._stub = pb_grpc.SchedulerServiceStub(self._channel)
+
+    def _t(self, timeout_s: float | None) -> float:
+        return self.timeout_s if timeout_s is None else timeout_s
+
+    async def schedule(self, snapshot: SnapshotLike, policy: str | None = None,
+                       params: Mapping[str, Any] | None = None, timeout_s: float | None = None, *,
+                       request_id: str | None = None) -> Plan:
+        req = self._enc.request(snapshot, policy, params, request_id)
+        try:
+            return _plan(await self._stub.Schedule(req, timeout=self._t(timeout_s)))
+        except grpc.RpcError as e:
+            raise SchedulerError.from_rpc_error(e) from None
+
+    def stream(self) -> AsyncScheduleStream:
+        return AsyncScheduleStream(self._stub, self._enc, self.timeout_s)
+
+    async def report(self, reports: Iterable[IterationReport | pb.IterationReport]
+                     | AsyncIterable[IterationReport | pb.IterationReport],
+                     timeout_s: float | None = None) -> ReportSummary:
+        enc = self._enc
+
+        async def gen() -> Any:
+            if isinstance(reports, AsyncIterable):
+                async for r in reports:
+                    yield r if isinstance(r, pb.IterationReport) else r.to_pb(enc.profile)
+            else:
+                for m in enc.reports(reports):
+                    yield m
+
+        try:
+            return _summary(await self._stub.ReportIterations(gen(), timeout=self._t(timeout_s)))
+        except grpc.RpcError as e:
+            raise SchedulerError.from_rpc_error(e) from None
+
+    async def list_policies(self, timeout_s: float | None = None) -> PolicyList:
+        try:
+            return _policy_list(await self._stub.ListPolicies(pb.ListPoliciesRequest(), timeout=self._t(timeout_s)))
+        except grpc.RpcError as e:
+            raise SchedulerError.from_rpc_error(e) from None
+
+    async def get_predictor(self, profile: ProfileLike = None, timeout_s: float | None = None) -> PredictorInfo:
+        prof = _profile(profile) or self._enc.profile or EngineProfile()
+        req = pb.GetPredictorRequest(engine_profile=profile_to_pb(prof))
+        try:
+            return _predictor_info(await self._stub.GetPredictor(req, timeout=self._t(timeout_s)))
+        except grpc.RpcError as e:
+            raise SchedulerError.from_rpc_error(e) from None
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncSchedulerClient:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.close()
+
+
+class AsyncScheduleStream:
+    """asyncio version of :class:`ScheduleStream` (one call in flight at a time)."""
+
+    def __init__(self, stub: pb_grpc.SchedulerServiceStub, enc: _Encoder, timeout_s: float) -> None:
+        self._stub = stub
+        self._enc = enc
+        self.timeout_s = timeout_s
+        self._call: Any = None
+        self._lock = asyncio.Lock()
+
+    async def schedule(self, snapshot: SnapshotLike, policy: str | None = None,
+                       params: Mapping[str, Any] | None = None, timeout_s: float | None = None, *,
+                       request_id: str | None = None) -> Plan:
+        req = self._enc.request(snapshot, policy, params, request_id)
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        async with self._lock:
+            if self._call is None:
+                self._call = self._stub.ScheduleStream()
+            call = self._call
+            try:
+                async with asyncio.timeout(timeout):
+                    await call.write(req)
+                    while True:
+                        resp = await call.read()
+                        if resp is grpc.aio.EOF:
+                            raise SchedulerError(grpc.StatusCode.UNAVAILABLE, "the server closed the stream")
+                        if resp.request_id == req.request_id:
+                            return _plan(resp)
+            except TimeoutError:
+                self._drop()
+                raise SchedulerError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply within {timeout:g} s") from None
+            except grpc.RpcError as e:
+                self._drop()
+                raise SchedulerError.from_rpc_error(e) from None
+            except SchedulerError as e:
+                if e.code == grpc.StatusCode.UNAVAILABLE:
+                    self._drop()
+                raise
+
+    def _drop(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+
+    async def close(self) -> None:
+        async with self._lock:
+            if self._call is not None:
+                await self._call.done_writing()
+                self._call = None
+
+    async def __aenter__(self) -> AsyncScheduleStream:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.close()

@@ -1,0 +1,184 @@
+"""The embeddable server (:class:`SchedulerServer`) and the blocking :func:`serve` for the CLI.
+
+Lifecycle, and why:
+
+1. bind and start gRPC with health NOT_SERVING — *liveness*: the process answers;
+2. load the default policy and the bootstrap predictor, warm the hot path — then health
+   turns SERVING (overall ``""`` and ``slidingserve.v1.SchedulerService``) — *readiness*;
+3. on stop: health NOT_SERVING first (load balancers stop routing), then ``stop(grace)``
+   rejects new calls and lets in-flight ones finish for up to ``grace_s`` seconds.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import grpc
+import numpy as np
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from scheduler_service.core import BatchLatencyPredictor, Snapshot, ValidationError, default_predictor
+from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
+from scheduler_service.gen.slidingserve.v1 import scheduler_pb2_grpc as pb_grpc
+
+from .config import ServerConfig
+from .logs import configure_logging
+from .metrics import Metrics
+from .predictors import PredictorRegistry, RefitSettings
+from .servicer import PolicyCache, SchedulerServicer
+
+__all__ = ["SERVICE_NAME", "SchedulerServer", "serve"]
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SchedulerService"].full_name
+
+log = structlog.get_logger("slidingserve.server")
+
+
+def _load_predictor(config: ServerConfig) -> BatchLatencyPredictor:
+    if not config.predictor_file:
+        return default_predictor()
+    try:
+        text = Path(config.predictor_file).read_text()
+    except OSError as e:
+        raise ValidationError.single("predictor_file", f"cannot read {config.predictor_file}: {e}") from None
+    return BatchLatencyPredictor.from_json(text)
+
+
+class SchedulerServer:
+    """``with SchedulerServer(ServerConfig(port=0)) as srv: ... srv.port ...``"""
+
+    def __init__(self, config: ServerConfig | None = None) -> None:
+        self.config = config or ServerConfig()
+        self.metrics = Metrics()
+        self.port = 0
+        self.metrics_port = 0
+        self.health = health.HealthServicer()
+        self.predictors: PredictorRegistry | None = None
+        self.servicer: SchedulerServicer | None = None
+        self._server: grpc.Server | None = None
+        self._stopped = threading.Event()
+
+    @property
+    def target(self) -> str:
+        """Address a local client should dial."""
+        host = self.config.host
+        if host in ("0.0.0.0", "[::]", "::", ""):
+            host = "127.0.0.1"
+        return f"{host}:{self.port}"
+
+    def _set_health(self, status: int) -> None:
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, status)
+
+    def start(self) -> SchedulerServer:
+        cfg = self.config
+        configure_logging(cfg.log_level)
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        bootstrap = _load_predictor(cfg)  # fail fast on a bad file, before binding
+        self.predictors = PredictorRegistry(
+            bootstrap,
+            RefitSettings(cfg.refit_every, cfg.refit_window, cfg.refit_holdout_fraction,
+                          cfg.refit_min_samples, cfg.max_profiles),
+            self.metrics,
+        )
+        policies = PolicyCache()
+        self.servicer = SchedulerServicer(cfg, self.predictors, self.metrics, policies)
+        server = grpc.server(
+            ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix="grpc"),
+            options=[
+                ("grpc.max_receive_message_length", cfg.max_message_bytes),
+                ("grpc.max_send_message_length", cfg.max_message_bytes),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        pb_grpc.add_SchedulerServiceServicer_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        port = server.add_insecure_port(cfg.address)
+        if port == 0:
+            self.predictors.close()
+            raise OSError(f"cannot bind {cfg.address}")
+        self.port = port
+        server.start()
+        self._server = server
+        try:
+            self._load(policies)
+        except Exception:
+            self.stop(0)
+            raise
+        if cfg.metrics_port:
+            self.metrics_port = self.metrics.serve_http(
+                "127.0.0.1" if self.target.startswith("127.") else cfg.host.strip("[]"),
+                max(cfg.metrics_port, 0),
+            )
+        self.servicer.ready.set()
+        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info("server_started", address=cfg.address, port=self.port, metrics_port=self.metrics_port,
+                 default_policy=cfg.default_policy, predictor_version=bootstrap.version)
+        return self
+
+    def _load(self, policies: PolicyCache) -> None:
+        """Load the default policy and warm the decision path (first-call numpy costs)."""
+        assert self.predictors is not None
+        policy = policies.get(self.config.default_policy, {})
+        snap = Snapshot.from_columns(
+            now=1.0, max_batch_tokens=64, max_num_seqs=4, ids=["warm-d", "warm-p"],
+            arrival=np.array([0.0, 0.5]), prompt_tokens=np.array([8, 100]),
+            computed_tokens=np.array([8, 0]), output_tokens=np.array([2, 0]),
+            ttft_slo=np.array([1.0, 1.0]), tbt_slo=np.array([0.1, 0.1]), protected=np.array([False, False]),
+        )
+        policy.plan(snap, self.predictors.bootstrap)
+
+    def stop(self, grace: float | None = None) -> None:
+        """Drain: NOT_SERVING, reject new calls, wait up to ``grace`` s for in-flight ones."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        g = self.config.grace_s if grace is None else grace
+        self.health.enter_graceful_shutdown()
+        if self._server is not None:
+            self._server.stop(g).wait()
+        if self.predictors is not None:
+            self.predictors.close()
+        self.metrics.close()
+        log.info("server_stopped", port=self.port)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the server terminates (or ``timeout``); True when it did."""
+        assert self._server is not None
+        return bool(self._server.wait_for_termination(timeout))
+
+    def __enter__(self) -> SchedulerServer:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+
+def serve(config: ServerConfig) -> None:
+    """Run until SIGTERM/SIGINT, then shut down gracefully (``config.grace_s``)."""
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        log.info("signal_received", signal=signal.Signals(signum).name)
+        stop.set()
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    server = SchedulerServer(config).start()
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        server.stop()
+        for s, h in old.items():
+            signal.signal(s, h)

@@ -1,0 +1,138 @@
+"""Server configuration: one typed, validated dataclass.
+
+Loaded from a YAML, TOML or JSON file (``--config FILE``, by extension) whose keys are the
+field names below; unknown keys and wrong types are errors, not silently ignored, because a
+typo in a deployment config (``refit_evry``) would otherwise fall back to a default nobody
+chose.  Errors are :class:`~scheduler_service.core.ValidationError` so that the CLI prints
+them like any other bad input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from scheduler_service.core import FieldViolation, ValidationError
+
+__all__ = ["LOG_LEVELS", "ServerConfig"]
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    #: Address to bind; "0.0.0.0" for all IPv4 interfaces, "[::]" for all, "127.0.0.1" local only.
+    host: str = "0.0.0.0"
+    #: gRPC port; 0 picks a free port (see ``SchedulerServer.port``).
+    port: int = 50051
+    #: Policy used when a request names none.
+    default_policy: str = "slidingserve"
+    #: Largest gRPC message accepted or sent (bytes).
+    max_message_bytes: int = 64 * 1024 * 1024
+    #: Largest number of requests in one snapshot (and in one reported batch).
+    max_requests_per_snapshot: int = 100_000
+    #: Prometheus HTTP port; 0 disables metrics, -1 picks a free port (tests, embedding).
+    metrics_port: int = 0
+    #: Refit a profile's predictor after this many new accepted reports.
+    refit_every: int = 256
+    #: Sliding window of recent reports a refit uses, per profile (bounds memory).
+    refit_window: int = 4096
+    #: Fraction of the window (the most recent reports) held out to compare old vs new model.
+    refit_holdout_fraction: float = 0.2
+    #: A scenario model is fitted only with at least this many samples (else global fallback).
+    refit_min_samples: int = 30
+    #: Most engine profiles with their own predictor (reports for more are rejected).
+    max_profiles: int = 64
+    #: Seconds that shutdown waits for in-flight calls before cancelling them.
+    grace_s: float = 5.0
+    #: gRPC worker threads; each open ScheduleStream/ReportIterations holds one.
+    max_workers: int = 32
+    #: Bootstrap predictor JSON file for every profile; empty uses the packaged default.
+    predictor_file: str = ""
+    #: Log level: debug, info, warning or error.
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        errs: list[FieldViolation] = []
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            want = {"int": int, "float": float, "str": str}[str(f.type)]
+            if want is float and isinstance(v, int) and not isinstance(v, bool):
+                object.__setattr__(self, f.name, float(v))
+            elif not isinstance(v, want) or isinstance(v, bool):
+                errs.append(FieldViolation(f.name, f"must be of type {want.__name__}, got {v!r}"))
+        if errs:
+            raise ValidationError(errs)
+
+        def check(name: str, ok: bool, what: str) -> None:
+            if not ok:
+                errs.append(FieldViolation(name, f"{what}, got {getattr(self, name)!r}"))
+
+        check("host", bool(self.host), "must not be empty")
+        check("port", 0 <= self.port <= 65535, "must be in [0, 65535]")
+        check("default_policy", bool(self.default_policy), "must not be empty")
+        check("max_message_bytes", 1024 <= self.max_message_bytes <= 2**31 - 1, "must be in [1024, 2^31-1]")
+        check("max_requests_per_snapshot", self.max_requests_per_snapshot >= 1, "must be >= 1")
+        check("metrics_port", -1 <= self.metrics_port <= 65535, "must be in [-1, 65535]")
+        check("refit_every", self.refit_every >= 1, "must be >= 1")
+        check("refit_window", self.refit_window >= 10, "must be >= 10")
+        check("refit_holdout_fraction", 0.0 < self.refit_holdout_fraction < 1.0, "must be in (0, 1)")
+        check("refit_min_samples", self.refit_min_samples >= 2, "must be >= 2")
+        check("max_profiles", self.max_profiles >= 1, "must be >= 1")
+        check("grace_s", 0.0 <= self.grace_s <= 3600.0, "must be in [0, 3600]")
+        check("max_workers", 1 <= self.max_workers <= 4096, "must be in [1, 4096]")
+        check("log_level", self.log_level in LOG_LEVELS, f"must be one of {list(LOG_LEVELS)}")
+        if errs:
+            raise ValidationError(errs)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def replace(self, **changes: Any) -> ServerConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> ServerConfig:
+        if not isinstance(data, Mapping):
+            raise ValidationError.single("config", "must be a mapping of option names to values")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = [FieldViolation(str(k), f"unknown option; valid: {', '.join(sorted(known))}")
+                   for k in data if k not in known]
+        if unknown:
+            raise ValidationError(unknown)
+        return cls(**dict(data))
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ServerConfig:
+        """Load ``.yaml``/``.yml``, ``.toml`` or ``.json``."""
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as e:
+            raise ValidationError.single("config", f"cannot read {p}: {e.strerror or e}") from None
+        suffix = p.suffix.lower()
+        try:
+            if suffix in (".yaml", ".yml"):
+                import yaml
+
+                data = yaml.safe_load(text) or {}
+            elif suffix == ".toml":
+                data = tomllib.loads(text)
+            elif suffix == ".json":
+                data = json.loads(text)
+            else:
+                raise ValidationError.single("config", f"unknown config format {suffix!r}; use .yaml, .toml or .json")
+        except ValidationError:
+            raise
+        except Exception as e:  # parser errors of three libraries
+            raise ValidationError.single("config", f"cannot parse {p}: {e}") from None
+        return cls.from_mapping(data)

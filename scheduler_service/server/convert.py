@@ -1,0 +1,303 @@
+"""Protobuf ↔ core conversion, used at the edges only (server and client).
+
+The core works on numpy columns; the wire's columnar encoding maps onto them directly:
+``np.array(repeated_field, dtype)`` reads a packed repeated field through the buffer
+protocol in a few µs for hundreds of requests, without a Python loop.  The row encoding is
+supported for engines that find it easier to build, at a measured cost (see
+``benchmarks/grpc_latency.py``).
+
+Validation is the core's (:meth:`Snapshot.from_columns`); this module only renames the
+violated fields from the core's JSON paths (``requests[3].computed_tokens``) to the wire
+paths of the message the client sent (``snapshot.columns.computed_tokens[3]``), so that an
+error names the field the caller actually set.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from scheduler_service.core import (
+    Allocation,
+    BatchLatencyPredictor,
+    FieldViolation,
+    Plan,
+    Snapshot,
+    ValidationError,
+    batch_features,
+)
+from scheduler_service.core.predictor import N_FEATURES, scenario_codes
+from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
+
+from .profile import EngineProfile
+
+__all__ = [
+    "MAX_TOKENS",
+    "describe_to_pb",
+    "plan_from_pb",
+    "plan_to_pb",
+    "profile_from_pb",
+    "profile_to_pb",
+    "report_from_pb",
+    "snapshot_from_pb",
+    "snapshot_to_pb",
+    "violations_from_pb",
+    "violations_to_pb",
+]
+
+#: Largest token count accepted in reports (same bound as the core's snapshots).
+MAX_TOKENS = 1 << 40
+#: Largest plausible iteration latency (ms): anything above is a unit error, not a sample.
+MAX_LATENCY_MS = 600_000.0
+
+_COLUMNS = (
+    ("arrival", np.float64),
+    ("prompt_tokens", np.int64),
+    ("computed_tokens", np.int64),
+    ("output_tokens", np.int64),
+    ("ttft_slo", np.float64),
+    ("tbt_slo", np.float64),
+    ("protected", np.bool_),
+)
+_ROW_PATH = re.compile(r"^requests\[(\d+)\]\.(\w+)$")
+_SCALARS = frozenset({"now", "max_batch_tokens", "max_num_seqs", "free_kv_tokens", "prefill_throughput"})
+
+
+# ---------------------------------------------------------------- profiles
+def profile_from_pb(msg: pb.EngineProfile, field: str = "snapshot.engine_profile") -> EngineProfile:
+    try:
+        return EngineProfile(msg.model, msg.hardware, int(msg.tensor_parallel))
+    except ValueError as e:
+        raise ValidationError.single(field, str(e)) from None
+
+
+def profile_to_pb(profile: EngineProfile) -> pb.EngineProfile:
+    return pb.EngineProfile(
+        model=profile.model, hardware=profile.hardware, tensor_parallel=profile.tensor_parallel
+    )
+
+
+# --------------------------------------------------------------- snapshots
+def _wire_field(core_field: str, prefix: str, encoding: str) -> str:
+    """Rename a core (JSON) field path to the path in the protobuf message."""
+    m = _ROW_PATH.match(core_field)
+    if m:
+        i, name = m.groups()
+        if encoding == "rows":
+            return f"{prefix}.rows.requests[{i}].{name}"
+        return f"{prefix}.columns.{'ids' if name == 'id' else name}[{i}]"
+    if core_field in _SCALARS:
+        return f"{prefix}.{core_field}"
+    if core_field == "requests":
+        return f"{prefix}.rows.requests" if encoding == "rows" else f"{prefix}.columns"
+    if encoding == "columns":
+        return f"{prefix}.columns.{core_field}"
+    return f"{prefix}.{core_field}"
+
+
+def _rename(err: ValidationError, prefix: str, encoding: str) -> ValidationError:
+    return ValidationError(
+        [FieldViolation(_wire_field(v.field, prefix, encoding), v.description) for v in err.violations]
+    )
+
+
+def snapshot_from_pb(
+    msg: pb.Snapshot, *, max_requests: int, prefix: str = "snapshot"
+) -> tuple[Snapshot, EngineProfile]:
+    """Validate a wire snapshot into a core :class:`Snapshot` (profile key set) and its profile."""
+    profile = profile_from_pb(msg.engine_profile, f"{prefix}.engine_profile")
+    encoding = msg.WhichOneof("requests") or "columns"
+    cols: dict[str, Any]
+    if encoding == "columns":
+        c = msg.columns
+        n = len(c.ids)
+        if n > max_requests:
+            raise ValidationError.single(
+                f"{prefix}.columns", f"has {n} requests, more than the limit {max_requests}"
+            )
+        ids: Sequence[str] = tuple(c.ids)
+        cols = {name: np.array(getattr(c, name), dtype=dt) for name, dt in _COLUMNS}
+    else:
+        rows = msg.rows.requests
+        n = len(rows)
+        if n > max_requests:
+            raise ValidationError.single(
+                f"{prefix}.rows.requests", f"has {n} requests, more than the limit {max_requests}"
+            )
+        ids = tuple(r.id for r in rows)
+        cols = {
+            name: np.array([getattr(r, name) for r in rows], dtype=dt) for name, dt in _COLUMNS
+        }
+    try:
+        snap = Snapshot.from_columns(
+            now=msg.now,
+            max_batch_tokens=msg.max_batch_tokens,
+            max_num_seqs=msg.max_num_seqs,
+            free_kv_tokens=msg.free_kv_tokens if msg.HasField("free_kv_tokens") else None,
+            prefill_throughput=msg.prefill_throughput if msg.HasField("prefill_throughput") else None,
+            profile=profile.key,
+            max_requests=max_requests,
+            ids=ids,
+            **cols,
+        )
+    except ValidationError as e:
+        raise _rename(e, prefix, encoding) from None
+    return snap, profile
+
+
+def snapshot_to_pb(
+    snap: Snapshot,
+    *,
+    profile: EngineProfile | None = None,
+    engine_id: str = "",
+    encoding: str = "columns",
+) -> pb.Snapshot:
+    """Encode a core snapshot; ``encoding`` is ``"columns"`` (default, faster) or ``"rows"``."""
+    msg = pb.Snapshot(
+        now=snap.now,
+        max_batch_tokens=snap.max_batch_tokens,
+        max_num_seqs=snap.max_num_seqs,
+        engine_id=engine_id,
+    )
+    if snap.free_kv_tokens is not None:
+        msg.free_kv_tokens = snap.free_kv_tokens
+    if snap.prefill_throughput is not None:
+        msg.prefill_throughput = snap.prefill_throughput
+    if profile is None and snap.profile:
+        profile = EngineProfile.from_key(snap.profile)
+    if profile is not None:
+        msg.engine_profile.CopyFrom(profile_to_pb(profile))
+    if encoding == "columns":
+        c = msg.columns
+        c.ids.extend(snap.ids)
+        for name, _ in _COLUMNS:
+            getattr(c, name).extend(getattr(snap, name).tolist())
+    elif encoding == "rows":
+        lists = [getattr(snap, name).tolist() for name, _ in _COLUMNS]
+        add = msg.rows.requests.add
+        for rid, a, p, cp, o, ttft, tbt, g in zip(snap.ids, *lists, strict=True):
+            add(id=rid, arrival=a, prompt_tokens=p, computed_tokens=cp, output_tokens=o,
+                ttft_slo=ttft, tbt_slo=tbt, protected=g)
+    else:
+        raise ValueError(f"encoding must be 'columns' or 'rows', got {encoding!r}")
+    return msg
+
+
+# ------------------------------------------------------------------- plans
+def plan_to_pb(plan: Plan) -> pb.Plan:
+    msg = pb.Plan(
+        policy=plan.policy,
+        policy_version=plan.policy_version,
+        predictor_version=plan.predictor_version,
+        path=plan.path,
+        token_budget=plan.token_budget,
+        predicted_latency_ms=plan.predicted_latency_ms,
+        decision_us=plan.decision_us,
+    )
+    msg.allocation_ids.extend([a.id for a in plan.allocations])
+    msg.allocation_tokens.extend([a.tokens for a in plan.allocations])
+    if plan.breakdown_us:
+        msg.breakdown_us.update({str(k): int(v) for k, v in plan.breakdown_us.items()})
+    return msg
+
+
+def plan_from_pb(msg: pb.Plan) -> Plan:
+    return Plan(
+        policy=msg.policy,
+        policy_version=msg.policy_version,
+        predictor_version=msg.predictor_version,
+        path=msg.path,
+        token_budget=msg.token_budget,
+        predicted_latency_ms=msg.predicted_latency_ms,
+        allocations=tuple(
+            Allocation(i, t) for i, t in zip(msg.allocation_ids, msg.allocation_tokens, strict=True)
+        ),
+        decision_us=msg.decision_us,
+        breakdown_us=dict(msg.breakdown_us),
+    )
+
+
+# -------------------------------------------------------------- violations
+def violations_to_pb(err: ValidationError) -> list[pb.FieldViolation]:
+    return [pb.FieldViolation(field=v.field, description=v.description) for v in err.violations]
+
+
+def violations_from_pb(items: Sequence[Any]) -> tuple[FieldViolation, ...]:
+    """Works for ``slidingserve.v1.FieldViolation`` and ``google.rpc.BadRequest.FieldViolation``."""
+    return tuple(FieldViolation(v.field, v.description) for v in items)
+
+
+# ----------------------------------------------------------------- reports
+def report_from_pb(
+    msg: pb.IterationReport, *, max_requests: int, field: str = "report"
+) -> tuple[EngineProfile, np.ndarray, int, float]:
+    """Validate one report: (profile, features x[7], scenario code, latency ms).
+
+    Reports train the predictor every engine of the profile relies on, so anything not
+    plainly sane is rejected rather than clipped: one unit error (seconds sent as ms) would
+    otherwise skew every later decision.
+    """
+    profile = profile_from_pb(msg.engine_profile, f"{field}.engine_profile")
+    lat = msg.latency_ms
+    if not np.isfinite(lat) or not 0 < lat <= MAX_LATENCY_MS:
+        raise ValidationError.single(f"{field}.latency_ms", f"must be finite, > 0 and <= {MAX_LATENCY_MS:g}")
+    kind = msg.WhichOneof("batch")
+    if kind == "composition":
+        c = np.array(msg.composition.c, dtype=np.int64)
+        u = np.array(msg.composition.u, dtype=np.int64)
+        if len(c) != len(u):
+            raise ValidationError.single(f"{field}.composition.u", f"has {len(u)} entries, c has {len(c)}")
+        if not 1 <= len(c) <= max_requests:
+            raise ValidationError.single(f"{field}.composition.c", f"must have 1..{max_requests} entries")
+        if c.min() < 1 or c.max() > MAX_TOKENS:
+            raise ValidationError.single(f"{field}.composition.c", "every entry must be >= 1")
+        if u.min() < 0 or u.max() > MAX_TOKENS:
+            raise ValidationError.single(f"{field}.composition.u", "every entry must be >= 0")
+        x, scen = batch_features(c, u)
+        return profile, x, scen, float(lat)
+    if kind == "features":
+        x = np.array(msg.features.x, dtype=np.float64)
+        if len(x) != N_FEATURES or not np.all(np.isfinite(x)) or np.any(x < 0):
+            raise ValidationError.single(
+                f"{field}.features.x", f"must be {N_FEATURES} finite, non-negative numbers"
+            )
+        s = int(msg.features.scenario)
+        if s == pb.SCENARIO_UNSPECIFIED:
+            scen = int(scenario_codes(np.array([x[3]]), np.array([x[5]]))[0])
+        elif s in (pb.SCENARIO_DECODE, pb.SCENARIO_PREFILL, pb.SCENARIO_MIXED):
+            scen = s - 1  # wire enums are offset by the UNSPECIFIED zero value
+        else:
+            raise ValidationError.single(f"{field}.features.scenario", f"unknown scenario {s}")
+        return profile, x, scen, float(lat)
+    raise ValidationError.single(f"{field}.batch", "set either composition or features")
+
+
+# ---------------------------------------------------------------- policies
+def _text(v: Any) -> str:
+    return ("true" if v else "false") if isinstance(v, bool) else str(v)
+
+
+def describe_to_pb(d: Mapping[str, Any]) -> pb.PolicyInfo:
+    """``registry.describe(name)`` → :class:`pb.PolicyInfo`."""
+    info = pb.PolicyInfo(name=d["name"], version=d["version"], doc=d.get("doc", ""))
+    for p in d.get("params", []):
+        item = info.params.add(
+            name=p["name"], type=str(p["type"]), default_value=_text(p["default"]), doc=p.get("doc", "")
+        )
+        if p.get("min") is not None:
+            item.min = float(p["min"])
+        if p.get("max") is not None:
+            item.max = float(p["max"])
+        item.choices.extend(_text(c) for c in p.get("choices") or ())
+    return info
+
+
+def predictor_sample_counts(p: BatchLatencyPredictor) -> dict[str, int]:
+    """The per-scenario sample counts recorded in a predictor's meta (empty for bootstrap)."""
+    samples = p.meta.get("samples", {}) if isinstance(p.meta, Mapping) else {}
+    if not isinstance(samples, Mapping):
+        return {}
+    return {str(k): int(v) for k, v in samples.items() if isinstance(v, int | float)}

@@ -1,0 +1,77 @@
+"""Prometheus metrics of one server instance.
+
+Each :class:`Metrics` owns its own ``CollectorRegistry`` instead of the process-global one,
+so that several embedded servers (tests, the demo) can live in one process without
+"duplicated timeseries" errors.  Exposed on a separate HTTP port so that scraping never
+competes with the gRPC port.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+
+__all__ = ["Metrics"]
+
+#: Decision-latency buckets (seconds): the service targets sub-millisecond decisions.
+DECISION_BUCKETS = (
+    25e-6, 50e-6, 100e-6, 200e-6, 300e-6, 500e-6, 750e-6,
+    1e-3, 1.5e-3, 2e-3, 3e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3,
+)
+#: Predictor absolute-error buckets (milliseconds).
+ERROR_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0, 100.0, 250.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.decisions = Counter(
+            "slidingserve_decisions", "Scheduling decisions made", ["policy", "path"], registry=r
+        )
+        self.decision_errors = Counter(
+            "slidingserve_decision_errors", "Scheduling requests that failed", ["code"], registry=r
+        )
+        self.decision_seconds = Histogram(
+            "slidingserve_decision_seconds",
+            "Server time per decision (decode, validate, plan, encode)",
+            ["policy"],
+            buckets=DECISION_BUCKETS,
+            registry=r,
+        )
+        self.predictor_abs_error_ms = Histogram(
+            "slidingserve_predictor_abs_error_ms",
+            "Absolute error of the current predictor vs each reported measured latency (ms)",
+            ["profile"],
+            buckets=ERROR_BUCKETS,
+            registry=r,
+        )
+        self.reports = Counter(
+            "slidingserve_reports", "Iteration reports received", ["result"], registry=r
+        )
+        self.refits = Counter(
+            "slidingserve_predictor_refits", "Predictor refits by outcome", ["profile", "outcome"], registry=r
+        )
+        self.predictor_version = Info(
+            "slidingserve_predictor", "Current predictor version per profile", ["profile"], registry=r
+        )
+        self.active_streams = Gauge(
+            "slidingserve_active_streams", "Open ScheduleStream calls", registry=r
+        )
+        self._http: Any = None
+        self._lock = threading.Lock()
+
+    def serve_http(self, host: str, port: int) -> int:
+        """Start the /metrics HTTP endpoint; ``port`` 0 here means "any free port"."""
+        with self._lock:
+            server, _thread = start_http_server(port, addr=host, registry=self.registry)
+            self._http = server
+            return int(server.server_address[1])
+
+    def close(self) -> None:
+        with self._lock:
+            if self._http is not None:
+                self._http.shutdown()
+                self._http.server_close()
+                self._http = None

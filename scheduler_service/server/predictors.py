@@ -1,0 +1,204 @@
+"""Per-profile predictors with online refit.
+
+Why this shape:
+
+* **Profiles never mix.**  Each engine profile (model|hardware|tp) has its own state; a
+  profile never reported uses the bootstrap predictor and creates no state (so scheduling
+  calls cannot grow server memory).
+* **Hot path is lock-free.**  ``current(key)`` is one dict lookup and one attribute read;
+  publishing replaces the reference atomically (the predictor object is immutable), so a
+  decision sees either the old or the new version, never a mix.
+* **Refits run off the request path** on one background thread: a report call only appends
+  to a bounded window and, every ``refit_every`` new samples, enqueues the profile.
+* **A refit must earn its publication.**  The most recent ``holdout_fraction`` of the window
+  is held out; the candidate is fitted on the older part and published only if its MAE on
+  the held-out recent samples is not worse than the current version's.  Recent samples are
+  what the next decisions will look like, so this is the comparison that matters.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import structlog
+
+from scheduler_service.core import BatchLatencyPredictor, ValidationError, fit_predictor
+
+from .metrics import Metrics
+
+__all__ = ["PredictorRegistry", "ProfileState", "RefitSettings"]
+
+log = structlog.get_logger("slidingserve.predictors")
+
+
+@dataclass(frozen=True, slots=True)
+class RefitSettings:
+    every: int = 256
+    window: int = 4096
+    holdout_fraction: float = 0.2
+    min_samples: int = 30
+    max_profiles: int = 64
+
+
+@dataclass(eq=False)
+class ProfileState:
+    key: str
+    current: BatchLatencyPredictor
+    window: deque[tuple[np.ndarray, int, float]]
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    new_since_refit: int = 0
+    accepted: int = 0
+    refits: int = 0
+    published: int = 0
+    refit_queued: bool = False
+
+
+class PredictorRegistry:
+    def __init__(
+        self,
+        bootstrap: BatchLatencyPredictor,
+        settings: RefitSettings,
+        metrics: Metrics | None = None,
+        on_publish: Callable[[str, BatchLatencyPredictor], None] | None = None,
+    ) -> None:
+        self.bootstrap = bootstrap
+        self.settings = settings
+        self._metrics = metrics
+        self._on_publish = on_publish
+        self._states: dict[str, ProfileState] = {}
+        self._states_lock = threading.Lock()
+        self._cv = threading.Condition()
+        self._queue: deque[str] = deque()
+        self._busy = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._worker, name="predictor-refit", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ hot path
+    def current(self, key: str) -> BatchLatencyPredictor:
+        st = self._states.get(key)
+        return self.bootstrap if st is None else st.current
+
+    def state(self, key: str) -> ProfileState | None:
+        return self._states.get(key)
+
+    # ------------------------------------------------------------- reports
+    def add(self, key: str, x: np.ndarray, scenario: int, latency_ms: float) -> float:
+        """Buffer one validated sample; returns the current predictor's abs error (ms)."""
+        st = self._states.get(key)
+        if st is None:
+            with self._states_lock:
+                st = self._states.get(key)
+                if st is None:
+                    if len(self._states) >= self.settings.max_profiles:
+                        raise ValidationError.single(
+                            "engine_profile",
+                            f"the server already tracks {self.settings.max_profiles} profiles (max_profiles)",
+                        )
+                    st = ProfileState(key, self.bootstrap, deque(maxlen=self.settings.window))
+                    self._states[key] = st
+                    if self._metrics:
+                        self._metrics.predictor_version.labels(profile=key).info(
+                            {"version": st.current.version}
+                        )
+        pred = float(st.current.predict_ms(x[None, :], np.array([scenario]))[0])
+        with st.lock:
+            st.window.append((x, scenario, latency_ms))
+            st.accepted += 1
+            st.new_since_refit += 1
+            trigger = st.new_since_refit >= self.settings.every and not st.refit_queued
+            if trigger:
+                st.refit_queued = True
+                st.new_since_refit = 0
+        if trigger:
+            with self._cv:
+                self._queue.append(key)
+                self._cv.notify_all()
+        return abs(pred - latency_ms)
+
+    # --------------------------------------------------------------- refit
+    def wait_idle(self, timeout: float = 10.0) -> bool:
+        """Block until no refit is queued or running (tests, shutdown)."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._queue and not self._busy, timeout)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout=5.0)
+
+    def _worker(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._queue or self._closed)
+                if self._closed:
+                    return
+                key = self._queue.popleft()
+                self._busy = True
+            try:
+                self.refit(key)
+            except Exception:
+                log.exception("refit_failed", profile=key)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def refit(self, key: str) -> str:
+        """Refit ``key`` now; returns the outcome (published, rejected, unchanged, skipped)."""
+        st = self._states[key]
+        with st.lock:
+            st.refit_queued = False
+            rows = list(st.window)
+            st.refits += 1
+        outcome, info = self._refit_rows(st, rows)
+        if self._metrics:
+            self._metrics.refits.labels(profile=key, outcome=outcome).inc()
+        log.info("predictor_refit", profile=key, outcome=outcome, **info)
+        return outcome
+
+    def _refit_rows(self, st: ProfileState, rows: list[tuple[np.ndarray, int, float]]) -> tuple[str, dict[str, Any]]:
+        n = len(rows)
+        n_hold = max(1, round(n * self.settings.holdout_fraction))
+        if n - n_hold < 2:
+            return "skipped", {"samples": n}
+        x = np.stack([r[0] for r in rows])
+        s = np.array([r[1] for r in rows], dtype=np.int64)
+        y = np.array([r[2] for r in rows], dtype=np.float64)
+        cut = n - n_hold
+        current = st.current
+        try:
+            cand = fit_predictor(
+                x[:cut], s[:cut], y[:cut], min_samples=self.settings.min_samples,
+                meta={"source": "online refit", "profile": st.key, "parent_version": current.version},
+            )
+        except (ValidationError, ValueError) as e:
+            return "skipped", {"samples": n, "error": str(e)}
+        mae_new = float(np.mean(np.abs(cand.predict_ms(x[cut:], s[cut:]) - y[cut:])))
+        mae_cur = float(np.mean(np.abs(current.predict_ms(x[cut:], s[cut:]) - y[cut:])))
+        info: dict[str, Any] = {
+            "samples": n, "holdout": n_hold, "mae_new_ms": round(mae_new, 4), "mae_current_ms": round(mae_cur, 4),
+            "current_version": current.version, "candidate_version": cand.version,
+        }
+        if not np.isfinite(mae_new) or mae_new > mae_cur:
+            return "rejected", info
+        if cand.version == current.version:
+            return "unchanged", info
+        published = BatchLatencyPredictor(
+            scenarios=cand.scenarios, global_model=cand.global_model,
+            meta={**cand.meta, "holdout_mae_ms": mae_new, "holdout_samples": n_hold},
+        )
+        with st.lock:
+            st.current = published  # atomic reference swap; readers never lock
+            st.published += 1
+        if self._metrics:
+            self._metrics.predictor_version.labels(profile=st.key).info({"version": published.version})
+        if self._on_publish:
+            self._on_publish(st.key, published)
+        return "published", info

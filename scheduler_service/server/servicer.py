@@ -1,0 +1,211 @@
+"""The SchedulerService implementation: decode at the edge, call the core, encode.
+
+Every RPC maps a :class:`ValidationError` to INVALID_ARGUMENT (with BadRequest details) and
+any other exception to INTERNAL with a reference id that is logged with the traceback, so
+that a bad or unlucky request never takes the server down and never leaks internals.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from time import perf_counter_ns
+
+import grpc
+import structlog
+
+from scheduler_service.core import Policy, ValidationError, registry
+from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
+from scheduler_service.gen.slidingserve.v1 import scheduler_pb2_grpc as pb_grpc
+
+from .config import ServerConfig
+from .convert import (
+    describe_to_pb,
+    plan_to_pb,
+    predictor_sample_counts,
+    profile_from_pb,
+    report_from_pb,
+    snapshot_from_pb,
+    violations_to_pb,
+)
+from .metrics import Metrics
+from .predictors import PredictorRegistry
+from .status import invalid_argument
+
+__all__ = ["PolicyCache", "SchedulerServicer"]
+
+log = structlog.get_logger("slidingserve.server")
+
+#: At most this many rejection reasons travel back in a ReportSummary.
+MAX_REASONS = 10
+
+
+class PolicyCache:
+    """Policies by (name, params).  Policies are immutable, so building one per distinct
+    parameter set once and sharing it is safe and keeps ``registry.create`` (validation,
+    version hashing) off the hot path.  Bounded LRU: params come from clients."""
+
+    def __init__(self, capacity: int = 256) -> None:
+        self._items: OrderedDict[tuple[str, tuple[tuple[str, str], ...]], Policy] = OrderedDict()
+        self._lock = threading.Lock()
+        self._capacity = capacity
+
+    def get(self, name: str, params: Mapping[str, str]) -> Policy:
+        key = (name, tuple(sorted(params.items())))
+        with self._lock:
+            p = self._items.get(key)
+            if p is not None:
+                self._items.move_to_end(key)
+                return p
+        p = registry.create(name, dict(params) or None)  # raises ValidationError
+        with self._lock:
+            self._items[key] = p
+            if len(self._items) > self._capacity:
+                self._items.popitem(last=False)
+        return p
+
+
+class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
+    def __init__(
+        self, config: ServerConfig, predictors: PredictorRegistry, metrics: Metrics, policies: PolicyCache
+    ) -> None:
+        self._cfg = config
+        self._predictors = predictors
+        self._metrics = metrics
+        self._policies = policies
+        self.ready = threading.Event()
+
+    # ------------------------------------------------------------ decisions
+    def _decide(self, request: pb.ScheduleRequest, t0: int) -> pb.ScheduleResponse:
+        snap, profile = snapshot_from_pb(request.snapshot, max_requests=self._cfg.max_requests_per_snapshot)
+        policy = self._policies.get(request.policy or self._cfg.default_policy, request.params)
+        plan = policy.plan(snap, self._predictors.current(profile.key))
+        resp = pb.ScheduleResponse(request_id=request.request_id, plan=plan_to_pb(plan))
+        dt = perf_counter_ns() - t0
+        resp.server_us = dt // 1000
+        self._metrics.decisions.labels(plan.policy, plan.path).inc()
+        self._metrics.decision_seconds.labels(plan.policy).observe(dt * 1e-9)
+        return resp
+
+    def _internal(self, rpc: str, request_id: str = "") -> str:
+        ref = uuid.uuid4().hex[:12]
+        log.exception("rpc_failed", rpc=rpc, ref=ref, request_id=request_id)
+        self._metrics.decision_errors.labels("INTERNAL").inc()
+        return f"internal error (ref {ref}); see the server log"
+
+    def _rejected(self, rpc: str, err: ValidationError, request_id: str = "") -> None:
+        self._metrics.decision_errors.labels("INVALID_ARGUMENT").inc()
+        log.info("request_rejected", rpc=rpc, request_id=request_id, error=str(err))
+
+    def _check_ready(self, context: grpc.ServicerContext) -> None:
+        if not self.ready.is_set():
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the server is still loading")
+
+    def Schedule(self, request: pb.ScheduleRequest, context: grpc.ServicerContext) -> pb.ScheduleResponse:
+        t0 = perf_counter_ns()
+        self._check_ready(context)
+        try:
+            return self._decide(request, t0)
+        except ValidationError as e:
+            self._rejected("Schedule", e, request.request_id)
+            context.abort_with_status(invalid_argument(e))
+        except Exception:
+            context.abort(grpc.StatusCode.INTERNAL, self._internal("Schedule", request.request_id))
+        raise AssertionError("unreachable")  # abort raises
+
+    def ScheduleStream(
+        self, request_iterator: Iterator[pb.ScheduleRequest], context: grpc.ServicerContext
+    ) -> Iterator[pb.ScheduleResponse]:
+        self._check_ready(context)
+        self._metrics.active_streams.inc()
+        try:
+            for request in request_iterator:
+                t0 = perf_counter_ns()
+                try:
+                    resp = self._decide(request, t0)
+                except ValidationError as e:
+                    self._rejected("ScheduleStream", e, request.request_id)
+                    resp = pb.ScheduleResponse(
+                        request_id=request.request_id,
+                        error=pb.ScheduleError(
+                            code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                            message=str(e),
+                            field_violations=violations_to_pb(e),
+                        ),
+                    )
+                except Exception:
+                    msg = self._internal("ScheduleStream", request.request_id)
+                    resp = pb.ScheduleResponse(
+                        request_id=request.request_id,
+                        error=pb.ScheduleError(code=grpc.StatusCode.INTERNAL.value[0], message=msg),
+                    )
+                yield resp
+        finally:
+            self._metrics.active_streams.dec()
+
+    # -------------------------------------------------------------- reports
+    def ReportIterations(
+        self, request_iterator: Iterator[pb.IterationReport], context: grpc.ServicerContext
+    ) -> pb.ReportSummary:
+        self._check_ready(context)
+        summary = pb.ReportSummary()
+        m = self._metrics
+        try:
+            for i, msg in enumerate(request_iterator):
+                try:
+                    profile, x, scen, lat = report_from_pb(
+                        msg, max_requests=self._cfg.max_requests_per_snapshot, field=f"report[{i}]"
+                    )
+                    err = self._predictors.add(profile.key, x, scen, lat)
+                except ValidationError as e:
+                    summary.rejected += 1
+                    m.reports.labels("rejected").inc()
+                    if len(summary.rejection_reasons) < MAX_REASONS:
+                        summary.rejection_reasons.append(str(e))
+                    continue
+                summary.accepted += 1
+                m.reports.labels("accepted").inc()
+                m.predictor_abs_error_ms.labels(profile.key).observe(err)
+                summary.predictor_version = self._predictors.current(profile.key).version
+        except Exception:
+            context.abort(grpc.StatusCode.INTERNAL, self._internal("ReportIterations"))
+        if summary.rejected:
+            log.info("reports_rejected", rejected=summary.rejected, accepted=summary.accepted,
+                     first=summary.rejection_reasons[0])
+        return summary
+
+    # ------------------------------------------------------------ metadata
+    def ListPolicies(self, request: pb.ListPoliciesRequest, context: grpc.ServicerContext) -> pb.ListPoliciesResponse:
+        try:
+            resp = pb.ListPoliciesResponse(default_policy=self._cfg.default_policy)
+            resp.policies.extend(describe_to_pb(registry.describe(n)) for n in registry.names())
+            return resp
+        except Exception:
+            context.abort(grpc.StatusCode.INTERNAL, self._internal("ListPolicies"))
+        raise AssertionError("unreachable")
+
+    def GetPredictor(self, request: pb.GetPredictorRequest, context: grpc.ServicerContext) -> pb.GetPredictorResponse:
+        try:
+            profile = profile_from_pb(request.engine_profile, "engine_profile")
+            p = self._predictors.current(profile.key)
+            resp = pb.GetPredictorResponse(
+                predictor_json=p.to_json(indent=None),
+                version=p.version,
+                profile_key=profile.key,
+                sample_counts=predictor_sample_counts(p),
+            )
+            st = self._predictors.state(profile.key)
+            if st is not None:
+                with st.lock:
+                    resp.reports_accepted = st.accepted
+                    resp.buffered_samples = len(st.window)
+                    resp.refits = st.refits
+                    resp.published = st.published
+            return resp
+        except ValidationError as e:
+            context.abort_with_status(invalid_argument(e))
+        except Exception:
+            context.abort(grpc.StatusCode.INTERNAL, self._internal("GetPredictor"))
+        raise AssertionError("unreachable")
