@@ -56,8 +56,8 @@ def grid_positions(
     iteration's feasible range (``first_tokens``, default its cap) would hold
     more than ``max_points`` positions.
     """
-    xmax = min(cq.supply, cq.first_cap + (k - 1) * cq.iter_cap)
     per_iter = cq.first_cap if first_tokens is None else max(1, min(first_tokens, cq.first_cap))
+    xmax = min(cq.supply, per_iter + (k - 1) * cq.iter_cap)
     g = max(1, granularity)
     if per_iter > g * max_points:
         g *= -(-per_iter // (g * max_points))
@@ -86,11 +86,18 @@ def sliding_chunk(
     granularity: int = 16,
     max_points: int = 1 << 30,
     curve: BudgetCurve | None = None,
+    tie_tolerance_ms: float = 0.0,
 ) -> int:
     """Prefill tokens for this iteration (b_1 − |D|); 0 when nothing fits.
 
     ``curve`` (the fill curve of ``cq``, if the caller has it) saves
     recomputing how far the first iteration can go within W_1.
+    ``tie_tolerance_ms``: splits whose Σ T̂ is within this of the least count
+    as ties, and ties go to the larger b_1.  A linear predictor makes Σ T̂
+    almost flat in the split (the same tokens cost the same in either
+    iteration), so without a tolerance rounding-level differences between
+    scenario models pick the split; with it, more work now means earlier
+    first tokens at the same predicted cost.
     """
     k = len(W)
     if cq.supply == 0 or cq.first_cap == 0:
@@ -111,18 +118,51 @@ def sliding_chunk(
     if not np.isfinite(best).any():
         return 0
     parents: list[np.ndarray] = []
-    for m in range(1, k):
-        src = np.flatnonzero(np.isfinite(best))
-        tot = best[src][:, None] + cq.pair_times_ms(grid[src], grid, m)
-        tot[grid[None, :] - grid[src][:, None] > cq.iter_cap] = inf
-        tot[tot > W[m]] = inf
-        # argmin over sources, ties to the larger X (later rows): flip rows.
-        flipped = tot[::-1]
-        arg = len(src) - 1 - np.argmin(flipped, axis=0)
-        best = tot[arg, np.arange(len(grid))]
-        parents.append(src[arg])
-    feasible = np.flatnonzero(np.isfinite(best))
-    pos = int(feasible[-1])  # largest total B_Σ; best[pos] is the least Σ T̂
-    for par in reversed(parents):
-        pos = int(par[pos])
+    for m in range(1, k - 1):
+        best, par = _step(cq, grid, best, m, W[m], np.arange(len(grid)))
+        parents.append(par)
+    if k > 1:
+        # Last window: only the largest feasible total matters, so scan the
+        # targets from the top in blocks and stop at the first feasible one.
+        # Blocks of ~8k pair evaluations: numpy's per-call overhead dominates
+        # below that, so one big block usually beats several small ones.
+        rows = int(np.isfinite(best).sum())
+        block = max(8, 8192 // max(rows, 1))
+        hi = len(grid)
+        while hi > 0:
+            cols = np.arange(max(0, hi - block), hi)
+            b, par = _step(cq, grid, best, k - 1, W[k - 1], cols, tie_tolerance_ms)
+            ok = np.flatnonzero(np.isfinite(b))
+            if len(ok):
+                pos = int(par[ok[-1]])
+                break
+            hi -= block
+        else:  # unreachable: Y = X is always a candidate for a feasible X
+            return 0
+    else:
+        pos = int(np.flatnonzero(np.isfinite(best))[-1])
+    for p in reversed(parents):
+        pos = int(p[pos])
     return int(grid[pos])
+
+
+def _step(
+    cq: CandidateQueue,
+    grid: np.ndarray,
+    best: np.ndarray,
+    m: int,
+    w_m: float,
+    cols: np.ndarray,
+    tol: float = 0.0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """One DP transition to the targets ``grid[cols]``: the cumulative time
+    and the source position chosen for each; the source is the largest one
+    within ``tol`` of the least time (intermediate windows use tol = 0, which
+    keeps the DP exact)."""
+    src = np.flatnonzero(np.isfinite(best))
+    X, Y = grid[src], grid[cols]
+    tot = best[src][:, None] + cq.pair_times_ms(X, Y, m)
+    tot[(Y[None, :] - X[:, None] > cq.iter_cap) | (tot > w_m)] = np.inf
+    near = tot <= tot.min(axis=0)[None, :] + tol
+    arg = len(src) - 1 - np.argmax(near[::-1], axis=0)
+    return tot[arg, np.arange(len(cols))], src[arg]

@@ -45,6 +45,10 @@ class SlidingServeParams:
     max_grid: int = param(
         32, lo=2, hi=100_000, doc="most grid positions per iteration; the step widens beyond"
     )
+    tie_tolerance_ms: float = param(
+        2.0, lo=0.0, hi=1e4,
+        doc="window splits within this many ms of the least predicted total tie; the larger b1 wins",
+    )
     max_candidates: int = param(64, lo=1, hi=100_000, doc="BatchConstructor candidate pool size")
     kv_decode_reserve: int = param(
         1, lo=0, hi=1024, doc="KV tokens kept free per running decode for its next tokens"
@@ -105,7 +109,7 @@ class SlidingServePolicy:
             elif p.window == 1:
                 p1 = min(max(curve.prefill_tokens_within(W[0]), 0), cq.first_cap)
             else:
-                p1 = sliding_chunk(cq, W, p.granularity, p.max_grid, curve)
+                p1 = sliding_chunk(cq, W, p.granularity, p.max_grid, curve, p.tie_tolerance_ms)
             pre_alloc = cq.fill(p1)
             path = "sliding_chunker" if pre_alloc else ("decode_only" if n_dec else "idle")
             t4 = time.perf_counter_ns()
