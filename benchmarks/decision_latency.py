@@ -1,6 +1,6 @@
 """In-process decision time per policy on a loaded engine's snapshot.
 
-    .venv/bin/python benchmarks/decision_latency.py [--decodes 256] [--queued 512] [--iters 300]
+    .venv/bin/python -m benchmarks.decision_latency [--decodes 256] [--queued 512] [--iters 300]
 
 Prints p50/p99 decision time per policy and SlidingServe's breakdown by
 component.  Several snapshots (seeds) are rotated so that no single queue
@@ -10,16 +10,12 @@ shape decides the figure.  Target (issue 2): slidingserve p50 <= 0.5 ms.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.snapshots import busy_snapshot  # noqa: E402
-from scheduler_service.core import default_predictor, registry  # noqa: E402
+from benchmarks.snapshots import busy_snapshot
+from scheduler_service.core import default_predictor, registry
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ def busy_snapshot(
     rng = np.random.default_rng(seed)
     trace = load_trace("sharegpt")
     n = n_decode + n_queued
-    prompt, out = trace.sample(n, seed)
+    prompt, _ = trace.sample(n, seed)
     now = 100.0
     arrival = np.empty(n)
     computed = np.zeros(n, dtype=np.int64)

@@ -183,8 +183,8 @@ def cmd_predictor_show(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from scheduler_service.server.config import ServerConfig
     from scheduler_service.server.app import serve
+    from scheduler_service.server.config import ServerConfig
 
     config = ServerConfig.from_file(args.config) if args.config else ServerConfig()
     overrides = {k: v for k, v in (("port", args.port), ("host", args.host),
