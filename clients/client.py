@@ -163,8 +163,9 @@ class PolicyList:
         return [p.name for p in self.policies]
 
     def to_dict(self) -> dict[str, Any]:
+        """Same shape as the offline ``{"default": ..., "policies": [registry.describe(n)...]}``."""
         return {
-            "default_policy": self.default_policy,
+            "default": self.default_policy,
             "policies": [
                 {"name": p.name, "version": p.version, "doc": p.doc,
                  "params": [{"name": q.name, "type": q.type, "default": q.default, "min": q.min,
@@ -186,12 +187,19 @@ class PredictorInfo:
     refits: int = 0
     published: int = 0
 
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "profile_key": self.profile_key, "version": self.version, "sample_counts": dict(self.sample_counts),
+            "reports_accepted": self.reports_accepted, "buffered_samples": self.buffered_samples,
+            "refits": self.refits, "published": self.published, "predictor": self.predictor.to_dict(),
+        }
+
 
 # --------------------------------------------------------------- encoding
 def _profile(p: ProfileLike) -> EngineProfile | None:
     if p is None or isinstance(p, EngineProfile):
         return p
-    return EngineProfile.from_key(p)
+    return EngineProfile.parse(p) if p else None
 
 
 def _params_text(params: Mapping[str, Any] | None) -> dict[str, str]:
@@ -215,7 +223,7 @@ class _Encoder:
             snap_pb = snapshot
         else:
             snap = snapshot if isinstance(snapshot, Snapshot) else Snapshot.from_json(snapshot)
-            prof = self.profile if not snap.profile else None
+            prof = EngineProfile.parse(snap.profile) if snap.profile else self.profile
             snap_pb = snapshot_to_pb(snap, profile=prof, engine_id=self.engine_id, encoding=self.encoding)
         return pb.ScheduleRequest(
             request_id=request_id if request_id is not None else f"{self.engine_id or 'c'}-{next(self._ids)}",

@@ -167,7 +167,7 @@ def snapshot_to_pb(
     if snap.prefill_throughput is not None:
         msg.prefill_throughput = snap.prefill_throughput
     if profile is None and snap.profile:
-        profile = EngineProfile.from_key(snap.profile)
+        profile = EngineProfile.parse(snap.profile)
     if profile is not None:
         msg.engine_profile.CopyFrom(profile_to_pb(profile))
     if encoding == "columns":

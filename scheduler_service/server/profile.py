@@ -47,5 +47,16 @@ class EngineProfile:
             raise ValueError(f"not an engine profile key (model|hardware|tp<N>): {key!r}")
         return cls(parts[0], parts[1], int(parts[2][2:]))
 
+    @classmethod
+    def parse(cls, text: str) -> EngineProfile:
+        """Lenient form for users: ``""`` is the default profile, a key parses as a key, and
+        any other string (e.g. a snapshot JSON's free-form ``profile``) names the model."""
+        if not text:
+            return cls()
+        try:
+            return cls.from_key(text)
+        except ValueError:
+            return cls(model=text)
+
     def __str__(self) -> str:
         return self.key

@@ -1,0 +1,37 @@
+"""SchedulerClient behaviour that needs no policy: errors, defaults, request encoding."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from clients.client import EngineProfile, IterationReport, SchedulerClient, SchedulerError
+from tests.grpc_support import make_server, mixed_snapshot
+
+
+def test_unreachable_server_is_a_scheduler_error() -> None:
+    with SchedulerClient("127.0.0.1:1", timeout_s=0.5) as cl, pytest.raises(SchedulerError) as exc:
+        cl.schedule(mixed_snapshot(0, 2, 2))
+    assert exc.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    assert exc.value.violations == ()
+
+
+def test_report_needs_a_batch() -> None:
+    with pytest.raises(ValueError):
+        IterationReport(latency_ms=1.0).to_pb()
+
+
+def test_profile_defaults_and_stream_reuse() -> None:
+    prof = EngineProfile("m", "h", 8)
+    with make_server() as srv, SchedulerClient(srv.target, timeout_s=10.0, profile=prof, engine_id="e1") as cl:
+        assert cl.get_predictor().profile_key == prof.key
+        assert cl.get_predictor("").profile_key == prof.key
+        assert cl.get_predictor("x|y|tp2").profile_key == "x|y|tp2"
+        s = cl.stream()
+        plans = [s.schedule(mixed_snapshot(i, 3, 3), request_id=f"id{i}") for i in range(5)]
+        s.close()
+        assert all(p.policy == "slidingserve" for p in plans)
+        with pytest.raises(SchedulerError) as exc:
+            s.schedule(mixed_snapshot(0, 3, 3))
+        assert exc.value.code == grpc.StatusCode.CANCELLED
+        assert cl.get_predictor().to_dict()["profile_key"] == prof.key
