@@ -7,6 +7,7 @@ from __future__ import annotations
 from importlib import resources
 
 from . import registry
+from .check import plan_violations
 from .errors import FieldViolation, ValidationError
 from .plan import Allocation, Plan
 from .policy import Policy
@@ -27,6 +28,7 @@ __all__ = [
     "default_predictor",
     "evaluate",
     "fit_predictor",
+    "plan_violations",
     "registry",
 ]
 

@@ -291,6 +291,15 @@ class Snapshot:
         return len(self.ids)
 
     @property
+    def index_of(self) -> dict[str, int]:
+        """Row of each request id."""
+        d = self._cache.get("index_of")
+        if d is None:
+            d = {rid: i for i, rid in enumerate(self.ids)}
+            self._cache["index_of"] = d
+        return d
+
+    @property
     def is_decoding(self) -> np.ndarray:
         return self._memo("is_decoding", lambda: self.computed_tokens == self.prompt_tokens)
 

@@ -1,0 +1,49 @@
+"""Check a plan against the snapshot it answers.
+
+Engines run this on every plan they receive (a plan from a remote service is
+untrusted input) and the property tests run it on every plan a policy makes.
+"""
+
+from __future__ import annotations
+
+from .plan import Plan
+from .snapshot import Snapshot
+
+__all__ = ["plan_violations"]
+
+
+def plan_violations(snapshot: Snapshot, plan: Plan, *, limit: int = 10) -> list[str]:
+    """Every way ``plan`` breaks the snapshot's limits (empty when valid).
+
+    A valid plan names only known requests, each at most once, with
+    1 ≤ tokens ≤ what the request still needs (1 for a decode), and stays
+    within ``max_batch_tokens``, ``max_num_seqs`` and ``free_kv_tokens``.
+    """
+    problems: list[str] = []
+    index = snapshot.index_of
+    seen: set[str] = set()
+    total = 0
+    for a in plan.allocations:
+        if len(problems) >= limit:
+            break
+        i = index.get(a.id)
+        if i is None:
+            problems.append(f"unknown request {a.id!r}")
+            continue
+        if a.id in seen:
+            problems.append(f"request {a.id!r} allocated twice")
+            continue
+        seen.add(a.id)
+        need = 1 if snapshot.is_decoding[i] else int(snapshot.remaining_prefill[i])
+        if not 1 <= a.tokens <= need:
+            problems.append(f"request {a.id!r} gets {a.tokens} tokens, allowed 1..{need}")
+        total += a.tokens
+    if total != plan.token_budget:
+        problems.append(f"token_budget {plan.token_budget} != sum of allocations {total}")
+    if total > snapshot.max_batch_tokens:
+        problems.append(f"{total} tokens exceed max_batch_tokens {snapshot.max_batch_tokens}")
+    if len(plan.allocations) > snapshot.max_num_seqs:
+        problems.append(f"{len(plan.allocations)} requests exceed max_num_seqs {snapshot.max_num_seqs}")
+    if snapshot.free_kv_tokens is not None and total > snapshot.free_kv_tokens:
+        problems.append(f"{total} tokens exceed free_kv_tokens {snapshot.free_kv_tokens}")
+    return problems[:limit]
