@@ -122,3 +122,40 @@ def brute_batch_features(cu: Sequence[tuple[float, float]]) -> np.ndarray:
             x[4] += u
         x[2] += u
     return np.array(x)
+
+
+def explicit_segment(snap: Snapshot, decodes: Sequence[int] | np.ndarray, queue: Sequence[int] | np.ndarray,
+                     X: int, Y: int, step: int = 0) -> list[tuple[int, int]]:
+    """(c, u) of every request of the batch "decodes (``step`` tokens longer)
+    + stream segment [X, Y)" of ``queue``, built request by request."""
+    cu = [(1, int(snap.kv_tokens[d]) + step) for d in np.asarray(decodes).tolist()]
+    start = 0
+    for i in np.asarray(queue).tolist():
+        r = int(snap.prompt_tokens[i] - snap.computed_tokens[i])
+        lo, hi = max(X, start), min(Y, start + r)
+        if hi > lo:
+            cu.append((hi - lo, int(snap.computed_tokens[i]) + (lo - start)))
+        start += r
+    return cu
+
+
+def predict_cu(pred: BatchLatencyPredictor, cu: Sequence[tuple[int, int]]) -> float:
+    """Predicted ms of an explicit batch; 0 for the empty batch."""
+    if not cu:
+        return 0.0
+    return pred.predict_batch_ms(np.array([c for c, _ in cu]), np.array([u for _, u in cu]))
+
+
+def dyadic_predictor(seed: int, *, allow_negative: bool = False) -> BatchLatencyPredictor:
+    """Coefficients that are small dyadic rationals: every prediction of an
+    integer batch is exact in float64, so two ways of summing agree bit for bit
+    and ties are real ties."""
+    rng = np.random.default_rng(seed)
+    denom = np.array([2.0**16, 2.0**16, 2.0**12, 8.0, 2.0**12, 64.0, 64.0])
+
+    def one() -> LinearModel:
+        k = rng.integers(-4 if allow_negative else 0, 9, 7)
+        return LinearModel(float(rng.integers(1, 5)) / 2, tuple(float(v) for v in k / denom))
+
+    return BatchLatencyPredictor(scenarios={"decode": one(), "prefill": one(), "mixed": one()},
+                                 global_model=one())

@@ -14,9 +14,11 @@ from scheduler_service.core.sorter import prefill_indices
 from tests.factories import (
     brute_batch_features,
     decoding,
+    explicit_segment,
     linear_model,
     make_predictor,
     make_snapshot,
+    predict_cu,
     prefilling,
     random_predictor,
     random_snapshot,
@@ -26,28 +28,11 @@ from tests.factories import (
 from tests.strategies import predictors, snapshots
 
 
-def explicit_segment(snap: Snapshot, decodes: np.ndarray, queue: np.ndarray, X: int, Y: int,
-                     step: int) -> list[tuple[int, int]]:
-    """(c, u) of every request in "decodes (m tokens longer) + stream segment [X, Y)"."""
-    cu = [(1, int(snap.kv_tokens[d]) + step) for d in decodes.tolist()]
-    start = 0
-    for i in queue.tolist():
-        r = int(snap.prompt_tokens[i] - snap.computed_tokens[i])
-        lo, hi = max(X, start), min(Y, start + r)
-        if hi > lo:
-            cu.append((hi - lo, int(snap.computed_tokens[i]) + (lo - start)))
-        start += r
-    return cu
-
-
 def explicit_fill(snap: Snapshot, decodes: np.ndarray, queue: np.ndarray, P: int) -> list[tuple[int, int]]:
     return explicit_segment(snap, decodes, queue, 0, P, 0)
 
 
-def predict(pred: BatchLatencyPredictor, cu: list[tuple[int, int]]) -> float:
-    if not cu:
-        return 0.0
-    return pred.predict_batch_ms(np.array([c for c, _ in cu]), np.array([u for _, u in cu]))
+predict = predict_cu
 
 
 def build(snap: Snapshot, pred: BatchLatencyPredictor, rng: np.random.Generator | None = None,
