@@ -1,0 +1,315 @@
+"""The engine-agnostic adapter core that every engine (simulated or vLLM) uses.
+
+One call per iteration: :meth:`AdapterCore.decide` takes the engine's
+snapshot and returns a plan that is *safe to execute*:
+
+1. ask the scheduler (in-process policy or gRPC service — the same
+   :class:`SchedulerBackend` interface) within a per-iteration deadline;
+2. check the plan against the engine's own limits
+   (:func:`scheduler_service.core.plan_violations`): unknown requests,
+   budgets, KV, remaining tokens;
+3. on a deadline miss, an error or a rejected plan, decide locally with the
+   fallback policy and count the reason.
+
+After a failure the remote path is skipped for a back-off period (doubling up
+to ``max_backoff_s``) so that a dead service costs one deadline, not one per
+iteration; the first success closes the circuit again.
+
+Measured latencies go to :meth:`AdapterCore.report`, which only appends to a
+bounded queue: a background thread ships them in batches and never makes the
+engine wait; when the queue is full the oldest reports are dropped and
+counted.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from scheduler_service.core import (
+    BatchLatencyPredictor,
+    Plan,
+    Snapshot,
+    batch_features,
+    default_predictor,
+    plan_violations,
+    registry,
+)
+
+__all__ = [
+    "AdapterCore",
+    "AdapterSettings",
+    "Decision",
+    "GrpcBackend",
+    "InProcessBackend",
+    "IterationSample",
+    "SchedulerBackend",
+]
+
+#: Fallback reasons, as counted in :attr:`AdapterCore.fallbacks`.
+REASONS = ("deadline", "error", "invalid_plan", "circuit_open")
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterSettings:
+    """How an engine talks to the scheduler.  Every engine adapter builds one
+    (the vLLM adapter from environment variables, the simulator from flags)."""
+
+    #: Policy the service runs for this engine ("" = the service's default).
+    policy: str = "slidingserve"
+    params: Mapping[str, str] = field(default_factory=dict)
+    #: Per-iteration deadline for the remote decision.
+    deadline_ms: float = 20.0
+    #: Local policy used when the remote decision is late, fails or is invalid.
+    fallback_policy: str = "vllm-fcfs"
+    #: Engine profile key (model/hardware/TP) under which reports are pooled.
+    profile: str = ""
+    engine_id: str = ""
+    report_queue: int = 8192
+    report_batch: int = 256
+    #: Back-off after a failure before the remote path is tried again.
+    min_backoff_s: float = 0.05
+    max_backoff_s: float = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class IterationSample:
+    """One executed iteration: per-request tokens c, KV tokens u, measured time."""
+
+    c: np.ndarray
+    u: np.ndarray
+    latency_ms: float
+
+
+class SchedulerBackend(Protocol):
+    def schedule(self, snapshot: Snapshot, timeout_s: float) -> Plan: ...
+
+    def report(self, samples: Sequence[IterationSample]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class InProcessBackend:
+    """The policy in the engine's own process, with online predictor refits
+    from its reports (the same registry the service uses)."""
+
+    def __init__(self, settings: AdapterSettings, predictor: BatchLatencyPredictor | None = None,
+                 refit: bool = True) -> None:
+        from scheduler_service.server.predictors import PredictorRegistry, RefitSettings
+
+        self._policy = registry.create(settings.policy or "slidingserve", settings.params)
+        self._profile = settings.profile or "default"
+        self._registry = PredictorRegistry(predictor or default_predictor(), RefitSettings()) if refit else None
+        self._fixed = predictor or default_predictor()
+
+    @property
+    def predictor(self) -> BatchLatencyPredictor:
+        return self._registry.current(self._profile) if self._registry else self._fixed
+
+    def schedule(self, snapshot: Snapshot, timeout_s: float) -> Plan:
+        return self._policy.plan(snapshot, self.predictor)
+
+    def report(self, samples: Sequence[IterationSample]) -> None:
+        if self._registry is None:
+            return
+        for s in samples:
+            x, scen = batch_features(s.c, s.u)
+            self._registry.add(self._profile, x, scen, s.latency_ms)
+
+    def wait_refits(self, timeout: float = 10.0) -> bool:
+        return self._registry.wait_idle(timeout) if self._registry else True
+
+    def close(self) -> None:
+        if self._registry is not None:
+            self._registry.close()
+
+
+class GrpcBackend:
+    """The remote service over one long-lived ScheduleStream per engine.
+
+    Channels are created lazily on first use, so an engine that forks (vLLM's
+    EngineCore) creates them in the process that uses them.
+    """
+
+    def __init__(self, target: str, settings: AdapterSettings, *, unary: bool = False) -> None:
+        self.target = target
+        self._settings = settings
+        self._unary = unary
+        self._client: Any = None
+        self._stream: Any = None
+        self._lock = threading.Lock()
+
+    def _connect(self) -> Any:
+        if self._client is None:
+            from clients.client import SchedulerClient
+
+            self._client = SchedulerClient(
+                self.target, timeout_s=self._settings.deadline_ms / 1e3,
+                profile=self._settings.profile or None, engine_id=self._settings.engine_id,
+            )
+        return self._client
+
+    def schedule(self, snapshot: Snapshot, timeout_s: float) -> Plan:
+        client = self._connect()
+        policy = self._settings.policy or None
+        if self._unary:
+            return client.schedule(snapshot, policy=policy, params=self._settings.params, timeout_s=timeout_s)
+        if self._stream is None:
+            self._stream = client.stream()
+        return self._stream.schedule(snapshot, policy=policy, params=self._settings.params, timeout_s=timeout_s)
+
+    def report(self, samples: Sequence[IterationSample]) -> None:
+        from clients.client import IterationReport
+
+        client = self._connect()
+        client.report(
+            [IterationReport(latency_ms=s.latency_ms, c=s.c, u=s.u) for s in samples],
+            timeout_s=max(1.0, 10 * self._settings.deadline_ms / 1e3),
+        )
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+        if self._client is not None:
+            self._client.close()
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    plan: Plan
+    #: "remote" when the scheduler's plan is executed, else "fallback".
+    source: str
+    #: Why the fallback was used ("" for remote decisions).
+    reason: str = ""
+    #: Wall time the engine spent in :meth:`AdapterCore.decide`.
+    elapsed_us: int = 0
+
+
+class AdapterCore:
+    def __init__(self, backend: SchedulerBackend, settings: AdapterSettings,
+                 fallback_predictor: BatchLatencyPredictor | None = None) -> None:
+        self.backend = backend
+        self.settings = settings
+        self._fallback = registry.create(settings.fallback_policy)
+        self._fallback_predictor = fallback_predictor or default_predictor()
+        self.remote_decisions = 0
+        self.fallbacks: collections.Counter[str] = collections.Counter()
+        self.last_error = ""
+        self._open_until = 0.0
+        self._backoff = settings.min_backoff_s
+        # reports
+        self._reports: collections.deque[IterationSample] = collections.deque(maxlen=settings.report_queue)
+        self.reports_dropped = 0
+        self.reports_sent = 0
+        self.report_errors = 0
+        self._cv = threading.Condition()
+        self._closed = False
+        self._sending = False
+        self._thread = threading.Thread(target=self._ship_reports, name="adapter-reports", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------- decisions
+    def decide(self, snapshot: Snapshot) -> Decision:
+        t0 = time.perf_counter()
+        reason = ""
+        if t0 < self._open_until:
+            reason = "circuit_open"
+        else:
+            try:
+                plan = self.backend.schedule(snapshot, self.settings.deadline_ms / 1e3)
+            except Exception as e:  # every remote failure mode ends in the fallback
+                reason = _classify(e)
+                self.last_error = f"{type(e).__name__}: {e}"
+            else:
+                problems = plan_violations(snapshot, plan)
+                if not problems:
+                    self.remote_decisions += 1
+                    self._backoff = self.settings.min_backoff_s
+                    return Decision(plan, "remote", "", int((time.perf_counter() - t0) * 1e6))
+                reason = "invalid_plan"
+                self.last_error = "; ".join(problems[:3])
+            if reason != "invalid_plan":
+                self._open_until = time.perf_counter() + self._backoff
+                self._backoff = min(self._backoff * 2, self.settings.max_backoff_s)
+        self.fallbacks[reason] += 1
+        plan = self._fallback.plan(snapshot, self._fallback_predictor)
+        return Decision(plan, "fallback", reason, int((time.perf_counter() - t0) * 1e6))
+
+    @property
+    def fallback_total(self) -> int:
+        return sum(self.fallbacks.values())
+
+    # --------------------------------------------------------------- reports
+    def report(self, sample: IterationSample) -> None:
+        """Queue one measured iteration; never blocks on the network."""
+        with self._cv:
+            if len(self._reports) == self._reports.maxlen:
+                self.reports_dropped += 1
+            self._reports.append(sample)
+            if len(self._reports) >= self.settings.report_batch:
+                self._cv.notify()
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until every queued report has been handed to the backend."""
+        end = time.monotonic() + timeout
+        with self._cv:
+            self._cv.notify()
+            while self._reports or self._sending:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(min(left, 0.05))
+                self._cv.notify()
+        return True
+
+    def _ship_reports(self) -> None:
+        while True:
+            with self._cv:
+                while not self._reports and not self._closed:
+                    self._cv.wait(0.5)
+                if self._closed and not self._reports:
+                    return
+                batch = [self._reports.popleft()
+                         for _ in range(min(len(self._reports), self.settings.report_batch))]
+                self._sending = True
+            try:
+                self.backend.report(batch)
+                self.reports_sent += len(batch)
+            except Exception:
+                self.report_errors += 1
+                time.sleep(min(self._backoff, 0.5))
+            finally:
+                with self._cv:
+                    self._sending = False
+                    self._cv.notify_all()
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "remote_decisions": self.remote_decisions,
+            "fallbacks": dict(self.fallbacks),
+            "reports_sent": self.reports_sent,
+            "reports_dropped": self.reports_dropped,
+            "report_errors": self.report_errors,
+            "last_error": self.last_error,
+        }
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout=5)
+        self.backend.close()
+
+
+def _classify(e: Exception) -> str:
+    """"deadline" for a late answer (a slow service), "error" for the rest."""
+    code = getattr(e, "code", None)
+    if getattr(code, "name", "") == "DEADLINE_EXCEEDED" or isinstance(e, TimeoutError):
+        return "deadline"
+    return "error"

@@ -1,0 +1,347 @@
+"""A discrete-event simulated LLM engine.
+
+It behaves like a continuous-batching engine with chunked prefill (vLLM V1):
+each iteration it builds a snapshot of every arrived, unfinished request,
+asks the :class:`~engine_adapter.core.AdapterCore` for a plan (the same code
+path a real engine uses), advances its clock by the ground-truth latency of
+the executed batch, and reports that latency back.
+
+Semantics:
+
+* A prefill chunk of t tokens adds t tokens to the KV cache; the first output
+  token appears at the end of the iteration that computes the last prompt
+  token.  A decode step adds one token to the KV cache and emits one token.
+* KV is kept in blocks of the profile's block size.  The snapshot reports
+  ``free_kv_tokens = free_blocks·B − (B − 1)·n`` for n requests that may be
+  scheduled: a request given t tokens needs at most ⌈t/B⌉ new blocks, so a
+  plan that respects the reported headroom can always be placed.
+* When the headroom cannot hold one more token per running decode, the
+  engine preempts the most recently arrived running request (recompute, as
+  vLLM does): its blocks are freed and its prompt and generated tokens are
+  prefilled again, after which generation continues.
+* Token k (1-based) of request i is due at a_i + L_i^ttft + (k − 1)·L_i^tbt
+  (formula (1)); a request violates its SLO when any token is late.
+* The simulated clock does not include the policy's own decision time (it is
+  measured and reported separately); the ground truth's fixed CPU overhead
+  stands for the engine's.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from scheduler_service.core import Snapshot
+
+from ..core import AdapterCore, IterationSample
+from .groundtruth import GPUProfile, GroundTruth
+
+__all__ = ["EngineConfig", "SimResult", "SimulatedEngine", "Workload"]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Workload:
+    """Requests to replay, sorted by arrival (columns of equal length)."""
+
+    arrival: np.ndarray
+    prompt_tokens: np.ndarray
+    output_tokens: np.ndarray
+    ttft_slo: np.ndarray
+    tbt_slo: np.ndarray
+    protected: np.ndarray
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        n = len(self.arrival)
+        for f in ("prompt_tokens", "output_tokens", "ttft_slo", "tbt_slo", "protected"):
+            if len(getattr(self, f)) != n:
+                raise ValueError(f"workload column {f} has {len(getattr(self, f))} rows, expected {n}")
+        if n and np.any(np.diff(self.arrival) < 0):
+            raise ValueError("workload arrivals must be sorted")
+        if np.any(self.prompt_tokens < 1) or np.any(self.output_tokens < 1):
+            raise ValueError("prompt and output lengths must be >= 1")
+
+    def __len__(self) -> int:
+        return len(self.arrival)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    max_batch_tokens: int = 2048
+    max_num_seqs: int = 256
+    #: Stop as soon as more than this fraction of *all* requests has violated
+    #: its SLO (the run can no longer pass a goodput test); None = run to the end.
+    stop_violation_fraction: float | None = None
+    #: Hard stop on simulated time (seconds), a guard against runaway overload.
+    max_sim_time_s: float = 3600.0
+    #: Seed of the ground truth's latency noise.
+    noise_seed: int = 0
+
+
+@dataclass(slots=True)
+class SimResult:
+    n_requests: int
+    completed: int
+    violated: np.ndarray
+    ttft_s: np.ndarray
+    tbt_s: np.ndarray
+    sim_time_s: float
+    wall_time_s: float
+    iterations: int
+    preemptions: int
+    stopped_early: bool
+    decision_us: np.ndarray
+    breakdown_us: dict[str, float]
+    paths: dict[str, int]
+    adapter: dict[str, Any]
+    output_tokens: int
+    max_kv_used_blocks: int
+    kv_total_blocks: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def violation_rate(self) -> float:
+        """Violations over all requests; unfinished requests count as violated."""
+        return float(self.violated.sum()) / max(self.n_requests, 1)
+
+    def summary(self) -> dict[str, Any]:
+        def pct(a: np.ndarray, q: float) -> float:
+            return float(np.percentile(a, q)) if len(a) else float("nan")
+
+        return {
+            "requests": self.n_requests,
+            "completed": self.completed,
+            "violation_rate": self.violation_rate,
+            "stopped_early": self.stopped_early,
+            "ttft_p50_s": pct(self.ttft_s, 50),
+            "ttft_p90_s": pct(self.ttft_s, 90),
+            "ttft_p99_s": pct(self.ttft_s, 99),
+            "tbt_p50_s": pct(self.tbt_s, 50),
+            "tbt_p90_s": pct(self.tbt_s, 90),
+            "tbt_p99_s": pct(self.tbt_s, 99),
+            "throughput_rps": self.completed / self.sim_time_s if self.sim_time_s > 0 else 0.0,
+            "output_tokens_per_s": self.output_tokens / self.sim_time_s if self.sim_time_s > 0 else 0.0,
+            "iterations": self.iterations,
+            "iterations_per_wall_s": self.iterations / self.wall_time_s if self.wall_time_s > 0 else 0.0,
+            "preemptions": self.preemptions,
+            "decision_us_p50": pct(self.decision_us, 50),
+            "decision_us_p99": pct(self.decision_us, 99),
+            "breakdown_us_mean": self.breakdown_us,
+            "paths": self.paths,
+            "adapter": self.adapter,
+        }
+
+
+class SimulatedEngine:
+    def __init__(self, workload: Workload, truth: GroundTruth, profile: GPUProfile,
+                 adapter: AdapterCore, config: EngineConfig | None = None) -> None:
+        self.w = workload
+        self.truth = truth
+        self.profile = profile
+        self.adapter = adapter
+        self.cfg = config or EngineConfig()
+        n = len(workload)
+        self.ids = [f"r{i}" for i in range(n)]
+        self.index = {rid: i for i, rid in enumerate(self.ids)}
+        self.block = int(profile.block_size)
+        self.total_blocks = int(profile.kv_capacity_tokens) // self.block
+        # per-request state
+        self.prompt_eff = workload.prompt_tokens.astype(np.int64).copy()  # grows on preemption
+        self.computed = np.zeros(n, dtype=np.int64)
+        self.generated = np.zeros(n, dtype=np.int64)  # tokens emitted so far (SLO counter)
+        self.gen_at_prefill = np.zeros(n, dtype=np.int64)  # generated when the last prefill began
+        self.kv = np.zeros(n, dtype=np.int64)
+        self.blocks = np.zeros(n, dtype=np.int64)
+        self.done = np.zeros(n, dtype=bool)
+        self.violated = np.zeros(n, dtype=bool)
+        self.first_token = np.full(n, np.nan)
+        self.last_token = np.full(n, np.nan)
+        self.clock = 0.0
+        self.preemptions = 0
+        self.used_blocks = 0
+        self.max_used_blocks = 0
+        self.prefill_ema: float | None = None
+        self.on_iteration: Callable[[SimulatedEngine, Snapshot, Any], None] | None = None
+
+    # --------------------------------------------------------------- helpers
+    def _snapshot(self, act: np.ndarray) -> Snapshot:
+        w = self.w
+        dec = self.computed[act] == self.prompt_eff[act]
+        out = np.where(dec, self.generated[act] - self.gen_at_prefill[act], 0)
+        n_sched = min(self.cfg.max_num_seqs, len(act))
+        free = (self.total_blocks - self.used_blocks) * self.block - (self.block - 1) * n_sched
+        ids = self.ids
+        return Snapshot.from_columns(
+            now=self.clock,
+            max_batch_tokens=self.cfg.max_batch_tokens,
+            max_num_seqs=self.cfg.max_num_seqs,
+            ids=[ids[i] for i in act.tolist()],
+            arrival=w.arrival[act],
+            prompt_tokens=self.prompt_eff[act],
+            computed_tokens=self.computed[act],
+            output_tokens=out,
+            ttft_slo=w.ttft_slo[act],
+            tbt_slo=w.tbt_slo[act],
+            protected=w.protected[act],
+            free_kv_tokens=max(0, int(free)),
+            prefill_throughput=self.prefill_ema,
+            profile=self.profile.key,
+        )
+
+    def _headroom(self, n_active: int) -> int:
+        n_sched = min(self.cfg.max_num_seqs, n_active)
+        return (self.total_blocks - self.used_blocks) * self.block - (self.block - 1) * n_sched
+
+    def _preempt_if_needed(self, act: np.ndarray) -> None:
+        """Recompute-preempt the newest running requests until every running
+        decode has room for its next token."""
+        while True:
+            running = act[self.computed[act] > 0]
+            n_dec = int(np.count_nonzero(self.computed[running] == self.prompt_eff[running]))
+            if self._headroom(len(act)) >= n_dec or len(running) <= 1:
+                return
+            self._preempt(int(running[np.argmax(self.w.arrival[running] + 1e-12 * running)]))
+
+    def _preempt(self, victim: int) -> None:
+        self.used_blocks -= int(self.blocks[victim])
+        self.blocks[victim] = 0
+        self.kv[victim] = 0
+        self.computed[victim] = 0
+        self.prompt_eff[victim] = self.w.prompt_tokens[victim] + self.generated[victim]
+        self.gen_at_prefill[victim] = self.generated[victim]
+        self.preemptions += 1
+
+    def _late_count(self, act: np.ndarray) -> int:
+        """Requests already known to violate: recorded ones plus active ones
+        whose next token is overdue."""
+        w = self.w
+        nxt = w.arrival[act] + w.ttft_slo[act] + self.generated[act] * w.tbt_slo[act]
+        overdue = (nxt < self.clock) & ~self.violated[act]
+        return int(self.violated.sum() + overdue.sum())
+
+    # ------------------------------------------------------------------ run
+    def run(self, progress: Callable[[int, int], None] | None = None) -> SimResult:
+        w, cfg = self.w, self.cfg
+        n = len(w)
+        rng = np.random.default_rng(cfg.noise_seed)
+        decision_us: list[int] = []
+        breakdown: dict[str, float] = {}
+        paths: dict[str, int] = {}
+        tbt: list[np.ndarray] = []
+        iterations = 0
+        completed = 0
+        out_tokens = 0
+        stopped = False
+        empty_streak = 0
+        wall0 = time.perf_counter()
+        stop_at = None if cfg.stop_violation_fraction is None else math.floor(cfg.stop_violation_fraction * n)
+        while completed < n:
+            arrived = int(np.searchsorted(w.arrival, self.clock, side="right"))
+            act = np.flatnonzero(~self.done[:arrived])
+            if len(act) == 0:
+                if arrived >= n:
+                    break
+                self.clock = float(w.arrival[arrived])
+                continue
+            if self.clock > cfg.max_sim_time_s:
+                stopped = True
+                break
+            self._preempt_if_needed(act)
+            snap = self._snapshot(act)
+            decision = self.adapter.decide(snap)
+            plan = decision.plan
+            decision_us.append(decision.elapsed_us)
+            paths[plan.path] = paths.get(plan.path, 0) + 1
+            for k, v in plan.breakdown_us.items():
+                breakdown[k] = breakdown.get(k, 0.0) + v
+            if self.on_iteration is not None:
+                self.on_iteration(self, snap, decision)
+            if not plan.allocations:
+                running = act[self.computed[act] > 0]
+                if len(running) > 1:
+                    # KV is held by partial prefills that cannot finish: free some.
+                    self._preempt(int(running[np.argmax(w.arrival[running] + 1e-12 * running)]))
+                    continue
+                # Nothing runnable: wait for the next arrival, or a millisecond.
+                empty_streak += 1
+                nxt = float(w.arrival[arrived]) if arrived < n else self.clock + 1e-3
+                self.clock = max(self.clock + 1e-3, min(nxt, self.clock + 0.05))
+                if empty_streak > 10_000:
+                    raise RuntimeError("the engine made no progress for 10,000 iterations")
+                continue
+            empty_streak = 0
+            idx = np.fromiter((self.index[a.id] for a in plan.allocations), dtype=np.int64,
+                              count=len(plan.allocations))
+            tok = np.fromiter((a.tokens for a in plan.allocations), dtype=np.int64,
+                              count=len(plan.allocations))
+            u = self.kv[idx].copy()
+            latency_ms = self.truth.iteration_ms(tok, u, rng)
+            self.clock += latency_ms / 1e3
+            iterations += 1
+            # execute
+            is_dec = self.computed[idx] == self.prompt_eff[idx]
+            self.kv[idx] += tok
+            new_blocks = -(-self.kv[idx] // self.block)
+            self.used_blocks += int((new_blocks - self.blocks[idx]).sum())
+            self.blocks[idx] = new_blocks
+            self.max_used_blocks = max(self.max_used_blocks, self.used_blocks)
+            if self.used_blocks > self.total_blocks:
+                raise AssertionError("KV cache over capacity: the plan check should make this impossible")
+            pre = idx[~is_dec]
+            self.computed[pre] += tok[~is_dec]
+            finished_prefill = pre[self.computed[pre] == self.prompt_eff[pre]]
+            emit = np.concatenate([idx[is_dec], finished_prefill])
+            prefill_tokens = int(tok[~is_dec].sum())
+            if prefill_tokens:
+                obs = prefill_tokens / (latency_ms / 1e3)
+                self.prefill_ema = obs if self.prefill_ema is None else 0.995 * self.prefill_ema + 0.005 * obs
+            if len(emit):
+                k = self.generated[emit]  # tokens before this one
+                due = w.arrival[emit] + w.ttft_slo[emit] + k * w.tbt_slo[emit]
+                self.violated[emit] |= self.clock > due + 1e-9
+                first = k == 0
+                self.first_token[emit[first]] = self.clock
+                gaps = self.clock - self.last_token[emit[~first]]
+                tbt.append(gaps)
+                self.last_token[emit] = self.clock
+                self.generated[emit] += 1
+                out_tokens += len(emit)
+                fin = emit[self.generated[emit] >= w.output_tokens[emit]]
+                if len(fin):
+                    self.done[fin] = True
+                    self.used_blocks -= int(self.blocks[fin].sum())
+                    self.blocks[fin] = 0
+                    completed += len(fin)
+            self.adapter.report(IterationSample(tok, u, latency_ms))
+            if progress is not None and iterations % 256 == 0:
+                progress(completed, n)
+            if stop_at is not None and iterations % 16 == 0 and self._late_count(act) > stop_at:
+                stopped = True
+                break
+        wall = time.perf_counter() - wall0
+        violated = self.violated | ~self.done
+        ttft = self.first_token - w.arrival
+        return SimResult(
+            n_requests=n,
+            completed=completed,
+            violated=violated,
+            ttft_s=ttft[~np.isnan(ttft)],
+            tbt_s=np.concatenate(tbt) if tbt else np.zeros(0),
+            sim_time_s=self.clock - (float(w.arrival[0]) if n else 0.0),
+            wall_time_s=wall,
+            iterations=iterations,
+            preemptions=self.preemptions,
+            stopped_early=stopped,
+            decision_us=np.array(decision_us, dtype=np.float64),
+            breakdown_us={k: v / max(len(decision_us), 1) for k, v in breakdown.items()},
+            paths=paths,
+            adapter=self.adapter.stats(),
+            output_tokens=out_tokens,
+            max_kv_used_blocks=self.max_used_blocks,
+            kv_total_blocks=self.total_blocks,
+        )
