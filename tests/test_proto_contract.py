@@ -130,3 +130,14 @@ def test_report_features_scenarios() -> None:
 
 def test_generated_package_is_importable_without_sys_path_tricks() -> None:
     assert "slidingserve" not in sys.modules  # no top-level alias package was needed
+
+
+def test_fast_column_encoding_equals_protobuf_encoding() -> None:
+    snap = mixed_snapshot(4)
+    fast = snapshot_to_pb(snap).columns
+    ref = pb.RequestColumns(ids=list(snap.ids))
+    for name in ("arrival", "prompt_tokens", "computed_tokens", "output_tokens", "ttft_slo", "tbt_slo", "protected"):
+        getattr(ref, name).extend(getattr(snap, name).tolist())
+    assert fast == ref and fast.SerializeToString() == ref.SerializeToString()
+    empty = snapshot_to_pb(mixed_snapshot(0, 0, 0)).columns
+    assert empty == pb.RequestColumns()

@@ -185,14 +185,14 @@ def test_internal_error_hides_traceback(server: SchedulerServer, client: Schedul
     assert client.schedule(mixed_snapshot(0, 4, 4)).policy == "slidingserve"
 
 
-def test_stream_deadline_then_late_reply_is_dropped(server: SchedulerServer, client: SchedulerClient) -> None:
+def test_stream_deadline_then_stream_reopens(server: SchedulerServer, client: SchedulerClient) -> None:
     inject(server, InjectedPolicy(name="slow", delay_s=0.3))
     snap = mixed_snapshot(0, 4, 4)
     with client.stream() as s:
         with pytest.raises(SchedulerError) as exc:
             s.schedule(snap, policy="slow", timeout_s=0.05)
         assert exc.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-        plan = s.schedule(snap, timeout_s=5)  # the late "slow" reply is skipped by request_id
+        plan = s.schedule(snap, timeout_s=5)  # the stream was cancelled and reopens
         assert plan.policy == "slidingserve"
     with pytest.raises(SchedulerError) as exc:
         client.schedule(snap, policy="slow", timeout_s=0.05)
