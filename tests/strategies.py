@@ -10,12 +10,17 @@ NOW = 100.0
 
 
 @st.composite
-def requests_st(draw: st.DrawFn, *, max_n: int = 10, max_prompt: int = 64) -> list[Request]:
+def requests_st(draw: st.DrawFn, *, max_n: int = 10, max_prompt: int = 64, tight: bool = False) -> list[Request]:
+    """With ``tight`` SLOs and slacks are a few milliseconds, so decode windows bind."""
     n = draw(st.integers(0, max_n))
     # ids in a random order unrelated to arrival, so id tie-breaks are exercised
     ids = draw(st.permutations([f"r{i:02d}" for i in range(n)]))
     arrivals = st.one_of(st.sampled_from([NOW - 1.0, NOW - 0.5, NOW - 0.1]),
                          st.floats(NOW - 3.0, NOW, allow_nan=False))
+    ttfts, tbts, outs = st.floats(0.01, 3.0), st.floats(0.005, 0.3), st.integers(1, 50)
+    if tight:
+        arrivals = st.floats(NOW - 0.05, NOW)
+        ttfts, tbts, outs = st.floats(0.001, 0.06), st.floats(0.0005, 0.02), st.integers(1, 3)
     out = []
     for rid in ids:
         prompt = draw(st.integers(1, max_prompt))
@@ -24,15 +29,15 @@ def requests_st(draw: st.DrawFn, *, max_n: int = 10, max_prompt: int = 64) -> li
         if kind == "prefilling" and prompt > 1:
             computed = draw(st.integers(1, prompt - 1))
         elif kind == "decoding":
-            computed, output = prompt, draw(st.integers(1, 50))
+            computed, output = prompt, draw(outs)
         out.append(Request(
             id=rid,
             arrival=draw(arrivals),
             prompt_tokens=prompt,
             computed_tokens=computed,
             output_tokens=output,
-            ttft_slo=draw(st.floats(0.01, 3.0, allow_nan=False)),
-            tbt_slo=draw(st.floats(0.005, 0.3, allow_nan=False)),
+            ttft_slo=draw(ttfts),
+            tbt_slo=draw(tbts),
             protected=draw(st.booleans()),
         ))
     return out
@@ -42,7 +47,7 @@ def requests_st(draw: st.DrawFn, *, max_n: int = 10, max_prompt: int = 64) -> li
 def snapshots(draw: st.DrawFn, *, max_n: int = 10, max_prompt: int = 64, max_bmax: int = 64) -> Snapshot:
     """Valid snapshots including tight max_num_seqs, tiny free_kv_tokens,
     small B_max, expired requests and protected flags."""
-    reqs = draw(requests_st(max_n=max_n, max_prompt=max_prompt))
+    reqs = draw(requests_st(max_n=max_n, max_prompt=max_prompt, tight=draw(st.booleans())))
     return Snapshot.from_requests(
         reqs,
         now=NOW,

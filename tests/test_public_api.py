@@ -1,0 +1,59 @@
+"""Pin the public surface of the policy core."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import scheduler_service.core as core
+
+EXPECTED = [
+    "Allocation",
+    "BatchLatencyPredictor",
+    "FieldViolation",
+    "LinearModel",
+    "Plan",
+    "Policy",
+    "Request",
+    "Snapshot",
+    "ValidationError",
+    "batch_features",
+    "default_predictor",
+    "evaluate",
+    "fit_predictor",
+    "plan_violations",
+    "registry",
+]
+
+
+def test_all_is_pinned() -> None:
+    assert sorted(core.__all__) == EXPECTED
+    for name in core.__all__:
+        assert hasattr(core, name), name
+
+
+def test_validation_error_is_a_value_error() -> None:
+    assert issubclass(core.ValidationError, ValueError)
+
+
+def test_core_imports_neither_grpc_nor_vllm_nor_torch() -> None:
+    code = ("import sys, scheduler_service.core as c; c.registry.names(); "
+            "bad = [m for m in ('grpc', 'vllm', 'torch', 'google.protobuf') if m in sys.modules]; "
+            "print(','.join(bad))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == ""
+
+
+def test_plan_violations_reports_each_problem() -> None:
+    from tests.factories import decoding, make_snapshot, waiting
+
+    snap = make_snapshot([decoding("d"), waiting("w", 10)], max_batch_tokens=8, max_num_seqs=2, free_kv_tokens=6)
+    good = core.Plan("p", "1", "v", "p", 6, 0.0, (core.Allocation("d", 1), core.Allocation("w", 5)))
+    assert core.plan_violations(snap, good) == []
+    bad = core.Plan("p", "1", "v", "p", 13, 0.0, (
+        core.Allocation("d", 2), core.Allocation("w", 11), core.Allocation("x", 1), core.Allocation("w", 1)))
+    problems = core.plan_violations(snap, bad)
+    text = " | ".join(problems)
+    for needle in ("'d' gets 2", "'w' gets 11", "unknown request 'x'", "'w' allocated twice",
+                   "exceed max_batch_tokens", "exceed free_kv_tokens"):
+        assert needle in text, (needle, problems)
