@@ -1,0 +1,1 @@
+"""Engine adapters: the engine-agnostic adapter core and the simulated engine."""

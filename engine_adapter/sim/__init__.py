@@ -1,0 +1,1 @@
+"""The simulated engine: ground-truth GPU latency, profiling sweep, discrete-event engine."""
