@@ -126,3 +126,11 @@ def test_serve_stops_on_sigterm(tmp_path: Path) -> None:
     assert proc.returncode == 0, err
     assert "clean exit" in out
     assert '"event": "server_stopped"' in err
+
+
+def test_max_message_size_is_enforced() -> None:
+    with make_server(max_message_bytes=4096) as srv, SchedulerClient(srv.target, timeout_s=10.0) as cl:
+        with pytest.raises(SchedulerError) as exc:
+            cl.schedule(mixed_snapshot(0, 100, 100))
+        assert exc.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert cl.schedule(mixed_snapshot(0, 2, 2)).policy == "slidingserve"
