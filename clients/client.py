@@ -155,6 +155,20 @@ class PolicyInfo:
     params: tuple[PolicyParamInfo, ...]
 
 
+def _typed(type_name: str, text: str) -> Any:
+    """A parameter default back from its wire text to the type the registry reports."""
+    try:
+        if type_name == "int":
+            return int(text)
+        if type_name == "float":
+            return float(text)
+        if type_name == "bool":
+            return text.lower() == "true"
+    except ValueError:
+        pass
+    return text
+
+
 @dataclass(frozen=True, slots=True)
 class PolicyList:
     default_policy: str
@@ -169,7 +183,7 @@ class PolicyList:
             "default": self.default_policy,
             "policies": [
                 {"name": p.name, "version": p.version, "doc": p.doc,
-                 "params": [{"name": q.name, "type": q.type, "default": q.default, "min": q.min,
+                 "params": [{"name": q.name, "type": q.type, "default": _typed(q.type, q.default), "min": q.min,
                              "max": q.max, "choices": list(q.choices) or None, "doc": q.doc}
                             for q in p.params]}
                 for p in self.policies

@@ -35,3 +35,15 @@ def test_profile_defaults_and_stream_reuse() -> None:
             s.schedule(mixed_snapshot(0, 3, 3))
         assert exc.value.code == grpc.StatusCode.CANCELLED
         assert cl.get_predictor().to_dict()["profile_key"] == prof.key
+
+
+def test_policy_list_dict_matches_registry_describe() -> None:
+    from scheduler_service.core import registry
+
+    with make_server() as srv, SchedulerClient(srv.target, timeout_s=10.0) as cl:
+        d = cl.list_policies().to_dict()
+    assert d["default"] == "slidingserve"
+    for p in d["policies"]:
+        want = registry.describe(p["name"])
+        assert [q["name"] for q in p["params"]] == [q["name"] for q in want["params"]]
+        assert [q["default"] for q in p["params"]] == [q["default"] for q in want["params"]]
