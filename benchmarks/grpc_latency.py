@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -57,11 +58,15 @@ def timed(fn: Callable[[Any], object], items: Sequence[Any], iters: int) -> list
     return out
 
 
+def _encode(snap: Snapshot, encoding: str) -> bytes:
+    return snapshot_to_pb(snap, encoding=encoding).SerializeToString()
+
+
 def bench_codec(snaps: list[Snapshot], iters: int) -> list[tuple[str, float, float, float, float, int]]:
     rows = []
     for enc in ("columns", "rows"):
         blobs = [snapshot_to_pb(s, encoding=enc).SerializeToString() for s in snaps]
-        e = timed(lambda s, enc=enc: snapshot_to_pb(s, encoding=enc).SerializeToString(), snaps, iters)
+        e = timed(partial(_encode, encoding=enc), snaps, iters)
         d = timed(lambda b: snapshot_from_pb(pb.Snapshot.FromString(b), max_requests=100_000), blobs, iters)
         rows.append((enc, *pct(e), *pct(d), len(blobs[0])))
     return rows
@@ -128,13 +133,13 @@ def main() -> None:
     try:
         for enc in ("columns", "rows"):
             with SchedulerClient(target, timeout_s=5.0, encoding=enc) as cl:
-                timed(lambda s, cl=cl: cl.schedule(s, policy=args.policy), snaps, 60)  # warm-up
-                u = timed(lambda s, cl=cl: cl.schedule(s, policy=args.policy), snaps, args.iters)
-                results.append((f"unary ({enc})", *pct(u)))
+                unary = partial(cl.schedule, policy=args.policy)
+                timed(unary, snaps, 60)  # warm-up: connection, caches
+                results.append((f"unary ({enc})", *pct(timed(unary, snaps, args.iters))))
                 with cl.stream() as st:
-                    timed(lambda s, st=st: st.schedule(s, policy=args.policy), snaps, 60)
-                    sm = timed(lambda s, st=st: st.schedule(s, policy=args.policy), snaps, args.iters)
-                results.append((f"stream ({enc})", *pct(sm)))
+                    stream = partial(st.schedule, policy=args.policy)
+                    timed(stream, snaps, 60)
+                    results.append((f"stream ({enc})", *pct(timed(stream, snaps, args.iters))))
         # Server-side time, as reported in the responses (columnar).
         with grpc.insecure_channel(target) as ch:
             stub = pb_grpc.SchedulerServiceStub(ch)
