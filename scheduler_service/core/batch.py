@@ -362,9 +362,14 @@ class BudgetCurve:
         self.n_dec = n_dec
         self.suffix_min = np.minimum.accumulate(times[::-1])[::-1]
 
-    def prefill_tokens_within(self, t_ms: float) -> int:
-        """Largest prefill token count P with T̂(decodes + P) ≤ t_ms; −1 if none."""
-        return int(np.searchsorted(self.suffix_min, t_ms, side="right")) - 1
+    def prefill_tokens_within(self, t_ms: float, limit: int | None = None) -> int:
+        """Largest prefill token count P (≤ ``limit``) with T̂(decodes + P) ≤
+        t_ms; −1 if none."""
+        p = int(np.searchsorted(self.suffix_min, t_ms, side="right")) - 1
+        if limit is not None and p > limit:
+            ok = np.flatnonzero(self.times[: limit + 1] <= t_ms)
+            p = int(ok[-1]) if len(ok) else -1
+        return p
 
     def prefill_tokens_within_many(self, t_ms: np.ndarray) -> np.ndarray:
         return np.searchsorted(self.suffix_min, t_ms, side="right").astype(np.int64) - 1

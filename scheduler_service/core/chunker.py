@@ -106,7 +106,7 @@ def sliding_chunk(
         return cq.supply
     if curve is None:
         curve = BudgetCurve(cq.fill_curve_ms(cq.first_cap), cq.n_dec)
-    reach = min(curve.prefill_tokens_within(float(W[0])), cq.first_cap)
+    reach = curve.prefill_tokens_within(float(W[0]), cq.first_cap)
     if reach < 0:
         return 0
     grid = grid_positions(cq, k, granularity, max_points, first_tokens=reach)
@@ -117,10 +117,16 @@ def sliding_chunk(
     best[first] = np.where(t1 <= W[0], t1, inf)
     if not np.isfinite(best).any():
         return 0
+    # first[j]: grid index of b_1 on the path chosen into position j, so that
+    # ties between equally fast paths go to the larger b_1 at every window.
+    first = np.arange(len(grid))
     parents: list[np.ndarray] = []
     for m in range(1, k - 1):
-        best, par = _step(cq, grid, best, m, W[m], np.arange(len(grid)))
+        best, par = _step(cq, grid, best, first, m, W[m], np.arange(len(grid)))
+        first = first[par]
         parents.append(par)
+        if not np.isfinite(best).any():
+            return 0
     if k > 1:
         # Last window: only the largest feasible total matters, so scan the
         # targets from the top in blocks and stop at the first feasible one.
@@ -131,38 +137,37 @@ def sliding_chunk(
         hi = len(grid)
         while hi > 0:
             cols = np.arange(max(0, hi - block), hi)
-            b, par = _step(cq, grid, best, k - 1, W[k - 1], cols, tie_tolerance_ms)
+            b, par = _step(cq, grid, best, first, k - 1, W[k - 1], cols, tie_tolerance_ms)
             ok = np.flatnonzero(np.isfinite(b))
             if len(ok):
-                pos = int(par[ok[-1]])
-                break
+                return int(grid[first[par[ok[-1]]]])
             hi -= block
-        else:  # unreachable: Y = X is always a candidate for a feasible X
-            return 0
-    else:
-        pos = int(np.flatnonzero(np.isfinite(best))[-1])
-    for p in reversed(parents):
-        pos = int(p[pos])
-    return int(grid[pos])
+        return 0  # no split fits the last window
+    return int(grid[np.flatnonzero(np.isfinite(best))[-1]])
 
 
 def _step(
     cq: CandidateQueue,
     grid: np.ndarray,
     best: np.ndarray,
+    first: np.ndarray,
     m: int,
     w_m: float,
     cols: np.ndarray,
     tol: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """One DP transition to the targets ``grid[cols]``: the cumulative time
-    and the source position chosen for each; the source is the largest one
-    within ``tol`` of the least time (intermediate windows use tol = 0, which
-    keeps the DP exact)."""
+    and the source position chosen for each.  Among sources within ``tol`` of
+    the least time the one whose path has the larger b_1 wins (then the
+    larger source); intermediate windows use tol = 0, which keeps the DP
+    exact.  Targets no source reaches get an infinite time."""
     src = np.flatnonzero(np.isfinite(best))
+    if len(src) == 0:
+        return np.full(len(cols), np.inf), np.zeros(len(cols), dtype=np.int64)
     X, Y = grid[src], grid[cols]
     tot = best[src][:, None] + cq.pair_times_ms(X, Y, m)
     tot[(Y[None, :] - X[:, None] > cq.iter_cap) | (tot > w_m)] = np.inf
     near = tot <= tot.min(axis=0)[None, :] + tol
-    arg = len(src) - 1 - np.argmax(near[::-1], axis=0)
+    rank = (first[src] * (len(grid) + 1) + src)[:, None]
+    arg = np.argmax(np.where(near, rank, -1), axis=0)
     return tot[arg, np.arange(len(cols))], src[arg]

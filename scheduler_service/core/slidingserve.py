@@ -88,7 +88,7 @@ class SlidingServePolicy:
         chosen = None
         t3 = t2
         if p.batch_constructor and cq.first_cap > 0:
-            cand = cq.first_cap if W is None else min(max(curve.prefill_tokens_within(W[0]), 0), cq.first_cap)
+            cand = cq.first_cap if W is None else max(curve.prefill_tokens_within(W[0], cq.first_cap), 0)
             t_full = float(curve.times[cand])
             live = pre[snap.slack[pre] > 0]
             chosen = construct_batch(
@@ -107,7 +107,7 @@ class SlidingServePolicy:
             if W is None:
                 p1 = cq.first_cap
             elif p.window == 1:
-                p1 = min(max(curve.prefill_tokens_within(W[0]), 0), cq.first_cap)
+                p1 = max(curve.prefill_tokens_within(W[0], cq.first_cap), 0)
             else:
                 p1 = sliding_chunk(cq, W, p.granularity, p.max_grid, curve, p.tie_tolerance_ms)
             pre_alloc = cq.fill(p1)
