@@ -90,7 +90,7 @@ def cmd_policies(args: argparse.Namespace) -> int:
         from clients.client import SchedulerClient
 
         with SchedulerClient(args.server, timeout_s=args.timeout) as client:
-            info = client.list_policies()
+            info = client.list_policies().to_dict()
     else:
         info = {"policies": [registry.describe(n) for n in registry.names()], "default": "slidingserve"}
     if args.json:
@@ -175,7 +175,7 @@ def cmd_predictor_show(args: argparse.Namespace) -> int:
         from clients.client import SchedulerClient
 
         with SchedulerClient(args.server, timeout_s=args.timeout) as client:
-            info = client.get_predictor(args.profile or "")
+            info = client.get_predictor(args.profile or None).to_dict()
         print(json.dumps(info, indent=2, default=str))
         return 0
     print(_load_predictor(args.file).to_json())

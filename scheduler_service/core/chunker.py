@@ -111,10 +111,10 @@ def sliding_chunk(
         return 0
     grid = grid_positions(cq, k, granularity, max_points, first_tokens=reach)
     inf = np.inf
-    first = grid <= cq.first_cap
+    in_first = grid <= cq.first_cap
     best = np.full(len(grid), inf)
-    t1 = cq.segment_time_ms(np.zeros(int(first.sum()), dtype=np.int64), grid[first])
-    best[first] = np.where(t1 <= W[0], t1, inf)
+    t1 = cq.segment_time_ms(np.zeros(int(in_first.sum()), dtype=np.int64), grid[in_first])
+    best[in_first] = np.where(t1 <= W[0], t1, inf)
     if not np.isfinite(best).any():
         return 0
     # first[j]: grid index of b_1 on the path chosen into position j, so that

@@ -21,12 +21,20 @@ __all__ = ["Policy"]
 
 @runtime_checkable
 class Policy(Protocol):
-    #: Registry name, e.g. ``"slidingserve"``.
-    name: str
-    #: Changes whenever the policy's behaviour or parameters change.
-    version: str
-    #: Frozen dataclass of typed parameters (see :mod:`.params`).
-    params: Any
+    @property
+    def name(self) -> str:
+        """Registry name, e.g. ``"slidingserve"``."""
+        ...
+
+    @property
+    def version(self) -> str:
+        """Changes whenever the policy's behaviour or parameters change."""
+        ...
+
+    @property
+    def params(self) -> Any:
+        """Frozen dataclass of typed parameters (see :mod:`.params`)."""
+        ...
 
     def plan(self, snapshot: Snapshot, predictor: BatchLatencyPredictor) -> Plan:
         """Decide one iteration.  Must respect every limit of the snapshot."""

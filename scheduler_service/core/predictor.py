@@ -103,7 +103,7 @@ class BatchLatencyPredictor:
     global_model: LinearModel
     meta: Mapping[str, Any] = field(default_factory=dict)
     version: str = ""
-    _coef: np.ndarray = field(default=None, repr=False)  # type: ignore[assignment]
+    _coef: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
 
     def __post_init__(self) -> None:
         unknown = set(self.scenarios) - set(SCENARIOS)
@@ -174,7 +174,9 @@ class BatchLatencyPredictor:
             ):
                 errs.append(FieldViolation(f"{path}.weights", f"must be a list of {N_FEATURES} finite numbers"))
                 return None
-            return LinearModel(float(ic), tuple(float(x) for x in w)) if ok_ic else None
+            if not ok_ic:
+                return None
+            return LinearModel(float(ic), tuple(float(x) for x in w))  # type: ignore[arg-type]
 
         scen = d.get("scenarios", {})
         if not isinstance(scen, Mapping):
@@ -213,7 +215,7 @@ class BatchLatencyPredictor:
 
     def _content_version(self) -> str:
         body = json.dumps(
-            {"s": {k: self.scenarios[k].to_dict() for k in SCENARIOS if self.scenarios.get(k)},
+            {"s": {k: m.to_dict() for k in SCENARIOS if (m := self.scenarios.get(k)) is not None},
              "g": self.global_model.to_dict()},
             sort_keys=True,
         )

@@ -145,7 +145,7 @@ class Snapshot:
             free_kv_tokens=scal[3],
             prefill_throughput=scal[4],
             profile=str(profile),
-            **{k: _readonly(v) for k, v in arrays.items()},
+            **{k: _readonly(v) for k, v in arrays.items()},  # type: ignore[arg-type]
         )
 
     @classmethod
@@ -440,6 +440,13 @@ def _column(
 
 
 def _validate_ids(errs: list[FieldViolation], ids: tuple[str, ...]) -> None:
+    # Fast path for the common, valid case: one C-level pass each.
+    if (
+        len(set(ids)) == len(ids)
+        and all(type(r) is str for r in ids)
+        and (not ids or (min(map(len, ids)) >= 1 and max(map(len, ids)) <= 256))
+    ):
+        return
     seen: dict[str, int] = {}
     for i, rid in enumerate(ids):
         if not isinstance(rid, str) or not rid:
@@ -471,5 +478,7 @@ def _validate_rows(errs: list[FieldViolation], a: dict[str, np.ndarray]) -> None
         ("output_tokens", (c == p) & (o < 1), "must be >= 1 once the prompt is fully computed"),
     ]
     for name, bad, msg in checks:
+        if not bad.any():
+            continue
         for i in np.flatnonzero(bad)[:5]:
             errs.append(FieldViolation(f"requests[{int(i)}].{name}", msg))
