@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .predictor import BatchLatencyPredictor, scenario_codes
+from .predictor import DECODE, MIXED, PREFILL, BatchLatencyPredictor, scenario_codes
 from .snapshot import Snapshot
 from .sorter import ordered
 
@@ -83,6 +83,13 @@ class CandidateQueue:
     _p6: np.ndarray
     _sparse: list[np.ndarray]
     _pmax: np.ndarray
+    # Fast path: the scenario model almost every candidate batch uses (mixed
+    # with decodes, prefill-only without), its coefficients, and the prefix
+    # sums of each full request's weighted contribution under it.
+    _main: int
+    _w: np.ndarray
+    _pw: np.ndarray
+    _pbig: np.ndarray
 
     @classmethod
     def build(
@@ -119,6 +126,13 @@ class CandidateQueue:
             return out
 
         rbig = np.where(big, rf, 0.0)
+        main = MIXED if n_dec else PREFILL
+        w = predictor._coef[main]
+        contrib = (
+            np.where(big, rf * (w[1] * (uf + rf) + w[2] * rf + w[6]), 0.0)
+            + w[3] * uf
+            + np.where(one, w[4] + w[5] * uf, 0.0)
+        )
         sparse = [rbig]
         k = 1
         while 2 * k <= len(rbig):
@@ -145,6 +159,10 @@ class CandidateQueue:
             _p6=pref(rbig),
             _sparse=sparse,
             _pmax=np.concatenate([[0.0], np.maximum.accumulate(rbig)]) if len(rbig) else np.zeros(1),
+            _main=main,
+            _w=w,
+            _pw=pref(contrib),
+            _pbig=pref(big.astype(np.float64)),
         )
 
     @property
@@ -256,66 +274,147 @@ class CandidateQueue:
         feats[:, 4] += self.dec_u
         return feats, scenario_codes(feats[:, 3], feats[:, 5])
 
+    # ------------------------------------------------------------ fast path
+    def _piece_ms(self, c: np.ndarray, u: np.ndarray) -> np.ndarray:
+        """Weighted contribution (main scenario, x1..x6) of request pieces
+        with c tokens on u cached ones; c = 0 contributes nothing."""
+        w = self._w
+        return (
+            np.where(c > 1, c * (w[1] * (u + c) + w[2] * c + w[6]), 0.0)
+            + np.where(c > 0, w[3] * u, 0.0)
+            + np.where(c == 1, w[4] + w[5] * u, 0.0)
+        )
+
+    def _base_ms(self, step: int) -> float:
+        """Intercept plus the decodes' contribution under the main scenario."""
+        w = self._w
+        du = self.dec_u + step * self.n_dec
+        return float(w[0] + w[3] * du + w[4] * self.n_dec + w[5] * du)
+
+    def decode_only_ms(self, step: int = 0) -> float:
+        """Predicted time of the decodes alone (0 when there are none)."""
+        if self.n_dec == 0:
+            return 0.0
+        w = self.predictor._coef[DECODE]
+        du = self.dec_u + step * self.n_dec
+        return float(w[0] + w[3] * du + w[4] * self.n_dec + w[5] * du)
+
+    def _fix_minor(self, t: np.ndarray, X: np.ndarray, Y: np.ndarray, minor: np.ndarray,
+                   step: int) -> None:
+        """Entries outside the main scenario (formula (5)) — no chunk of more
+        than one token (decode-only), or, without decodes, a one-token piece
+        that makes the batch mixed — are few: recompute them with the
+        reference path."""
+        if not minor.any():
+            return
+        xs, ys = np.broadcast_to(X, t.shape)[minor], np.broadcast_to(Y, t.shape)[minor]
+        if len(xs) <= 8:  # usually one entry (a one-token fill): numpy calls cost more
+            t[minor] = [self._segment_ms_scalar(int(x), int(y), step) for x, y in zip(xs, ys, strict=True)]
+        else:
+            f, sc = self.segment_features(xs, ys, step)
+            t[minor] = self.predictor.predict_ms(f, sc)
+
+    def _segment_ms_scalar(self, x: int, y: int, step: int) -> float:
+        """One segment's predicted time in plain Python (reference semantics)."""
+        du = self.dec_u + step * self.n_dec
+        f = [0.0, 0.0, du, float(self.n_dec), du, 0.0, 0.0]
+        R, u0 = self.R, self.u0
+        j = int(np.searchsorted(R, x, side="right")) - 1
+        pos = x
+        while pos < y:
+            end = min(y, int(R[j + 1]))
+            c, u = end - pos, int(u0[j]) + pos - int(R[j])
+            if c > 1:
+                f[0] += c * (u + c)
+                f[1] += c * c
+                f[5] += c
+                f[6] = max(f[6], c)
+            else:
+                f[3] += 1
+                f[4] += u
+            f[2] += u
+            pos = end
+            j += 1
+        if f[3] == 0 and f[5] == 0:
+            return 0.0
+        scen = DECODE if f[5] == 0 else (PREFILL if f[3] == 0 else MIXED)
+        w = self.predictor._coef[scen]
+        return float(w[0] + sum(wi * fi for wi, fi in zip(w[1:], f, strict=True)))
+
+    def prefix_time_ms(self, P: np.ndarray) -> np.ndarray:
+        """Predicted time of decodes + the greedy fill of P tokens (fast path;
+        equal to ``segment_time_ms(0, P)``)."""
+        P = np.asarray(P, dtype=np.int64)
+        nq = len(self.r)
+        if nq == 0:
+            return np.full(len(P), self.decode_only_ms(0))
+        j = np.minimum(np.searchsorted(self.R, P, side="right") - 1, nq)
+        jc = np.minimum(j, nq - 1)
+        c = np.where(j < nq, P - self.R[jc], 0).astype(np.float64)
+        t = (
+            self._base_ms(0)
+            + self._pw[j]
+            + self._piece_ms(c, self.u0[jc].astype(np.float64))
+            + self._w[7] * np.maximum(self._pmax[j], np.where(c > 1, c, 0.0))
+        )
+        minor = (self._pbig[j] == 0) & (c <= 1)
+        if self.n_dec == 0:
+            minor |= (self._p4[j] > 0) | (c == 1)
+        minor &= P > 0
+        self._fix_minor(t, np.zeros_like(P), P, minor, 0)
+        t[P == 0] = self.decode_only_ms(0)
+        return t
+
     def pair_times_ms(self, X: np.ndarray, Y: np.ndarray, step: int) -> np.ndarray:
         """Predicted times of segments [X_a, Y_b) for every pair, as an
-        (len(X), len(Y)) matrix (inf where Y_b < X_a).  Same values as
-        :meth:`segment_time_ms`, computed by broadcasting a per-X head and a
-        per-Y tail instead of gathering pair by pair (the window search's
-        inner loop)."""
+        (len(X), len(Y)) matrix (inf where Y_b < X_a); the window search's
+        inner loop.  A segment is a head piece (depends on X), the full
+        requests between (a difference of weighted prefix sums) and a tail
+        piece (depends on Y), so the matrix is a few broadcasts of vectors."""
         X = np.asarray(X, dtype=np.int64)
         Y = np.asarray(Y, dtype=np.int64)
         nq = len(self.r)
-        R, u0 = self.R, self.u0
-        shape = (len(X), len(Y))
-        f = np.zeros((7, *shape))
-        if nq:
-            jh = np.clip(np.searchsorted(R, X, side="right") - 1, 0, nq - 1)
-            jt = np.clip(np.searchsorted(R, Y - 1, side="right") - 1, 0, nq - 1)
-            Xc, Yr = X[:, None], Y[None, :]
-            nonempty = Yr > Xc
-            multi = nonempty & (jt[None, :] > jh[:, None])
-            ch = np.where(nonempty, np.minimum(Yr, R[jh + 1][:, None]) - Xc, 0).astype(np.float64)
-            uh = (u0[jh] + (X - R[jh])).astype(np.float64)[:, None]
-            ct = np.where(multi, (Y - R[jt])[None, :], 0).astype(np.float64)
-            ut = u0[jt].astype(np.float64)[None, :]
-            a = (jh + 1)[:, None]
-            b = jt[None, :]
-
-            def mid(p: np.ndarray) -> np.ndarray:
-                return np.where(multi, p[b] - p[a], 0.0)
-
-            hb, tb, h1, t1 = ch > 1, ct > 1, ch == 1, ct == 1
-            chb = np.where(hb, ch, 0.0)
-            ctb = np.where(tb, ct, 0.0)
-            f[0] = mid(self._p1) + chb * (uh + ch) + ctb * (ut + ct)
-            f[1] = mid(self._p2) + chb * ch + ctb * ct
-            f[2] = mid(self._p3) + np.where(ch > 0, uh, 0.0) + np.where(ct > 0, ut, 0.0)
-            f[3] = mid(self._p4) + h1 + t1
-            f[4] = mid(self._p5) + np.where(h1, uh, 0.0) + np.where(t1, ut, 0.0)
-            f[5] = mid(self._p6) + chb + ctb
-            # max over the full requests jh+1 .. jt-1: a running max per row.
-            span = int(jt.max()) + 1
-            cols = np.arange(span)
-            rb = self._sparse[0][:span]
-            run = np.maximum.accumulate(np.where(cols[None, :] > jh[:, None], rb[None, :], 0.0), axis=1)
-            inner = run[:, np.maximum(jt - 1, 0)]
-            f[6] = np.maximum(np.where(multi, inner, 0.0), np.maximum(chb, ctb))
-        dec_u = self.dec_u + step * self.n_dec
-        f[2] += dec_u
-        f[3] += self.n_dec
-        f[4] += dec_u
-        scen = scenario_codes(f[3], f[5])
-        w = self.predictor._coef[scen.astype(np.intp)]
-        t = w[..., 0] + np.einsum("k...,...k->...", f, w[..., 1:])
+        if nq == 0:  # every segment is empty: a decode-only batch
+            return np.where(Y[None, :] >= X[:, None], self.decode_only_ms(step), np.inf)
+        R, u0, w = self.R, self.u0, self._w
+        jh = np.clip(np.searchsorted(R, X, side="right") - 1, 0, nq - 1)
+        jt = np.clip(np.searchsorted(R, Y - 1, side="right") - 1, 0, nq - 1)
+        Xc, Yr = X[:, None], Y[None, :]
+        empty = Yr <= Xc
+        multi = ~empty & (jt[None, :] > jh[:, None])
+        uh = (u0[jh] + (X - R[jh])).astype(np.float64)
+        ch_full = (R[jh + 1] - X).astype(np.float64)  # head piece when the segment spans on
+        ct = (Y - R[jt]).astype(np.float64)
+        ut = u0[jt].astype(np.float64)
+        head = self._piece_ms(ch_full, uh)[:, None]
+        tail = self._piece_ms(ct, ut)[None, :]
+        mid = self._pw[jt][None, :] - self._pw[jh + 1][:, None]
+        span = int(jt.max()) + 1
+        cols = np.arange(span)
+        run = np.maximum.accumulate(
+            np.where(cols[None, :] > jh[:, None], self._sparse[0][:span][None, :], 0.0), axis=1
+        )
+        inner = run[:, np.maximum(jt - 1, 0)]
+        big_h = np.where(ch_full > 1, ch_full, 0.0)[:, None]
+        big_t = np.where(ct > 1, ct, 0.0)[None, :]
+        t_multi = head + mid + tail + w[7] * np.maximum(np.maximum(inner, big_h), big_t)
+        c1 = (Yr - Xc).astype(np.float64)  # the single piece when head and tail coincide
+        t_single = self._piece_ms(c1, uh[:, None]) + w[7] * np.where(c1 > 1, c1, 0.0)
+        t = self._base_ms(step) + np.where(multi, t_multi, t_single)
+        nbig = self._pbig[jt][None, :] - self._pbig[jh + 1][:, None]
+        minor = ~empty & np.where(multi, (nbig <= 0) & (big_h == 0) & (big_t == 0), c1 <= 1)
         if self.n_dec == 0:
-            t = np.where(Y[None, :] > X[:, None], t, 0.0)
-        return np.where(Y[None, :] >= X[:, None], t, np.inf)
+            none = self._p4[jt][None, :] - self._p4[jh + 1][:, None]
+            minor |= multi & ((none > 0) | (ch_full == 1)[:, None] | (ct == 1)[None, :])
+        self._fix_minor(t, Xc, Yr, minor, step)
+        t[empty] = self.decode_only_ms(step)
+        t[Yr < Xc] = np.inf
+        return t
 
     def segment_time_ms(self, X: np.ndarray, Y: np.ndarray, step: int = 0) -> np.ndarray:
         if step == 0 and not np.any(X):
-            f, s = self.prefix_features(Y)
-        else:
-            f, s = self.segment_features(X, Y, step)
+            return self.prefix_time_ms(np.asarray(Y, dtype=np.int64))
+        f, s = self.segment_features(X, Y, step)
         t = self.predictor.predict_ms(f, s)
         if self.n_dec == 0:
             t = np.where(np.asarray(Y) > np.asarray(X), t, 0.0)

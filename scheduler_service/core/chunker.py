@@ -69,12 +69,11 @@ def grid_positions(
 def _drain(cq: CandidateQueue, W: np.ndarray) -> bool:
     if cq.supply == 0 or cq.supply > cq.first_cap:
         return False
-    zero = np.zeros(1, dtype=np.int64)
-    total = float(cq.segment_time_ms(zero, np.array([cq.supply]))[0])
+    total = float(cq.prefix_time_ms(np.array([cq.supply]))[0])
     if total > W[0]:
         return False
     for m in range(1, len(W)):
-        total += float(cq.segment_time_ms(np.array([cq.supply]), np.array([cq.supply]), m)[0])
+        total += cq.decode_only_ms(m)
         if total > W[m]:
             return False
     return True
