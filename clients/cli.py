@@ -7,6 +7,8 @@ Subcommands (their names, flags and output formats are the public interface):
 * ``policies``  list policies, versions and parameters
 * ``predictor`` ``fit`` a predictor from a CSV of batch features and latencies;
   ``show`` one (a file, the built-in default, or a server's)
+* ``bench``     goodput benchmark on the simulated engine (:mod:`clients.bench`)
+* ``demo``      a small bench: the four main policies on mixed-v1, table and plots
 
 Bad input gives one line on stderr and exit code 2; nothing prints a traceback.
 """
@@ -237,6 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
     sh.add_argument("--profile", help="engine profile key (with --server)")
     sh.add_argument("--timeout", type=float, default=5.0)
     sh.set_defaults(func=cmd_predictor_show)
+
+    from clients.bench.command import add_subcommands
+
+    add_subcommands(sub)  # bench, demo
     return p
 
 

@@ -1,0 +1,289 @@
+"""The ``bench`` experiments, as two parallel phases.
+
+Phase 1 — goodput searches, one job per (variant, seed):
+
+* ``goodput``  the policies given (default: the four main ones);
+* ``window``   ``slidingserve`` with SlidingChunker window k = 1..4;
+* ``ablation`` Table 4: ``sarathi-edf`` → ``+sc`` → ``+sc+mlps`` → ``slidingserve``.
+
+Variants that are the same (policy, parameters) — ``slidingserve`` and
+``slidingserve[window=2]`` — share one search.
+
+Phase 2 — fixed-rate runs to completion (no early stop), one job per
+(policy, seed), at rates that phase 1 decides:
+
+* reference: every main policy at the *reference rate* = the best baseline's
+  mean goodput (the most a user gets today without SlidingServe); its TTFT/TBT
+  samples make the CDF plots, so every policy is compared at the same load;
+* ``overload`` at 2× each policy's *own* goodput (how gracefully each one
+  degrades past its own capacity) and at 2× the reference rate (the same
+  absolute load for all);
+* ``burst``   base rate 0.8× the reference rate with a 3× burst of 10 s
+  starting a quarter of the way into the arrivals (a transient overload a
+  provisioned deployment sees).
+
+``overload`` and ``burst`` need phase 1's main goodput, so they imply ``goodput``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from clients.workloads import Burst, SLOConfig
+from engine_adapter.sim.groundtruth import DEFAULT_PROFILE
+from scheduler_service.core import registry
+
+from .executor import Job, run_jobs
+from .goodput import DEFAULT_TOLERANCE, TARGET_VIOLATION, GoodputSpec, initial_guess, summarize_seeds
+from .runner import MAIN_POLICIES, RunSpec
+
+__all__ = [
+    "ABLATION",
+    "EXPERIMENTS",
+    "WINDOWS",
+    "BenchConfig",
+    "Variant",
+    "plan_variants",
+    "run_bench",
+]
+
+EXPERIMENTS = ("goodput", "overload", "burst", "window", "ablation")
+ABLATION = ("sarathi-edf", "sarathi-edf+sc", "sarathi-edf+sc+mlps", "slidingserve")
+WINDOWS = (1, 2, 3, 4)
+OURS = "slidingserve"
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """A policy with parameter overrides, under a display label."""
+
+    label: str
+    policy: str
+    params: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def key(self) -> tuple[str, tuple[tuple[str, str], ...]]:
+        return self.policy, self.params
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    workload: str = "mixed-v1"
+    profile: str = DEFAULT_PROFILE
+    policies: tuple[str, ...] = MAIN_POLICIES
+    transport: str = "inproc"
+    n_requests: int = 1000
+    seeds: int = 3
+    first_seed: int = 0
+    tolerance: float = DEFAULT_TOLERANCE
+    experiments: tuple[str, ...] = ("goodput",)
+    #: policy → {key: value} overrides, applied wherever that policy runs.
+    params: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    workers: int | None = None
+    executor: str = "process"
+    overload_factor: float = 2.0
+    burst_base_fraction: float = 0.8
+    burst_multiplier: float = 3.0
+    burst_duration_s: float = 10.0
+
+    @property
+    def seed_list(self) -> list[int]:
+        return list(range(self.first_seed, self.first_seed + self.seeds))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["params"] = {k: dict(v) for k, v in self.params.items()}
+        return d
+
+
+def _canon(policy: str, params: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """Overrides without those equal to the policy's defaults, sorted: two spellings
+    of one configuration must share one search."""
+    defaults = {p["name"]: str(p["default"]).lower() for p in registry.describe(policy)["params"]}
+    return tuple(sorted((k, str(v)) for k, v in params.items() if defaults.get(k) != str(v).lower()))
+
+
+def plan_variants(cfg: BenchConfig) -> dict[str, list[Variant]]:
+    """The variants each goodput-type experiment compares, by experiment."""
+    exps = set(cfg.experiments)
+
+    def variant(policy: str, label: str = "", **extra: str) -> Variant:
+        params = {**cfg.params.get(policy, {}), **extra}
+        return Variant(label or policy, policy, _canon(policy, params))
+
+    out: dict[str, list[Variant]] = {}
+    if exps & {"goodput", "overload", "burst"}:
+        out["goodput"] = [variant(p) for p in cfg.policies]
+    if "window" in exps:
+        out["window"] = [variant(OURS, f"{OURS}[window={k}]", window=str(k)) for k in WINDOWS]
+    if "ablation" in exps:
+        out["ablation"] = [variant(p) for p in ABLATION]
+    return out
+
+
+def _base_spec(cfg: BenchConfig, v: Variant, seed: int, rate: float) -> RunSpec:
+    return RunSpec(policy=v.policy, workload=cfg.workload, rate=rate, seed=seed, n_requests=cfg.n_requests,
+                   profile=cfg.profile, transport=cfg.transport, params=v.params, label=v.label)
+
+
+def _aggregate_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean over seeds of a fixed-rate run's headline numbers, plus per-seed violation rates."""
+    runs = sorted(runs, key=lambda r: r["seed"])
+    first = runs[0]
+
+    def mean(k: str) -> float:
+        vals = [r[k] for r in runs if r[k] == r[k]]  # NaN when a run produced no sample
+        return float(np.mean(vals)) if vals else float("nan")
+
+    return {
+        "policy": first["policy"],
+        "rate_rps": first["rate_rps"],
+        "seeds": [r["seed"] for r in runs],
+        "violation_rate": mean("violation_rate"),
+        "violation_rate_by_seed": [r["violation_rate"] for r in runs],
+        "completed_fraction": float(np.mean([r["completed"] / r["requests"] for r in runs])),
+        "ttft_p50_s": mean("ttft_p50_s"),
+        "ttft_p99_s": mean("ttft_p99_s"),
+        "tbt_p50_s": mean("tbt_p50_s"),
+        "tbt_p99_s": mean("tbt_p99_s"),
+        "throughput_rps": mean("throughput_rps"),
+        "preemptions": float(np.mean([r["preemptions"] for r in runs])),
+        "decision_us_p50": mean("decision_us_p50"),
+        "decision_us_p99": mean("decision_us_p99"),
+        "fallback_decisions": int(sum(r["fallback_decisions"] for r in runs)),
+        "burst": first.get("burst"),
+    }
+
+
+def run_bench(cfg: BenchConfig, progress: Callable[[str, int], Callable[[Job, dict[str, Any]], None]] | None = None
+              ) -> dict[str, Any]:
+    """Run the configured experiments; a JSON-ready dict.
+
+    ``progress(label, total)`` returns the per-job callback of one phase.
+    """
+    t0 = time.perf_counter()
+    by_exp = plan_variants(cfg)
+    guess = initial_guess(cfg.workload, cfg.profile)
+    unique: dict[Any, Variant] = {}
+    for vs in by_exp.values():
+        for v in vs:
+            unique.setdefault(v.key, v)
+    searches_jobs: list[Job] = [
+        GoodputSpec(_base_spec(cfg, v, seed, guess), guess=guess, tolerance=cfg.tolerance)
+        for v in unique.values() for seed in cfg.seed_list
+    ]
+    cb = progress("goodput searches", len(searches_jobs)) if progress else None
+    searches = run_jobs(searches_jobs, workers=cfg.workers, executor=cfg.executor, on_done=cb)
+    by_key: dict[Any, list[dict[str, Any]]] = defaultdict(list)
+    for job, res in zip(searches_jobs, searches, strict=True):
+        assert isinstance(job, GoodputSpec)
+        by_key[(job.run.policy, job.run.params)].append(res)
+
+    out: dict[str, Any] = {
+        "settings": cfg.to_dict(),
+        "target_violation": TARGET_VIOLATION,
+        "tolerance": cfg.tolerance,
+        "search": (f"start {guess:.3f} rps, ×1.5 bracketing, bisection until (hi-lo)/lo <= {cfg.tolerance:g}; "
+                   f"goodput = highest passing rate; probes stop early once >{TARGET_VIOLATION:.0%} violate"),
+        "initial_guess_rps": guess,
+        "slo": dataclasses.asdict(SLOConfig()),
+    }
+    for exp, vs in by_exp.items():
+        rows = []
+        for v in vs:
+            row = summarize_seeds(by_key[v.key])
+            row.update(policy=v.label, base_policy=v.policy, params=dict(v.params))
+            rows.append(row)
+        out[exp] = rows
+    out["searches"] = searches
+
+    main = out.get("goodput", [])
+    exps = set(cfg.experiments)
+    if main:
+        out.update(_phase2(cfg, main, exps, progress))
+    out["wall_s"] = time.perf_counter() - t0
+    return out
+
+
+def _reference(main: list[dict[str, Any]]) -> tuple[float, str]:
+    baselines = [r for r in main if r["base_policy"] != OURS]
+    if baselines:
+        best = max(baselines, key=lambda r: r["goodput_rps"])
+        return best["goodput_rps"], f"best baseline's mean goodput ({best['policy']})"
+    low = min(main, key=lambda r: r["goodput_rps"])
+    return low["goodput_rps"], f"lowest mean goodput among the policies ({low['policy']})"
+
+
+def _phase2(cfg: BenchConfig, main: list[dict[str, Any]], exps: set[str],
+            progress: Callable[[str, int], Callable[[Job, dict[str, Any]], None]] | None) -> dict[str, Any]:
+    ref, basis = _reference(main)
+    out: dict[str, Any] = {"reference": {"rate_rps": ref, "basis": basis}}
+    if ref <= 0:
+        out["reference"]["note"] = "no baseline passed at any rate: fixed-rate runs skipped"
+        return out
+    variants = {r["policy"]: Variant(r["policy"], r["base_policy"], tuple(sorted(r["params"].items())))
+                for r in main}
+    jobs: list[Job] = []
+    tags: list[str] = []
+
+    def add(tag: str, v: Variant, rate: float, **kw: Any) -> None:
+        for seed in cfg.seed_list:
+            jobs.append(dataclasses.replace(_base_spec(cfg, v, seed, rate), **kw))
+            tags.append(tag)
+
+    for r in main:
+        v = variants[r["policy"]]
+        if "goodput" in exps:
+            add("reference", v, ref, keep_latencies=True)
+        if "overload" in exps:
+            if r["goodput_rps"] > 0:
+                add("overload_own", v, cfg.overload_factor * r["goodput_rps"])
+            add("overload_common", v, cfg.overload_factor * ref)
+        if "burst" in exps:
+            base = cfg.burst_base_fraction * ref
+            burst = Burst(start_s=0.25 * cfg.n_requests / base, duration_s=cfg.burst_duration_s,
+                          multiplier=cfg.burst_multiplier)
+            add("burst", v, base, burst=burst)
+    cb = progress("fixed-rate runs", len(jobs)) if progress else None
+    results = run_jobs(jobs, workers=cfg.workers, executor=cfg.executor, on_done=cb)
+    grouped: dict[str, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    for tag, res in zip(tags, results, strict=True):
+        grouped[tag][res["policy"]].append(res)
+    order = [r["policy"] for r in main]
+
+    def rows(tag: str) -> list[dict[str, Any]]:
+        return [_aggregate_runs(grouped[tag][p]) for p in order if grouped[tag].get(p)]
+
+    if "goodput" in exps:
+        out["at_reference"] = rows("reference")
+        out["latency_samples"] = {
+            p: {"ttft_s": [x for r in grouped["reference"][p] for x in r["ttft_samples_s"]],
+                "tbt_s": [x for r in grouped["reference"][p] for x in r["tbt_samples_s"]]}
+            for p in order if grouped["reference"].get(p)
+        }
+    if "overload" in exps:
+        out["overload"] = {
+            "note": (f"violation rate of runs to completion at {cfg.overload_factor:g}x each policy's own mean "
+                     f"goodput (own) and at {cfg.overload_factor:g}x the reference rate {ref:.3f} rps "
+                     f"= {basis} (common)"),
+            "own": rows("overload_own"),
+            "common": rows("overload_common"),
+        }
+    if "burst" in exps:
+        base = cfg.burst_base_fraction * ref
+        out["burst"] = {
+            "note": (f"base {base:.3f} rps = {cfg.burst_base_fraction:g}x the reference rate ({basis}), "
+                     f"{cfg.burst_multiplier:g}x burst for {cfg.burst_duration_s:g} s from "
+                     f"{0.25 * cfg.n_requests / base:.1f} s"),
+            "rows": rows("burst"),
+        }
+    out["runs"] = [{k: v for k, v in r.items() if not k.endswith("_samples_s")} | {"experiment": t}
+                   for t, r in zip(tags, results, strict=True)]
+    return out

@@ -1,0 +1,142 @@
+"""PNG figures of a bench run (matplotlib, Agg backend: no display needed).
+
+* ``slo_attainment.png``  SLO attainment vs rate per policy from every probe
+  of every search (hollow ▽: the probe stopped once 1% had violated, so all
+  that is known is attainment < 99%), plus fixed-rate runs to completion;
+* ``latency_cdf.png``     TTFT and TBT CDFs per policy at the common reference rate;
+* ``goodput.png``         goodput bars (mean over seeds) with min–max whiskers;
+  ``window.png`` and ``ablation.png`` the same for those experiments.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["write_plots"]
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _colors(names: list[str]) -> dict[str, Any]:
+    plt = _plt()
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    return {n: cycle[i % len(cycle)] for i, n in enumerate(names)}
+
+
+def _attainment(res: dict[str, Any], path: Path) -> None:
+    plt = _plt()
+    names = [r["policy"] for r in res.get("goodput", [])]
+    colors = _colors(names)
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for name in names:
+        probes = [p for s in res.get("searches", []) if s["policy"] == name for p in s["probes"]]
+        if not probes:
+            continue
+        probes.sort(key=lambda p: p["rate"])
+        c = colors[name]
+        full = [p for p in probes if not p["stopped_early"]]
+        early = [p for p in probes if p["stopped_early"]]
+        ax.scatter([p["rate"] for p in full], [100 * (1 - p["violation_rate"]) for p in full], color=c,
+                   s=22, label=name)
+        # A stopped probe only knows that more than the target violated: plot the bound.
+        ax.scatter([p["rate"] for p in early], [100 * (1 - res["target_violation"])] * len(early),
+                   marker="v", facecolors="none", edgecolors=c, s=26)
+        runs = [r for r in res.get("runs", []) if r["policy"] == name and r["experiment"] != "burst"]
+        if runs:
+            ax.scatter([r["rate_rps"] for r in runs], [100 * r["slo_attainment"] for r in runs], color=c,
+                       marker="^", s=26)
+        g = next(r["goodput_rps"] for r in res["goodput"] if r["policy"] == name)
+        ax.axvline(g, color=c, lw=0.8, ls=":")
+    ax.axhline(100 * (1 - res["target_violation"]), color="k", lw=0.8, ls="--")
+    ax.set_xlabel("Poisson arrival rate (requests/s)")
+    ax.set_ylabel("SLO attainment (%)")
+    lo = min([100 * (1 - p["violation_rate"]) for s in res.get("searches", []) for p in s["probes"]
+              if not p["stopped_early"]]
+             + [100 * r["slo_attainment"] for r in res.get("runs", []) if r["experiment"] != "burst"] + [95])
+    ax.set_ylim(max(0.0, lo - 2), 100.5)
+    ax.set_title("SLO attainment vs rate (dots: probes run to the end; hollow ▽: probe stopped once "
+                 f"{res['target_violation']:.0%} had violated, attainment below this; ▲: fixed-rate runs; "
+                 "dotted: goodput)", fontsize=7)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _cdfs(res: dict[str, Any], path: Path) -> None:
+    plt = _plt()
+    samples = res["latency_samples"]
+    colors = _colors(list(samples))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for name, s in samples.items():
+        for ax, key in zip(axes, ("ttft_s", "tbt_s"), strict=True):
+            x = np.sort(np.asarray(s[key], dtype=np.float64))
+            if len(x):
+                ax.plot(x * 1e3, np.arange(1, len(x) + 1) / len(x), color=colors[name], label=name)
+    rate = res["reference"]["rate_rps"]
+    axes[0].set_xscale("log")
+    axes[0].set_xlabel("TTFT (ms, log)")
+    axes[1].set_xlabel("TBT (ms)")
+    tbt_slo = res.get("slo", {}).get("tbt_s")
+    if tbt_slo:
+        axes[1].axvline(tbt_slo * 1e3, color="k", lw=0.8, ls="--")
+    for ax in axes:
+        ax.set_ylabel("CDF")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+    fig.suptitle(f"Latency CDFs at {rate:.2f} req/s ({res['reference']['basis']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _bars(rows: list[dict[str, Any]], title: str, path: Path) -> None:
+    plt = _plt()
+    names = [r["policy"] for r in rows]
+    mean = np.array([r["goodput_rps"] for r in rows])
+    lo = mean - np.array([r["goodput_rps_min"] for r in rows])
+    hi = np.array([r["goodput_rps_max"] for r in rows]) - mean
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.4 * len(rows) + 1), 4))
+    colors = list(_colors(names).values())
+    ax.bar(range(len(rows)), mean, yerr=np.vstack([lo, hi]), capsize=4, color=colors)
+    for i, m in enumerate(mean):
+        ax.text(i, m, f"{m:.2f}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(rows)), names, rotation=15, ha="right", fontsize=8)
+    ax.set_ylabel("goodput (requests/s)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_plots(res: dict[str, Any], out_dir: Path) -> list[Path]:
+    """Write every figure the results support; the paths written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    s = res["settings"]
+    where = f"{s['workload']}, {s['profile']}, {s['n_requests']} requests, {s['seeds']} seeds"
+    written = []
+    if res.get("goodput"):
+        _attainment(res, out_dir / "slo_attainment.png")
+        written.append(out_dir / "slo_attainment.png")
+        _bars(res["goodput"], f"Goodput (mean, min-max over seeds) — {where}", out_dir / "goodput.png")
+        written.append(out_dir / "goodput.png")
+    if res.get("latency_samples"):
+        _cdfs(res, out_dir / "latency_cdf.png")
+        written.append(out_dir / "latency_cdf.png")
+    for key, title in (("window", "SlidingChunker window k"), ("ablation", "Ablation (Table 4)")):
+        if res.get(key):
+            _bars(res[key], f"{title} — {where}", out_dir / f"{key}.png")
+            written.append(out_dir / f"{key}.png")
+    return written

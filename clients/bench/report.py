@@ -1,0 +1,173 @@
+"""Terminal tables and result files of a bench run.
+
+Files (``--out DIR``):
+
+* ``goodput.json``  everything except raw latency samples; its ``"goodput"``
+  list holds one object per policy with ``policy, workload, profile,
+  goodput_rps`` (mean over seeds), ``goodput_rps_by_seed``, std, min, max;
+  ``"window"`` and ``"ablation"`` lists have the same shape;
+* ``goodput.csv``   those rows flat, with an ``experiment`` column;
+* ``probes.csv``    every probe of every search (rate, violation rate, passed…);
+* ``runs.csv``      every fixed-rate run (reference, overload, burst);
+* ``latency_samples.json``  TTFT/TBT order statistics at the reference rate.
+
+NaN (a percentile of no samples) is written as JSON ``null``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["format_report", "write_outputs"]
+
+OURS = "slidingserve"
+
+
+def _clean(x: Any) -> Any:
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_clean(v) for v in x]
+    return x
+
+
+def _table(header: list[str], rows: Iterable[list[str]]) -> str:
+    rows = list(rows)
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    right = [i > 0 for i in range(len(header))]
+
+    def fmt(cells: list[str]) -> str:
+        return "  ".join(c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, widths, right, strict=True))
+
+    lines = [fmt(header), "  ".join("-" * w for w in widths)]
+    lines += [fmt(r) for r in rows]
+    return "\n".join(lines)
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None or not math.isfinite(x) else f"{x * 1e3:.0f}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None or not math.isfinite(x) else f"{100 * x:.1f}%"
+
+
+def goodput_table(rows: list[dict[str, Any]]) -> str:
+    ours = next((r for r in rows if r["policy"] == OURS), None)
+    header = ["policy", "goodput rps", "per seed", "std", "min-max"]
+    if ours is not None:
+        header.append(f"{OURS} vs it")
+    out = []
+    for r in rows:
+        cells = [
+            r["policy"] + ("" if r["converged"] else " *"),
+            f"{r['goodput_rps']:.3f}",
+            " ".join(f"{x:.2f}" for x in r["goodput_rps_by_seed"]),
+            f"{r['goodput_rps_std']:.3f}",
+            f"{r['goodput_rps_min']:.2f}-{r['goodput_rps_max']:.2f}",
+        ]
+        if ours is not None:
+            if r is ours:
+                cells.append("")
+            elif r["goodput_rps"] > 0:
+                cells.append(f"{100 * (ours['goodput_rps'] / r['goodput_rps'] - 1):+.1f}%")
+            else:
+                cells.append("n/a")
+        out.append(cells)
+    return _table(header, out)
+
+
+def _runs_table(rows: list[dict[str, Any]]) -> str:
+    header = ["policy", "rate rps", "violations", "per seed", "TTFT p50 ms", "TTFT p99 ms", "TBT p99 ms",
+              "preempt"]
+    return _table(header, [[
+        r["policy"], f"{r['rate_rps']:.3f}", _pct(r["violation_rate"]),
+        " ".join(_pct(x) for x in r["violation_rate_by_seed"]),
+        _ms(r["ttft_p50_s"]), _ms(r["ttft_p99_s"]), _ms(r["tbt_p99_s"]), f"{r['preemptions']:.0f}",
+    ] for r in rows])
+
+
+def format_report(res: dict[str, Any]) -> str:
+    """The human-readable summary printed on stdout."""
+    s = res["settings"]
+    parts = [
+        f"workload {s['workload']}, profile {s['profile']}, transport {s['transport']}, "
+        f"{s['n_requests']} requests, seeds {s['first_seed']}..{s['first_seed'] + s['seeds'] - 1}",
+        f"goodput = highest Poisson rate with <= {res['target_violation']:.0%} SLO violations; "
+        f"search tolerance {res['tolerance']:.0%} (the threshold lies within [goodput, goodput x "
+        f"{1 + res['tolerance']:g}])",
+    ]
+    titles = {"goodput": "Goodput", "window": "SlidingChunker window k",
+              "ablation": "Ablation (Table 4)"}
+    for key, title in titles.items():
+        if res.get(key):
+            parts += ["", f"{title}:", goodput_table(res[key])]
+            if not all(r["converged"] for r in res[key]):
+                parts.append("  * search did not converge for some seed (see probes.csv)")
+            fb = sum(r["fallback_decisions"] for r in res[key])
+            if fb:
+                parts.append(f"  note: {fb} decisions fell back to the local policy (see runs/probes)")
+    ref = res.get("reference")
+    if ref:
+        parts += ["", f"Reference rate {ref['rate_rps']:.3f} rps = {ref['basis']}."]
+        if ref.get("note"):
+            parts.append(ref["note"])
+    if res.get("at_reference"):
+        parts += ["", "All policies at the reference rate (runs to completion):", _runs_table(res["at_reference"])]
+    if res.get("overload"):
+        o = res["overload"]
+        parts += ["", f"Overload: {o['note']}.", "own:", _runs_table(o["own"]), "common:", _runs_table(o["common"])]
+    if res.get("burst"):
+        parts += ["", f"Burst: {res['burst']['note']}.", _runs_table(res["burst"]["rows"])]
+    parts += ["", f"wall time {res['wall_s']:.1f} s"]
+    return "\n".join(parts)
+
+
+def _write_csv(path: Path, rows: list[dict[str, Any]], columns: list[str]) -> None:
+    with path.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=columns, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: json.dumps(v) if isinstance(v, dict | list) else v for k, v in _clean(r).items()})
+
+
+def write_outputs(res: dict[str, Any], out_dir: Path) -> list[Path]:
+    """Write the JSON and CSV files; the paths written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    body = {k: v for k, v in res.items() if k != "latency_samples"}
+    body.setdefault("goodput", [])
+    p = out_dir / "goodput.json"
+    p.write_text(json.dumps(_clean(body), indent=2) + "\n")
+    written.append(p)
+    if res.get("latency_samples"):
+        p = out_dir / "latency_samples.json"
+        p.write_text(json.dumps(_clean(res["latency_samples"])) + "\n")
+        written.append(p)
+    rows = [r | {"experiment": exp} for exp in ("goodput", "window", "ablation") for r in res.get(exp, [])]
+    p = out_dir / "goodput.csv"
+    _write_csv(p, rows, ["experiment", "policy", "base_policy", "params", "workload", "profile", "transport",
+                         "n_requests", "goodput_rps", "goodput_rps_std", "goodput_rps_min", "goodput_rps_max",
+                         "goodput_rps_by_seed", "converged", "tolerance", "probes", "fallback_decisions"])
+    written.append(p)
+    probes = [{"policy": s["policy"], "seed": s["seed"], "step": i} | pr
+              for s in res.get("searches", []) for i, pr in enumerate(s["probes"])]
+    p = out_dir / "probes.csv"
+    _write_csv(p, probes, ["policy", "seed", "step", "rate", "violation_rate", "passed", "stopped_early",
+                           "iterations", "wall_s", "fallback_decisions"])
+    written.append(p)
+    if res.get("runs"):
+        p = out_dir / "runs.csv"
+        _write_csv(p, res["runs"], ["experiment", "policy", "params", "seed", "rate_rps", "requests", "completed",
+                                    "violation_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tbt_p50_s",
+                                    "tbt_p90_s", "tbt_p99_s", "throughput_rps", "preemptions", "iterations",
+                                    "decision_us_p50", "decision_us_p99", "fallback_decisions", "wall_s"])
+        written.append(p)
+    return written
