@@ -72,16 +72,21 @@ class SearchResult:
 
 
 def search_goodput(probe: Callable[[float], Probe], guess: float, tolerance: float = DEFAULT_TOLERANCE,
-                   growth: float = GROWTH, max_probes: int = 40, min_rate: float | None = None) -> SearchResult:
+                   growth: float = GROWTH, max_probes: int = 40, min_rate: float | None = None,
+                   max_rate: float | None = None) -> SearchResult:
     """Exponential bracketing from ``guess`` (×/÷ ``growth``), then bisection until the
     bracket is within ``tolerance`` relative to its lower end.
 
-    Gives up (``converged=False``) after ``max_probes`` probes, or when even
-    ``min_rate`` (default guess/1000) fails — a configuration no rate satisfies.
+    Gives up (``converged=False``) after ``max_probes`` probes, when even
+    ``min_rate`` (default guess/1000) fails — a configuration no rate
+    satisfies — or when ``max_rate`` (default 100 × guess) passes: a trace so
+    short that the policy serves it within its SLOs even when every request
+    arrives at once has no finite goodput, and the search reports the cap.
     """
     if guess <= 0 or tolerance <= 0 or growth <= 1:
         raise ValueError("guess and tolerance must be > 0 and growth > 1")
     floor = guess / 1000 if min_rate is None else min_rate
+    cap = guess * 100 if max_rate is None else max_rate
     lo: float | None = None
     hi: float | None = None
     probes: list[Probe] = []
@@ -100,7 +105,9 @@ def search_goodput(probe: Callable[[float], Probe], guess: float, tolerance: flo
                 break
             rate = max(hi / growth, floor)
         elif hi is None:
-            rate = lo * growth
+            if lo >= cap:
+                break
+            rate = min(lo * growth, cap)
         elif hi - lo <= tolerance * lo:
             converged = True
             break

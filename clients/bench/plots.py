@@ -64,12 +64,13 @@ def _attainment(res: dict[str, Any], path: Path) -> None:
               if not p["stopped_early"]]
              + [100 * r["slo_attainment"] for r in res.get("runs", []) if r["experiment"] != "burst"] + [95])
     ax.set_ylim(max(0.0, lo - 2), 100.5)
-    ax.set_title("SLO attainment vs rate (dots: probes run to the end; hollow ▽: probe stopped once "
-                 f"{res['target_violation']:.0%} had violated, attainment below this; ▲: fixed-rate runs; "
-                 "dotted: goodput)", fontsize=7)
+    ax.set_title("SLO attainment vs rate", fontsize=10)
+    fig.text(0.01, 0.01, "●: probes run to the end   ▽ hollow: probe stopped once "
+             f"{res['target_violation']:.0%} had violated (attainment below the line)   "
+             "▲: fixed-rate runs to the end   dotted: goodput", fontsize=7)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -87,7 +88,10 @@ def _cdfs(res: dict[str, Any], path: Path) -> None:
     rate = res["reference"]["rate_rps"]
     axes[0].set_xscale("log")
     axes[0].set_xlabel("TTFT (ms, log)")
-    axes[1].set_xlabel("TBT (ms)")
+    axes[1].set_xlabel("TBT (ms; axis cut at the 99.9th percentile)")
+    top = [np.percentile(s["tbt_s"], 99.9) for s in samples.values() if len(s["tbt_s"])]
+    if top:
+        axes[1].set_xlim(0, 1.1e3 * max(top))
     tbt_slo = res.get("slo", {}).get("tbt_s")
     if tbt_slo:
         axes[1].axvline(tbt_slo * 1e3, color="k", lw=0.8, ls="--")
@@ -110,8 +114,9 @@ def _bars(rows: list[dict[str, Any]], title: str, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(max(5.0, 1.4 * len(rows) + 1), 4))
     colors = list(_colors(names).values())
     ax.bar(range(len(rows)), mean, yerr=np.vstack([lo, hi]), capsize=4, color=colors)
+    pad = 0.01 * float(max(mean.max() + hi.max(), 1e-9))
     for i, m in enumerate(mean):
-        ax.text(i, m, f"{m:.2f}", ha="center", va="bottom", fontsize=8)
+        ax.text(i, m + hi[i] + pad, f"{m:.2f}", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(rows)), names, rotation=15, ha="right", fontsize=8)
     ax.set_ylabel("goodput (requests/s)")
     ax.set_title(title, fontsize=9)
