@@ -87,6 +87,8 @@ def build_config(args: argparse.Namespace) -> Any:
         raise _error("--seeds must be >= 1")
     if not 0 < args.tolerance < 1:
         raise _error("--tolerance must be in (0, 1)")
+    if not args.deadline_ms > 0:
+        raise _error("--deadline-ms must be > 0")
     if args.jobs is not None and args.jobs < 1:
         raise _error("--jobs must be >= 1")
     _check_workload(args.workload)
@@ -97,7 +99,7 @@ def build_config(args: argparse.Namespace) -> Any:
         workload=args.workload, profile=args.profile, policies=tuple(policies), transport=args.transport,
         n_requests=args.requests, seeds=args.seeds, first_seed=args.seed, tolerance=args.tolerance,
         experiments=tuple(exps), params=params, workers=args.jobs or os.cpu_count() or 1,
-        executor=args.executor,
+        executor=args.executor, deadline_ms=args.deadline_ms,
     )
 
 
@@ -170,6 +172,8 @@ def _common(s: argparse.ArgumentParser, requests: int, seeds: int) -> None:
     s.add_argument("--seed", type=int, default=0, help="first seed (default 0)")
     s.add_argument("--tolerance", type=float, default=0.05,
                    help="relative width at which the goodput search stops (default 0.05)")
+    s.add_argument("--deadline-ms", type=float, default=20.0,
+                   help="per-iteration scheduler deadline; a miss falls back to vllm-fcfs (default 20)")
     s.add_argument("--jobs", type=int, help="parallel worker processes (default: CPU count)")
     s.add_argument("--executor", default="process", help="process (default) or ray (RAY_ADDRESS for a cluster)")
     s.add_argument("--param", action="append", metavar="POLICY:KEY=VALUE",

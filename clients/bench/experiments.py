@@ -88,6 +88,7 @@ class BenchConfig:
     params: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     workers: int | None = None
     executor: str = "process"
+    deadline_ms: float = 20.0
     overload_factor: float = 2.0
     burst_base_fraction: float = 0.8
     burst_multiplier: float = 3.0
@@ -130,7 +131,8 @@ def plan_variants(cfg: BenchConfig) -> dict[str, list[Variant]]:
 
 def _base_spec(cfg: BenchConfig, v: Variant, seed: int, rate: float) -> RunSpec:
     return RunSpec(policy=v.policy, workload=cfg.workload, rate=rate, seed=seed, n_requests=cfg.n_requests,
-                   profile=cfg.profile, transport=cfg.transport, params=v.params, label=v.label)
+                   profile=cfg.profile, transport=cfg.transport, params=v.params, label=v.label,
+                   deadline_ms=cfg.deadline_ms)
 
 
 def _aggregate_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:

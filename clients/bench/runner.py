@@ -87,6 +87,8 @@ class RunSpec:
     keep_latencies: bool = False
     #: Display name (e.g. ``slidingserve[window=3]``); defaults to the policy.
     label: str = ""
+    #: Per-iteration deadline of the scheduler call (matters for gRPC: a miss falls back).
+    deadline_ms: float = 20.0  # AdapterSettings default
 
     @property
     def name(self) -> str:
@@ -191,7 +193,8 @@ def run(spec: RunSpec) -> dict[str, Any]:
     profile = PROFILES[spec.profile]
     key = profile.key
     backend: SchedulerBackend
-    settings = AdapterSettings(policy=spec.policy, params=dict(spec.params), profile=key)
+    settings = AdapterSettings(policy=spec.policy, params=dict(spec.params), profile=key,
+                               deadline_ms=spec.deadline_ms)
     if spec.transport == "grpc":
         server = _SERVERS.setdefault(spec.profile, _EmbeddedServer(spec.profile))
         target, key = server.acquire()
@@ -213,6 +216,7 @@ def run(spec: RunSpec) -> dict[str, Any]:
         "workload": spec.workload,
         "profile": spec.profile,
         "transport": spec.transport,
+        "deadline_ms": spec.deadline_ms,
         "rate_rps": spec.rate,
         "seed": spec.seed,
         "burst": dataclasses.asdict(spec.burst) if spec.burst else None,
