@@ -15,12 +15,16 @@ SLOs (formula (1)).  Every request gets
   with its TTFT SLO scaled by ``protected_ttft_scale`` (tighter).
 
 How the defaults were chosen: on the default profile (A100 TP2 Llama-2-7B)
-an unloaded engine prefills ≈ 20k tokens/s and runs a decode iteration in
-≈ 15–25 ms.  TTFT = 0.5 s + 0.4 ms/token gives a 2,000-token prompt 1.3 s,
-≈ 15× its unloaded prefill time, and TBT = 100 ms is ≈ 4–6× an iteration —
-slack enough that every policy meets them at low load (checked by
-``tests/test_workloads.py``), tight enough that chunk sizes and order decide
-who meets them near capacity.  Change them with ``SLOConfig``.
+an unloaded engine prefills ≈ 20k tokens/s (0.05 ms/token) and runs a decode
+iteration in ≈ 15–25 ms.  TTFT = 0.3 s + 0.15 ms/token gives a prompt three
+times its unloaded prefill time plus 0.3 s of queueing (a 2,000-token prompt:
+0.6 s); TBT = 50 ms (the paper's setting) is 2–3 loaded iterations.  Every
+policy meets them at low load (checked by ``tests/test_workloads.py``).  With
+looser SLOs (we first tried 0.5 s + 0.4 ms/token, 100 ms) every policy keeps
+its SLOs up to the engine's raw capacity and then all fail together, so the
+comparison only measures throughput; with these, chunk sizes and order
+decide who meets the SLOs well below raw capacity.  Change them with
+``SLOConfig``.
 """
 
 from __future__ import annotations
@@ -50,9 +54,9 @@ def workload_names() -> list[str]:
 
 @dataclass(frozen=True, slots=True)
 class SLOConfig:
-    ttft_base_s: float = 0.5
-    ttft_per_token_s: float = 0.0004
-    tbt_s: float = 0.1
+    ttft_base_s: float = 0.3
+    ttft_per_token_s: float = 0.00015
+    tbt_s: float = 0.05
     protected_fraction: float = 0.1
     protected_ttft_scale: float = 0.5
 

@@ -73,6 +73,10 @@ class AdapterSettings:
     engine_id: str = ""
     report_queue: int = 8192
     report_batch: int = 256
+    #: Hand each report to the backend inside :meth:`AdapterCore.report`
+    #: instead of a background thread.  Only for replays that must be
+    #: deterministic (the simulator in-process); a real engine never waits.
+    report_inline: bool = False
     #: Back-off after a failure before the remote path is tried again.
     min_backoff_s: float = 0.05
     max_backoff_s: float = 2.0
@@ -105,7 +109,9 @@ class InProcessBackend:
 
         self._policy = registry.create(settings.policy or "slidingserve", settings.params)
         self._profile = settings.profile or "default"
-        self._registry = PredictorRegistry(predictor or default_predictor(), RefitSettings()) if refit else None
+        self._registry = PredictorRegistry(
+            predictor or default_predictor(), RefitSettings(), synchronous=settings.report_inline
+        ) if refit else None
         self._fixed = predictor or default_predictor()
 
     @property
@@ -248,6 +254,10 @@ class AdapterCore:
     # --------------------------------------------------------------- reports
     def report(self, sample: IterationSample) -> None:
         """Queue one measured iteration; never blocks on the network."""
+        if self.settings.report_inline:
+            self.backend.report([sample])
+            self.reports_sent += 1
+            return
         with self._cv:
             if len(self._reports) == self._reports.maxlen:
                 self.reports_dropped += 1

@@ -212,12 +212,17 @@ def test_slidingserve_window_1_is_time_to_budget() -> None:
     # t = 1.05 + 0.01·P ms
     reqs = [decoding("d", 10, 1, arrival=9.0, ttft=0.95, tbt=0.1), waiting("L", 5000, arrival=9.0, ttft=9.0)]
     snap = make_snapshot(reqs, now=10.0, max_batch_tokens=4096)
-    plan = registry.create("slidingserve", {"window": "1"}).plan(snap, PRED)
+    plan = registry.create("slidingserve", {"window": "1", "margin": 1}).plan(snap, PRED)
     # T_cur = 50 ms → P ≤ (50 − 1.05)/0.01 = 4895 → capped at 4095
     assert alloc(plan) == {"d": 1, "L": 4095}
     reqs[0] = decoding("d", 10, 1, arrival=9.0, ttft=0.9105, tbt=0.1)   # T_cur = 10.5 ms → P ≤ 945
-    plan = registry.create("slidingserve", {"window": 1}).plan(make_snapshot(reqs, now=10.0, max_batch_tokens=4096), PRED)
+    plan = registry.create("slidingserve", {"window": 1, "margin": 1}).plan(
+        make_snapshot(reqs, now=10.0, max_batch_tokens=4096), PRED)
     assert alloc(plan) == {"d": 1, "L": 945}
+    # margin 1.05: predicted times count 5% over → T_cur / 1.05 = 10 ms → P ≤ 895
+    plan = registry.create("slidingserve", {"window": 1, "margin": 1.05}).plan(
+        make_snapshot(reqs, now=10.0, max_batch_tokens=4096), PRED)
+    assert alloc(plan) == {"d": 1, "L": 895}
 
 
 def test_slidingserve_window_3_survives_a_window_no_split_fits() -> None:

@@ -38,7 +38,7 @@ def _run(policy: str, w: Workload, *, config: EngineConfig | None = None, profil
          backend: Any = None, settings: AdapterSettings | None = None,
          hook: Any = None) -> tuple[SimulatedEngine, SimResult, AdapterCore]:
     pred = profile_predictor(KEY)
-    settings = settings or AdapterSettings(policy=policy, profile=KEY)
+    settings = settings or AdapterSettings(policy=policy, profile=KEY, report_inline=True)
     adapter = AdapterCore(backend or InProcessBackend(settings, pred), settings, pred)
     try:
         eng = SimulatedEngine(w, load_ground_truth(KEY), profile or PROFILES[KEY], adapter, config)

@@ -202,6 +202,8 @@ def run(spec: RunSpec) -> dict[str, Any]:
         settings = dataclasses.replace(settings, profile=key, engine_id=key)
         backend = GrpcBackend(target, settings)
     else:
+        # In-process replays refit inline so that a (spec, seed) always gives the same result.
+        settings = dataclasses.replace(settings, report_inline=True)
         backend = InProcessBackend(settings, predictor)
     adapter = AdapterCore(backend, settings, predictor)
     try:

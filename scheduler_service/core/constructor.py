@@ -58,22 +58,24 @@ def construct_batch(
     token_cap: int,
     seq_cap: int,
     max_candidates: int = 64,
+    margin: float = 1.0,
 ) -> ConstructorResult | None:
     """Return the best anchored selection, or None (no risky or no feasible anchor).
 
     ``token_cap`` bounds the prefill tokens (budget after decodes and KV
-    headroom); ``seq_cap`` the number of chosen requests.
+    headroom); ``seq_cap`` the number of chosen requests.  Predicted times
+    count ``margin`` times over against every slack.
     """
     if len(live) == 0 or seq_cap <= 0:
         return None
     s_all = snap.slack[live]
-    risky = live[s_all * 1e3 < t_full_ms]
+    risky = live[s_all * 1e3 < t_full_ms * margin]
     if len(risky) == 0:
         return None
     r_all = snap.remaining_prefill[live].astype(np.float64)
     v_all = 1.0 / (s_all / s_all.sum() + r_all / r_all.sum())  # (18)
     # Anchors and their capacities (17), all at once.
-    c_a = np.minimum(curve.prefill_tokens_within_many(snap.slack[risky] * 1e3), token_cap)
+    c_a = np.minimum(curve.prefill_tokens_within_many(snap.slack[risky] * 1e3 / margin), token_cap)
     r_a = snap.remaining_prefill[risky]
     ok = r_a <= c_a
     if not ok.any():

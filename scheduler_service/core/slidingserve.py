@@ -45,6 +45,10 @@ class SlidingServeParams:
     max_grid: int = param(
         32, lo=2, hi=100_000, doc="most grid positions per iteration; the step widens beyond"
     )
+    margin: float = param(
+        1.1, lo=1.0, hi=10.0,
+        doc="predicted times count this many times over against slacks (QoServe uses 1.2)",
+    )
     tie_tolerance_ms: float = param(
         2.0, lo=0.0, hi=1e4,
         doc="window splits within this many ms of the least predicted total tie; the larger b1 wins",
@@ -83,6 +87,8 @@ class SlidingServePolicy:
         )
         curve = BudgetCurve(cq.fill_curve_ms(), n_dec)
         W = window_limits_ms(snap, decodes, p.window)
+        if W is not None and p.margin != 1.0:
+            W = W / p.margin
         t2 = time.perf_counter_ns()
 
         chosen = None
@@ -96,6 +102,7 @@ class SlidingServePolicy:
                 token_cap=min(cq.iter_cap, cq.kv_cap),
                 seq_cap=max(0, snap.max_num_seqs - n_dec),
                 max_candidates=p.max_candidates,
+                margin=p.margin,
             )
             t3 = time.perf_counter_ns()
 

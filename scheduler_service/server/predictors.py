@@ -65,7 +65,11 @@ class PredictorRegistry:
         settings: RefitSettings,
         metrics: Metrics | None = None,
         on_publish: Callable[[str, BatchLatencyPredictor], None] | None = None,
+        *,
+        synchronous: bool = False,
     ) -> None:
+        """``synchronous`` refits inside :meth:`add` instead of on the worker
+        thread: slower reports, but a replay (the simulator) is deterministic."""
         self.bootstrap = bootstrap
         self.settings = settings
         self._metrics = metrics
@@ -76,8 +80,10 @@ class PredictorRegistry:
         self._queue: deque[str] = deque()
         self._busy = False
         self._closed = False
+        self._synchronous = synchronous
         self._thread = threading.Thread(target=self._worker, name="predictor-refit", daemon=True)
-        self._thread.start()
+        if not synchronous:
+            self._thread.start()
 
     # ------------------------------------------------------------ hot path
     def current(self, key: str) -> BatchLatencyPredictor:
@@ -116,9 +122,12 @@ class PredictorRegistry:
                 st.refit_queued = True
                 st.new_since_refit = 0
         if trigger:
-            with self._cv:
-                self._queue.append(key)
-                self._cv.notify_all()
+            if self._synchronous:
+                self.refit(key)
+            else:
+                with self._cv:
+                    self._queue.append(key)
+                    self._cv.notify_all()
         return abs(pred - latency_ms)
 
     # --------------------------------------------------------------- refit
@@ -131,7 +140,8 @@ class PredictorRegistry:
         with self._cv:
             self._closed = True
             self._cv.notify_all()
-        self._thread.join(timeout=5.0)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5.0)
 
     def _worker(self) -> None:
         while True:
