@@ -11,9 +11,10 @@ snapshot and returns a plan that is *safe to execute*:
 3. on a deadline miss, an error or a rejected plan, decide locally with the
    fallback policy and count the reason.
 
-After a failure the remote path is skipped for a back-off period (doubling up
-to ``max_backoff_s``) so that a dead service costs one deadline, not one per
-iteration; the first success closes the circuit again.
+After a failure the remote path is skipped for a number of decisions
+(doubling up to ``max_backoff_decisions``) so that a dead service costs one
+deadline per back-off, not one per iteration; the first success closes the
+circuit again.
 
 Measured latencies go to :meth:`AdapterCore.report`, which only appends to a
 bounded queue: a background thread ships them in batches and never makes the
@@ -77,9 +78,12 @@ class AdapterSettings:
     #: instead of a background thread.  Only for replays that must be
     #: deterministic (the simulator in-process); a real engine never waits.
     report_inline: bool = False
-    #: Back-off after a failure before the remote path is tried again.
-    min_backoff_s: float = 0.05
-    max_backoff_s: float = 2.0
+    #: After a failure the remote path is skipped for this many decisions,
+    #: doubling per consecutive failure up to the maximum.  Counted in
+    #: decisions, not seconds, so it means the same on a GPU and in the
+    #: simulator (whose iterations take microseconds of wall time).
+    min_backoff_decisions: int = 1
+    max_backoff_decisions: int = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,8 +211,8 @@ class AdapterCore:
         self.remote_decisions = 0
         self.fallbacks: collections.Counter[str] = collections.Counter()
         self.last_error = ""
-        self._open_until = 0.0
-        self._backoff = settings.min_backoff_s
+        self._skip = 0
+        self._backoff = settings.min_backoff_decisions
         # reports
         self._reports: collections.deque[IterationSample] = collections.deque(maxlen=settings.report_queue)
         self.reports_dropped = 0
@@ -224,7 +228,8 @@ class AdapterCore:
     def decide(self, snapshot: Snapshot) -> Decision:
         t0 = time.perf_counter()
         reason = ""
-        if t0 < self._open_until:
+        if self._skip > 0:
+            self._skip -= 1
             reason = "circuit_open"
         else:
             try:
@@ -236,13 +241,13 @@ class AdapterCore:
                 problems = plan_violations(snapshot, plan)
                 if not problems:
                     self.remote_decisions += 1
-                    self._backoff = self.settings.min_backoff_s
+                    self._backoff = self.settings.min_backoff_decisions
                     return Decision(plan, "remote", "", int((time.perf_counter() - t0) * 1e6))
                 reason = "invalid_plan"
                 self.last_error = "; ".join(problems[:3])
             if reason != "invalid_plan":
-                self._open_until = time.perf_counter() + self._backoff
-                self._backoff = min(self._backoff * 2, self.settings.max_backoff_s)
+                self._skip = self._backoff
+                self._backoff = min(self._backoff * 2, self.settings.max_backoff_decisions)
         self.fallbacks[reason] += 1
         plan = self._fallback.plan(snapshot, self._fallback_predictor)
         return Decision(plan, "fallback", reason, int((time.perf_counter() - t0) * 1e6))
@@ -293,7 +298,7 @@ class AdapterCore:
                 self.reports_sent += len(batch)
             except Exception:
                 self.report_errors += 1
-                time.sleep(min(self._backoff, 0.5))
+                time.sleep(0.1)
             finally:
                 with self._cv:
                     self._sending = False

@@ -161,7 +161,7 @@ class _Faulty:
                                               ("invalid", "invalid_plan")])
 def test_fallback_paths_complete_every_request(mode: str, reason: str) -> None:
     settings = AdapterSettings(policy="slidingserve", profile=KEY, deadline_ms=2.0,
-                               min_backoff_s=0.001, max_backoff_s=0.004)
+                               min_backoff_decisions=1, max_backoff_decisions=4)
     backend = _Faulty(mode, fail=25, settings=settings)
     w = make_workload("sharegpt", 40, 2.0, seed=4)
     eng, res, adapter = _run("slidingserve", w, backend=backend, settings=settings)
