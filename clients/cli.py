@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -106,9 +107,16 @@ def cmd_policies(args: argparse.Namespace) -> int:
             if prm.get("choices"):
                 bounds = f" one of {prm['choices']}"
             elif prm.get("min") is not None or prm.get("max") is not None:
-                bounds = f" in [{prm.get('min')}, {prm.get('max')}]"
+                bounds = f" in [{_num(prm.get('min'))}, {_num(prm.get('max'))}]"
             print(f"    --param {prm['name']}={prm['default']}  ({prm['type']}{bounds}) {prm['doc']}")
     return 0
+
+
+def _num(v: Any) -> str:
+    """Bounds print as written (1024, not 1024.0), whatever the transport turned them into."""
+    if isinstance(v, float) and v.is_integer():
+        return str(int(v))
+    return str(v)
 
 
 def cmd_predictor_fit(args: argparse.Namespace) -> int:
@@ -259,6 +267,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: invalid input: {e}", file=sys.stderr)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # e.g. `slidingserve plan ... | head`: not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except Exception as e:  # remote errors and anything else: one line, no traceback
         name = type(e).__name__
         if name in ("SchedulerError", "ConfigError"):
