@@ -27,7 +27,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -68,6 +68,8 @@ class AdapterSettings:
     #: Per-iteration deadline for the remote decision.
     deadline_ms: float = 20.0
     #: Local policy used when the remote decision is late, fails or is invalid.
+    #: "" means no local policy: :meth:`AdapterCore.decide` returns a decision
+    #: without a plan and the engine uses its own native scheduling (vLLM).
     fallback_policy: str = "vllm-fcfs"
     #: Engine profile key (model/hardware/TP) under which reports are pooled.
     profile: str = ""
@@ -147,10 +149,14 @@ class GrpcBackend:
     EngineCore) creates them in the process that uses them.
     """
 
-    def __init__(self, target: str, settings: AdapterSettings, *, unary: bool = False) -> None:
+    def __init__(self, target: str, settings: AdapterSettings, *, unary: bool = False,
+                 channel_factory: Callable[[], Any] | None = None) -> None:
         self.target = target
         self._settings = settings
         self._unary = unary
+        #: Builds the ``grpc.Channel`` (TLS, reconnect options); called lazily,
+        #: after any fork, like the default insecure channel.
+        self._channel_factory = channel_factory
         self._client: Any = None
         self._stream: Any = None
         self._lock = threading.Lock()
@@ -162,6 +168,7 @@ class GrpcBackend:
             self._client = SchedulerClient(
                 self.target, timeout_s=self._settings.deadline_ms / 1e3,
                 profile=self._settings.profile or None, engine_id=self._settings.engine_id,
+                channel=self._channel_factory() if self._channel_factory else None,
             )
         return self._client
 
@@ -192,7 +199,8 @@ class GrpcBackend:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    plan: Plan
+    #: None only on a fallback with ``fallback_policy=""`` (the engine schedules natively).
+    plan: Plan | None
     #: "remote" when the scheduler's plan is executed, else "fallback".
     source: str
     #: Why the fallback was used ("" for remote decisions).
@@ -206,7 +214,7 @@ class AdapterCore:
                  fallback_predictor: BatchLatencyPredictor | None = None) -> None:
         self.backend = backend
         self.settings = settings
-        self._fallback = registry.create(settings.fallback_policy)
+        self._fallback = registry.create(settings.fallback_policy) if settings.fallback_policy else None
         self._fallback_predictor = fallback_predictor or default_predictor()
         self.remote_decisions = 0
         self.fallbacks: collections.Counter[str] = collections.Counter()
@@ -249,6 +257,8 @@ class AdapterCore:
                 self._skip = self._backoff
                 self._backoff = min(self._backoff * 2, self.settings.max_backoff_decisions)
         self.fallbacks[reason] += 1
+        if self._fallback is None:
+            return Decision(None, "fallback", reason, int((time.perf_counter() - t0) * 1e6))
         plan = self._fallback.plan(snapshot, self._fallback_predictor)
         return Decision(plan, "fallback", reason, int((time.perf_counter() - t0) * 1e6))
 

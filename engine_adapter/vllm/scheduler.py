@@ -1,0 +1,474 @@
+"""vLLM 0.33 scheduler classes that execute the scheduling service's plans.
+
+How a plan is executed: vLLM's own ``schedule()`` still does all the work
+(KV slot allocation, preemption, prefix caching, encoder inputs, the
+``SchedulerOutput``), so every vLLM invariant holds.  The adapter only
+
+1. orders ``self.running`` by the plan (stable; unplanned requests last, so
+   they are the first preemption victims) and puts only the planned waiting
+   requests, in plan order, into the FCFS ``self.waiting`` queue for the call
+   (hiding the others saves vLLM a prefix-cache lookup per unplanned request);
+2. caps every request's token count at its allocation through the per-request
+   hooks vLLM calls on the way (``_mamba_block_aligned_split``,
+   ``_try_schedule_encoder_inputs``, ``_reserve_prefill_lookahead``); a decode
+   the plan schedules is all-or-nothing (spec-decode tokens stay intact);
+3. restores vLLM's queue order afterwards, so an iteration that falls back
+   behaves exactly like stock vLLM.
+
+Before that, the plan is checked (``plan_violations``, in the adapter core)
+and matched against vLLM's KV rules: a plan whose running requests need more
+KV blocks than are free (vLLM would have to preempt), a deadline miss or an
+error means ``_plan = None`` for this iteration, which is stock vLLM
+behaviour.  Admission control stays vLLM's: waiting requests the plan admits
+but vLLM would refuse (no sequence slot, whole prompt does not fit, watermark)
+are dropped from the plan and counted (``trimmed_admissions``).  The reason is counted (:meth:`slidingserve_stats`) and
+logged at most once per ``log_every``.  After ``super().schedule()`` the
+scheduled tokens are compared with the plan and deviations counted.
+
+Async scheduling: vLLM's EngineCore calls ``schedule()`` for step k+1 while
+step k runs on the GPU (batch queue), so the service round trip inside
+``schedule()`` overlaps GPU work by construction; it only adds idle time when
+snapshot + RPC + apply exceeds the step time, which the deadline bounds.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import numpy as np
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.request_queue import FCFSRequestQueue, SchedulingPolicy
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from engine_adapter.core import AdapterCore, AdapterSettings, GrpcBackend, InProcessBackend, IterationSample
+from scheduler_service.core import Snapshot
+
+from .settings import SettingsWatcher, VllmAdapterSettings, default_engine_id
+from .snapshot import SloDefaults, SnapshotBuilder
+
+__all__ = ["RemoteScheduler", "RemoteSyncScheduler", "SlidingServeMixin", "build_core"]
+
+log = logging.getLogger("engine_adapter.vllm")
+
+#: Reasons counted besides AdapterCore's (deadline, error, invalid_plan, circuit_open).
+LOCAL_REASONS = ("unallocatable", "snapshot_error", "unsupported")
+
+
+def _channel_factory(s: VllmAdapterSettings) -> Any:
+    import grpc
+
+    options = [
+        ("grpc.max_receive_message_length", 64 << 20),
+        ("grpc.max_send_message_length", 64 << 20),
+        # find a restarted service within about a second, not gRPC's default 120 s
+        ("grpc.initial_reconnect_backoff_ms", min(100, s.reconnect_max_ms)),
+        ("grpc.min_reconnect_backoff_ms", min(100, s.reconnect_max_ms)),
+        ("grpc.max_reconnect_backoff_ms", s.reconnect_max_ms),
+    ]
+
+    def make() -> Any:
+        if not s.tls:
+            return grpc.insecure_channel(s.address, options=options)
+
+        def read(p: str) -> bytes | None:
+            if not p:
+                return None
+            with open(p, "rb") as fh:
+                return fh.read()
+
+        creds = grpc.ssl_channel_credentials(read(s.tls_ca), read(s.tls_key), read(s.tls_cert))
+        return grpc.secure_channel(s.address, creds, options=options)
+
+    return make
+
+
+def build_core(s: VllmAdapterSettings, profile: str) -> AdapterCore:
+    """An :class:`AdapterCore` whose fallback is "no plan" (vLLM's native scheduling)."""
+    a = AdapterSettings(
+        policy=s.policy, params=dict(s.params), deadline_ms=s.deadline_ms, fallback_policy="",
+        profile=profile, engine_id=s.engine_id or default_engine_id(), report_batch=s.report_batch,
+        max_backoff_decisions=s.max_backoff_decisions,
+    )
+    backend: Any
+    if s.address == "inproc":
+        backend = InProcessBackend(a)
+    else:
+        backend = GrpcBackend(s.address, a, channel_factory=_channel_factory(s))
+    return AdapterCore(backend, a)
+
+
+def detect_profile(vllm_config: Any, s: VllmAdapterSettings) -> str:
+    """``model|hardware|tp<N>``: the settings' values, else vLLM's config and platform.
+
+    The hardware name comes from vLLM's platform layer (NVML on CUDA), which does
+    not create a CUDA context in the EngineCore process."""
+    model = s.profile_model
+    if not model:
+        mc = vllm_config.model_config
+        name = getattr(mc, "served_model_name", None) or mc.model
+        if isinstance(name, list | tuple):
+            name = name[0]
+        model = os.path.basename(str(name).rstrip("/")) or str(name)
+    hw = s.profile_hardware
+    if not hw:
+        try:
+            from vllm.platforms import current_platform
+
+            hw = str(current_platform.get_device_name())
+        except Exception:
+            hw = ""
+        hw = hw or "unknown"
+    tp = s.profile_tp or int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+    clean = [x.replace("|", "-").strip().replace(" ", "-")[:128] for x in (model, hw)]
+    return f"{clean[0]}|{clean[1]}|tp{tp}"
+
+
+class SlidingServeMixin:
+    """The shared implementation; mixed into vLLM's ``Scheduler``/``AsyncScheduler``."""
+
+    # vLLM attributes this mixin uses (set by Scheduler.__init__)
+    running: list[Any]
+    waiting: Any
+    kv_holding_waiting: Any
+    requests: dict[str, Any]
+    kv_cache_manager: Any
+    block_size: int
+    max_num_scheduled_tokens: int
+    max_num_running_reqs: int
+    max_num_active_reqs: int
+    num_lookahead_tokens: int
+    policy: Any
+    vllm_config: Any
+
+    #: Test hooks: settings from this mapping instead of ``os.environ``, and the
+    #: clock that times iterations (a simulated clock makes reports deterministic).
+    slidingserve_env: Any = None
+    slidingserve_clock: Any = staticmethod(time.perf_counter)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._plan: dict[str, int] | None = None
+        base = VllmAdapterSettings.from_env(self.slidingserve_env, apply_file=False)
+        self._ss_watcher = SettingsWatcher(base)  # raises SettingsError on a bad file at start
+        self._ss_settings = self._ss_watcher.current
+        self._ss_profile = detect_profile(self.vllm_config, self._ss_settings)
+        self._ss_builder = SnapshotBuilder(self._slo_defaults(self._ss_settings), self._ss_profile)
+        self._ss_core: AdapterCore | None = None  # created on first schedule(): after vLLM forks
+        self._ss_lock = threading.Lock()
+        self._ss_unsupported = ""
+        if self.policy != SchedulingPolicy.FCFS:
+            self._ss_unsupported = f"scheduling policy {self.policy.name} (only fcfs)"
+        elif not isinstance(self.waiting, FCFSRequestQueue):
+            self._ss_unsupported = "waiting queue is not FCFS"
+        if self._ss_unsupported:
+            log.warning("slidingserve: %s; vLLM schedules natively", self._ss_unsupported)
+        # counters
+        self._ss_counts: collections.Counter[str] = collections.Counter()
+        self._ss_fallbacks: collections.Counter[str] = collections.Counter()
+        self._ss_last_reason = ""
+        self._ss_deviated_requests = 0
+        self._ss_retired: list[dict[str, Any]] = []
+        # reporting
+        self._ss_last_update: float | None = None
+        log.info("slidingserve: scheduler %s, address=%s policy=%s deadline_ms=%g profile=%s",
+                 type(self).__name__, self._ss_settings.address, self._ss_settings.policy,
+                 self._ss_settings.deadline_ms, self._ss_profile)
+
+    @staticmethod
+    def _slo_defaults(s: VllmAdapterSettings) -> SloDefaults:
+        return SloDefaults(ttft_s=s.default_ttft_ms / 1e3, tbt_s=s.default_tbt_ms / 1e3)
+
+    # ------------------------------------------------------------ core/settings
+    def _core(self) -> AdapterCore:
+        core = self._ss_core
+        if core is None:
+            core = self._ss_core = build_core(self._ss_settings, self._ss_profile)
+        new = self._ss_watcher.poll()
+        if new is not None:
+            self._swap(new)
+            core = self._ss_core
+            assert core is not None
+        return core
+
+    def _swap(self, new: VllmAdapterSettings) -> None:
+        """Hot reload: a new core (backend, policy, deadline); the old one is closed in
+        the background so its queued reports are still delivered."""
+        old = self._ss_core
+        try:
+            core = build_core(new, self._ss_profile)
+        except Exception as e:
+            log.error("slidingserve: cannot apply the new settings, keeping the old ones: %s", e)
+            return
+        self._ss_settings = new
+        self._ss_builder.defaults = self._slo_defaults(new)
+        self._ss_core = core
+        if old is not None:
+            self._ss_retired.append(old.stats())
+            threading.Thread(target=old.close, name="slidingserve-close", daemon=True).start()
+
+    # ----------------------------------------------------------------- snapshot
+    def _free_kv_tokens(self) -> tuple[int, int]:
+        """(free blocks, headroom in tokens): free blocks plus the unused tail of
+        every running request's last block."""
+        free_blocks = int(self.kv_cache_manager.block_pool.get_num_free_blocks())
+        b = self.block_size
+        tail = 0
+        for r in self.running:
+            tail += -r.num_computed_tokens % b
+        return free_blocks, free_blocks * b + tail
+
+    def _snapshot(self) -> tuple[Snapshot, list[Any], int]:
+        free_blocks, free_tokens = self._free_kv_tokens()
+        reqs = [*self.running, *self.kv_holding_waiting, *self.waiting]
+        snap, rows = self._ss_builder.build(
+            reqs, max_batch_tokens=self.max_num_scheduled_tokens,
+            max_num_seqs=self.max_num_running_reqs, free_kv_tokens=free_tokens)
+        return snap, rows, free_blocks
+
+    def _fit(self, snap: Snapshot, rows: list[Any], plan: dict[str, int], free_blocks: int) -> tuple[str, int]:
+        """Mirror vLLM's KV rules on the plan: ("why it cannot run", 0) when its
+        running requests need more blocks than are free (vLLM would preempt), else
+        ("", trimmed) after dropping, from ``plan``, the admissions vLLM's own
+        admission control would refuse (free sequence slots; the whole prompt must
+        fit, ``scheduler_reserve_full_isl``; the watermark).  Running requests are
+        placed first, as vLLM does; prefix-cache hits are ignored (conservative)."""
+        index = snap.index_of
+        running = {id(r) for r in self.running}
+        b = self.block_size
+        la = self.num_lookahead_tokens
+        free = free_blocks
+        admissions: list[tuple[str, Any, int]] = []
+        for rid, n in plan.items():
+            r = rows[index[rid]]
+            if id(r) not in running:
+                admissions.append((rid, r, n))
+                continue
+            comp = r.num_computed_tokens
+            free -= max(0, -(-(comp + n + la) // b) - -(-comp // b))
+        if free < 0:
+            return f"running requests need {free_blocks - free} KV blocks, {free_blocks} free", 0
+        slots = min(self.max_num_running_reqs, self.max_num_active_reqs) - len(self.running)
+        watermark = int(getattr(self.kv_cache_manager, "watermark_blocks", 0)) if self.running else 0
+        full_isl = bool(getattr(self, "scheduler_reserve_full_isl", False))
+        trimmed = 0
+        for rid, r, n in admissions:
+            comp = r.num_computed_tokens
+            held = -(-comp // b)
+            need = max(0, -(-(comp + n + la) // b) - held)
+            full = max(0, -(-r.num_tokens // b) - held) if full_isl else 0
+            if slots <= 0 or max(need, full) + watermark > free:
+                del plan[rid]
+                trimmed += 1
+                continue
+            slots -= 1
+            free -= need
+        return "", trimmed
+
+    # ----------------------------------------------------------------- decision
+    def _fallback(self, reason: str, detail: str) -> None:
+        self._ss_fallbacks[reason] += 1
+        self._ss_last_reason = f"{reason}: {detail}"
+        n = self._ss_fallbacks[reason]
+        if n == 1 or n % self._ss_settings.log_every == 0:
+            log.warning("slidingserve: native scheduling (%s, %d so far): %s", reason, n, detail)
+
+    def _decide(self) -> dict[str, int] | None:
+        """The plan to execute this iteration, or None for native scheduling."""
+        if self._ss_unsupported:
+            self._fallback("unsupported", self._ss_unsupported)
+            return None
+        core = self._core()
+        try:
+            snap, rows, free_blocks = self._snapshot()
+        except Exception as e:  # a request state we cannot express: never break vLLM
+            self._fallback("snapshot_error", f"{type(e).__name__}: {e}")
+            return None
+        if len(snap) == 0:
+            return None
+        decision = core.decide(snap)
+        if decision.plan is None:
+            self._fallback(decision.reason, core.last_error)
+            return None
+        plan = decision.plan.as_dict()
+        why, trimmed = self._fit(snap, rows, plan, free_blocks)
+        if why:
+            self._fallback("unallocatable", why)
+            return None
+        if trimmed:
+            self._ss_counts["trimmed_admissions"] += trimmed
+            if not plan:  # our estimate ignores prefix hits: let vLLM try itself
+                self._fallback("unallocatable", "no planned request fits vLLM's admission rules")
+                return None
+        return plan
+
+    # ------------------------------------------------------------------- hooks
+    def _cap(self, request: Any, n: int, computed: int) -> int:
+        plan = self._plan
+        if plan is None:
+            return n
+        want = plan.get(request.request_id, 0)
+        if want > 0 and computed >= request.num_tokens - 1:
+            return n  # a decode (with any spec tokens) is all-or-nothing
+        return min(n, want)
+
+    def _mamba_block_aligned_split(self, request: Any, num_new_tokens: int,
+                                   num_new_local_computed_tokens: int = 0,
+                                   num_external_computed_tokens: int = 0) -> int:
+        computed = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
+        return super()._mamba_block_aligned_split(  # type: ignore[misc]
+            request, self._cap(request, num_new_tokens, computed),
+            num_new_local_computed_tokens, num_external_computed_tokens)
+
+    def _try_schedule_encoder_inputs(self, request: Any, num_computed_tokens: int, num_new_tokens: int,
+                                     *args: Any, **kwargs: Any) -> Any:
+        return super()._try_schedule_encoder_inputs(  # type: ignore[misc]
+            request, num_computed_tokens, self._cap(request, num_new_tokens, num_computed_tokens),
+            *args, **kwargs)
+
+    def _reserve_prefill_lookahead(self, request: Any, num_computed_tokens: int, num_new_tokens: int) -> int:
+        return super()._reserve_prefill_lookahead(  # type: ignore[misc]
+            request, num_computed_tokens, self._cap(request, num_new_tokens, num_computed_tokens))
+
+    # ---------------------------------------------------------------- schedule
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        self._ss_counts["iterations"] += 1
+        t0 = time.perf_counter()
+        plan = self._decide() if (self.running or self.waiting or self.kv_holding_waiting) else None
+        t1 = time.perf_counter()
+        self._ss_counts["decide_us"] += int((t1 - t0) * 1e6)
+        if plan is None:
+            self._ss_counts["native"] += 1
+            return super().schedule(*args, **kwargs)  # type: ignore[misc]
+        running0 = list(self.running)
+        waiting0 = list(self.waiting)
+        rank = {rid: i for i, rid in enumerate(plan)}
+        last = len(rank)
+        self.running.sort(key=lambda r: rank.get(r.request_id, last))
+        planned_waiting = sorted((r for r in waiting0 if r.request_id in rank), key=lambda r: rank[r.request_id])
+        self.waiting.clear()
+        self.waiting.extend(planned_waiting)
+        self._plan = plan
+        try:
+            out = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self._plan = None
+            self._restore(running0, waiting0)
+        self._ss_counts["planned"] += 1
+        self._count_deviations(plan, out)
+        return out
+
+    def _restore(self, running0: list[Any], waiting0: list[Any]) -> None:
+        """vLLM's own queue order again: survivors in their old order, newcomers where
+        vLLM put them (admitted requests at the end of running, preempted ones at the
+        front of waiting)."""
+        was_running = {id(r) for r in running0}
+        now_running = {id(r) for r in self.running}
+        self.running[:] = [r for r in running0 if id(r) in now_running] + [
+            r for r in self.running if id(r) not in was_running]
+        was_waiting = {id(r) for r in waiting0}
+        cur = list(self.waiting)
+        still = {id(r) for r in cur}
+        admitted = {id(r) for r in self.running} | {id(r) for r in self.kv_holding_waiting}
+        front = [r for r in cur if id(r) not in was_waiting]
+        rest = [r for r in waiting0 if id(r) in still or id(r) not in admitted]
+        self.waiting.clear()
+        self.waiting.extend(front + rest)
+
+    def _count_deviations(self, plan: dict[str, int], out: Any) -> None:
+        got = out.num_scheduled_tokens
+        bad = 0
+        for rid, n in plan.items():
+            g = got.get(rid, 0)
+            if g == n:
+                continue
+            r = self.requests.get(rid)
+            if r is not None and g > 0:
+                # decode with spec tokens, or a prefill shortened by a prefix-cache hit
+                if g > n and n == 1 and not r.is_prefill_chunk:
+                    continue
+                if g < n and r.num_computed_tokens >= r.num_tokens:
+                    continue
+            bad += 1
+        if bad:
+            self._ss_counts["deviating_iterations"] += 1
+            self._ss_deviated_requests += bad
+
+    # --------------------------------------------------------------- reporting
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        t = self.slidingserve_clock()
+        prev = self._ss_last_update
+        self._ss_last_update = t
+        if prev is not None and scheduler_output.total_num_scheduled_tokens > 0 and self._ss_core is not None:
+            try:
+                self._report(scheduler_output, (t - prev) * 1e3)
+            except Exception as e:  # reporting must never break the engine loop
+                self._ss_counts["report_errors"] += 1
+                self._ss_last_reason = f"report: {type(e).__name__}: {e}"
+        result = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        if not (self.running or self.waiting or self.kv_holding_waiting):
+            self._ss_last_update = None  # the next gap would include idle time
+        self._ss_builder.prune(self.requests)
+        return result
+
+    def _report(self, so: Any, latency_ms: float) -> None:
+        """c = tokens each request got, u = its tokens in KV before the step."""
+        computed: dict[str, int] = {nr.req_id: nr.num_computed_tokens for nr in so.scheduled_new_reqs}
+        cached = so.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
+        n = len(so.num_scheduled_tokens)
+        c = np.fromiter(so.num_scheduled_tokens.values(), np.int64, n)
+        u = np.fromiter((computed.get(rid, 0) for rid in so.num_scheduled_tokens), np.int64, n)
+        assert self._ss_core is not None
+        self._ss_core.report(IterationSample(c, u, latency_ms))
+        self._ss_counts["reports"] += 1
+
+    # ------------------------------------------------------------------ public
+    def slidingserve_stats(self) -> dict[str, Any]:
+        """Counters for operators and tests (cheap; safe to call from any thread)."""
+        core = self._ss_core.stats() if self._ss_core is not None else {}
+        c = self._ss_counts
+        return {
+            "iterations": c["iterations"],
+            "planned": c["planned"],
+            "native": c["native"],
+            "fallbacks": dict(self._ss_fallbacks),
+            "fallback_total": sum(self._ss_fallbacks.values()),
+            "deviating_iterations": c["deviating_iterations"],
+            "deviated_requests": self._ss_deviated_requests,
+            "trimmed_admissions": c["trimmed_admissions"],
+            "reports": c["reports"],
+            "report_errors": c["report_errors"],
+            "mean_decide_us": c["decide_us"] / max(1, c["iterations"]),
+            "last_reason": self._ss_last_reason,
+            "settings_reloads": self._ss_watcher.reloads,
+            "settings_errors": self._ss_watcher.errors,
+            "policy": self._ss_settings.policy,
+            "address": self._ss_settings.address,
+            "profile": self._ss_profile,
+            "core": core,
+        }
+
+    def slidingserve_close(self) -> None:
+        if self._ss_core is not None:
+            self._ss_core.close()
+            self._ss_core = None
+
+    def shutdown(self) -> None:
+        try:
+            self.slidingserve_close()
+        finally:
+            super().shutdown()  # type: ignore[misc]
+
+
+class RemoteScheduler(SlidingServeMixin, AsyncScheduler):
+    """``--scheduler-cls engine_adapter.vllm.RemoteScheduler`` (async scheduling, the default)."""
+
+
+class RemoteSyncScheduler(SlidingServeMixin, Scheduler):
+    """``--scheduler-cls engine_adapter.vllm.RemoteSyncScheduler`` (sync scheduling)."""
+

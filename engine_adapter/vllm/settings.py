@@ -1,0 +1,267 @@
+"""Settings of the vLLM adapter: environment variables plus an optional, hot-reloaded file.
+
+vLLM builds the scheduler class itself (``--scheduler-cls``), with no way to
+pass it arguments, so every setting comes from the environment of the
+``vllm serve`` process.  A settings file (``SLIDINGSERVE_CONFIG``; YAML, TOML or
+JSON by extension) may add to them and *overrides* the environment for the
+keys it names: it is the live configuration that operators edit to switch a
+policy, its parameters or the deadline without restarting the engine.  The
+file is re-read when its mtime changes; a file that does not parse or
+validate is logged and the last good settings are kept.
+
+This module does not import vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import yaml
+
+__all__ = ["ENV_PREFIX", "SettingsError", "SettingsWatcher", "VllmAdapterSettings", "parse_params"]
+
+log = logging.getLogger(__name__)
+
+ENV_PREFIX = "SLIDINGSERVE_"
+
+
+class SettingsError(ValueError):
+    """A setting is missing, malformed or out of range; the message names it."""
+
+
+def parse_params(text: str) -> dict[str, str]:
+    """``"k=v,k2=v2"`` → ``{"k": "v", "k2": "v2"}`` (values are typed by the policy)."""
+    out: dict[str, str] = {}
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        k, sep, v = part.partition("=")
+        if not sep or not k.strip():
+            raise SettingsError(f"SLIDINGSERVE_PARAMS: {part!r} is not key=value")
+        out[k.strip()] = v.strip()
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class VllmAdapterSettings:
+    """Everything the vLLM scheduler class needs; build with :meth:`from_env`.
+
+    Field ``x`` is read from ``SLIDINGSERVE_X`` and from key ``x`` of the file.
+    """
+
+    #: ``host:port`` of the scheduling service, or ``inproc`` (policy in the engine process).
+    address: str = "inproc"
+    policy: str = "slidingserve"
+    params: Mapping[str, str] = field(default_factory=dict)
+    #: Time the engine waits for a remote plan before scheduling natively.
+    deadline_ms: float = 20.0
+    #: TLS: CA bundle to verify the service; client cert + key for mutual TLS.
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    #: Engine profile; empty = from vLLM's model config, detected hardware, TP size.
+    profile_model: str = ""
+    profile_hardware: str = ""
+    profile_tp: int = 0
+    #: SLOs for requests that carry none in ``SamplingParams.extra_args``.
+    #: 0 = the project's workload default (0.3 s + 0.15 ms per prompt token; 50 ms).
+    default_ttft_ms: float = 0.0
+    default_tbt_ms: float = 50.0
+    #: Settings file (YAML/TOML/JSON) re-read on change; "" = none.
+    config: str = ""
+    #: Log a fallback reason at most once per this many fallbacks.
+    log_every: int = 100
+    #: Stable name of this engine in the service's logs and metrics.
+    engine_id: str = ""
+    #: Longest gRPC reconnect back-off, so a restarted service is found quickly.
+    reconnect_max_ms: int = 1000
+    #: Circuit breaker: after failures, skip the service for up to this many decisions.
+    max_backoff_decisions: int = 64
+    #: Reports per batch sent to ReportIterations.
+    report_batch: int = 64
+
+    # ------------------------------------------------------------ validation
+    def __post_init__(self) -> None:
+        if self.address != "inproc":
+            host, sep, port = self.address.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise SettingsError(f"SLIDINGSERVE_ADDRESS must be host:port or 'inproc', got {self.address!r}")
+        if not (0 < self.deadline_ms <= 60_000):
+            raise SettingsError(f"SLIDINGSERVE_DEADLINE_MS must be in (0, 60000], got {self.deadline_ms}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise SettingsError("SLIDINGSERVE_TLS_CERT and SLIDINGSERVE_TLS_KEY must be given together")
+        if (self.tls_cert or self.tls_key) and not self.tls_ca and self.address == "inproc":
+            raise SettingsError("TLS settings need a remote SLIDINGSERVE_ADDRESS")
+        for name in ("tls_ca", "tls_cert", "tls_key"):
+            path = getattr(self, name)
+            if path and not os.path.isfile(path):
+                raise SettingsError(f"SLIDINGSERVE_{name.upper()}: no such file {path!r}")
+        if self.profile_tp < 0:
+            raise SettingsError(f"SLIDINGSERVE_PROFILE_TP must be >= 0, got {self.profile_tp}")
+        for name in ("profile_model", "profile_hardware"):
+            if "|" in getattr(self, name):
+                raise SettingsError(f"SLIDINGSERVE_{name.upper()} must not contain '|'")
+        if self.default_ttft_ms < 0 or self.default_tbt_ms <= 0:
+            raise SettingsError("SLIDINGSERVE_DEFAULT_TTFT_MS must be >= 0 and SLIDINGSERVE_DEFAULT_TBT_MS > 0")
+        for name in ("log_every", "reconnect_max_ms", "max_backoff_decisions", "report_batch"):
+            if getattr(self, name) < 1:
+                raise SettingsError(f"SLIDINGSERVE_{name.upper()} must be >= 1")
+        if self.policy:
+            from scheduler_service.core import registry
+
+            if self.address == "inproc":
+                try:
+                    registry.create(self.policy, self.params)
+                except Exception as e:
+                    raise SettingsError(f"SLIDINGSERVE_POLICY/PARAMS: {e}") from None
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_ca or self.tls_cert)
+
+    # --------------------------------------------------------------- loading
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, *, apply_file: bool = True) -> VllmAdapterSettings:
+        """Settings from ``env`` (default ``os.environ``), then (``apply_file``) the
+        settings file on top; raises :class:`SettingsError` naming the bad setting."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = env.get(ENV_PREFIX + f.name.upper())
+            if raw is not None and raw != "":
+                values[f.name] = _coerce(f.name, raw)
+        base = cls(**values)
+        if base.config and apply_file:
+            return base.with_file(base.config)
+        return base
+
+    def with_file(self, path: str) -> VllmAdapterSettings:
+        """These settings with the file's keys on top; raises :class:`SettingsError`."""
+        data = _read_file(path)
+        known = {f.name for f in fields(self)} - {"config"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise SettingsError(f"{path}: unknown keys {unknown} (known: {sorted(known)})")
+        values = {k: _coerce(k, v) for k, v in data.items()}
+        return replace(self, **values)
+
+    def describe(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+_INT = {"profile_tp", "log_every", "reconnect_max_ms", "max_backoff_decisions", "report_batch"}
+_FLOAT = {"deadline_ms", "default_ttft_ms", "default_tbt_ms"}
+
+
+def _coerce(name: str, raw: Any) -> Any:
+    """A value from the environment (a string) or a file (typed) → the field's type."""
+    try:
+        if name == "params":
+            if isinstance(raw, Mapping):
+                return {str(k): ("true" if v is True else "false" if v is False else str(v)) for k, v in raw.items()}
+            return parse_params(str(raw))
+        if name in _INT:
+            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+                raise ValueError(raw)
+            return int(raw)
+        if name in _FLOAT:
+            if isinstance(raw, bool):
+                raise ValueError(raw)
+            return float(raw)
+        return str(raw).strip()
+    except SettingsError:
+        raise
+    except (TypeError, ValueError):
+        kind = "an integer" if name in _INT else "a number"
+        raise SettingsError(f"SLIDINGSERVE_{name.upper()} must be {kind}, got {raw!r}") from None
+
+
+def _read_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            blob = fh.read()
+    except OSError as e:
+        raise SettingsError(f"SLIDINGSERVE_CONFIG: cannot read {path!r}: {e.strerror}") from None
+    ext = os.path.splitext(path)[1].lower()
+    try:
+        if ext == ".toml":
+            data: Any = tomllib.loads(blob.decode())
+        elif ext == ".json":
+            data = json.loads(blob)
+        else:  # .yaml, .yml, anything else: YAML (a superset of JSON)
+            data = yaml.safe_load(blob) or {}
+    except (ValueError, yaml.YAMLError, UnicodeDecodeError) as e:
+        raise SettingsError(f"{path}: does not parse: {e}") from None
+    if not isinstance(data, dict):
+        raise SettingsError(f"{path}: must hold a mapping of settings")
+    # accept either bare keys or a [slidingserve] table / slidingserve: section
+    if set(data) == {"slidingserve"} and isinstance(data["slidingserve"], dict):
+        data = data["slidingserve"]
+    return {str(k).lower(): v for k, v in data.items()}
+
+
+def default_engine_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class SettingsWatcher:
+    """Re-reads the settings file when its mtime changes (checked at most every ``period_s``).
+
+    :meth:`poll` is called from the engine loop; it costs one ``time.monotonic`` per
+    call and one ``os.stat`` per period.  Bad files are logged once per change and
+    the last good settings stay in force.
+    """
+
+    def __init__(self, base: VllmAdapterSettings, period_s: float = 1.0) -> None:
+        """``base``: the environment's settings (file not applied).  A bad file at
+        start raises :class:`SettingsError`: failing fast beats serving with a
+        configuration the operator did not ask for."""
+        self.base = base
+        self.path = base.config
+        self.period_s = period_s
+        self._mtime = self._stat() if self.path else None
+        self.current = base.with_file(self.path) if self.path else base
+        self.reloads = 0
+        self.errors = 0
+        self._next = time.monotonic() + period_s
+
+    def _stat(self) -> float | None:
+        try:
+            return os.stat(self.path).st_mtime_ns
+        except OSError:
+            return None
+
+    def poll(self, now: float | None = None) -> VllmAdapterSettings | None:
+        """The new settings when the file changed and validates, else None."""
+        if not self.path:
+            return None
+        now = time.monotonic() if now is None else now
+        if now < self._next:
+            return None
+        self._next = now + self.period_s
+        m = self._stat()
+        if m == self._mtime:
+            return None
+        self._mtime = m
+        try:
+            new = self.base.with_file(self.path)
+        except SettingsError as e:
+            self.errors += 1
+            log.error("slidingserve: settings file rejected, keeping the last good settings: %s", e)
+            return None
+        if new == self.current:
+            return None
+        self.current = new
+        self.reloads += 1
+        log.info("slidingserve: settings reloaded from %s: policy=%s deadline_ms=%g params=%s",
+                 self.path, new.policy, new.deadline_ms, dict(new.params))
+        return new
