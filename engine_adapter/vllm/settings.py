@@ -232,7 +232,7 @@ class SettingsWatcher:
         self.current = base.with_file(self.path) if self.path else base
         self.reloads = 0
         self.errors = 0
-        self._next = time.monotonic() + period_s
+        self._last = time.monotonic()
 
     def _stat(self) -> float | None:
         try:
@@ -245,9 +245,9 @@ class SettingsWatcher:
         if not self.path:
             return None
         now = time.monotonic() if now is None else now
-        if now < self._next:
+        if now - self._last < self.period_s:
             return None
-        self._next = now + self.period_s
+        self._last = now
         m = self._stat()
         if m == self._mtime:
             return None

@@ -24,8 +24,6 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import numpy as np
 import torch
-
-from engine_adapter.sim.groundtruth import load_ground_truth
 from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
@@ -34,6 +32,8 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
+
+from engine_adapter.sim.groundtruth import load_ground_truth
 
 BLOCK = 16
 TINY_LLAMA = {
