@@ -31,11 +31,15 @@ def assemble_plan(
     path: str,
     t0: int,
     breakdown_ns: dict[str, int],
+    predicted_ms: float | None = None,
 ) -> Plan:
-    """Build the plan and predict the latency of exactly the batch it names."""
+    """Build the plan and predict the latency of exactly the batch it names
+    (``predicted_ms`` when the caller already knows it)."""
     idx = decodes.tolist() + [i for i, _ in pre_alloc]
     tok = [1] * len(decodes) + [t for _, t in pre_alloc]
-    if idx:
+    if predicted_ms is not None:
+        pred = predicted_ms
+    elif idx:
         c = np.array(tok, dtype=np.float64)
         u = snap.kv_tokens[np.array(idx)].astype(np.float64)
         x, s = batch_features(c, u)

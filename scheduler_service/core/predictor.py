@@ -104,6 +104,7 @@ class BatchLatencyPredictor:
     meta: Mapping[str, Any] = field(default_factory=dict)
     version: str = ""
     _coef: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
+    _memo: dict[int, float] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         unknown = set(self.scenarios) - set(SCENARIOS)
@@ -133,9 +134,13 @@ class BatchLatencyPredictor:
 
     def prefill_throughput(self, tokens: int) -> float:
         """Tokens/s of a prefill-only batch of ``tokens`` fresh tokens in one
-        request: the service's ρ_t estimate when the engine sends none."""
-        t = self.predict_batch_ms(np.array([tokens]), np.array([0]))
-        return tokens / max(t, 1e-3) * 1e3
+        request: the service's ρ_t estimate when the engine sends none.
+        Memoised: a predictor is immutable and this runs every decision."""
+        rho = self._memo.get(tokens)
+        if rho is None:
+            t = self.predict_batch_ms(np.array([tokens]), np.array([0]))
+            rho = self._memo[tokens] = tokens / max(t, 1e-3) * 1e3
+        return rho
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:

@@ -106,6 +106,7 @@ class SlidingServePolicy:
             )
             t3 = time.perf_counter_ns()
 
+        predicted: float | None = None
         if chosen is not None:
             pre_alloc = [(i, int(snap.remaining_prefill[i])) for i in in_queue_order(chosen.chosen, queue)]
             path = "batch_constructor"
@@ -118,11 +119,13 @@ class SlidingServePolicy:
             else:
                 p1 = sliding_chunk(cq, W, p.granularity, p.max_grid, curve, p.tie_tolerance_ms)
             pre_alloc = cq.fill(p1)
+            predicted = float(curve.times[p1])  # the curve holds exactly this batch
             path = "sliding_chunker" if pre_alloc else ("decode_only" if n_dec else "idle")
             t4 = time.perf_counter_ns()
         return assemble_plan(
             self, snap, predictor, decodes, pre_alloc, path, t0,
             {"sorter": t1 - t0, "predictor": t2 - t1, "constructor": t3 - t2, "chunker": t4 - t3},
+            predicted,
         )
 
 
