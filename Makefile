@@ -4,9 +4,12 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+VSTAMP := $(VENV)/.installed-vllm
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
+# vLLM runs its real scheduler on the CPU here (no GPU needed for the adapter tests).
+export VLLM_TARGET_DEVICE := cpu
 
-.PHONY: setup test lint typecheck proto proto-check buf-lint demo bench clean
+.PHONY: setup setup-vllm test test-fast vllm-suite lint proto proto-check buf-lint demo clean
 
 setup: $(STAMP)
 
@@ -14,6 +17,14 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -e '.[dev]'
 	@touch $(STAMP)
+
+# The vLLM extra is large (about 9 GB with torch; several minutes the first time), so only
+# `make test` installs it; `make demo` does not need it.
+setup-vllm: $(VSTAMP)
+
+$(VSTAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[dev,vllm]'
+	@touch $(VSTAMP)
 
 proto: $(STAMP)            ## regenerate scheduler_service/gen from proto/
 	$(PY) tools/genproto.py
@@ -28,8 +39,15 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-test: $(STAMP) proto-check buf-lint lint
+test: $(VSTAMP) proto-check buf-lint lint
 	$(PY) -m pytest -q
+	tools/vllm_tests.sh $(PY)
+
+test-fast: $(STAMP)        ## everything but the vLLM parts, without installing vLLM
+	$(PY) -m pytest -q --ignore=tests/vllm
+
+vllm-suite: $(VSTAMP)      ## vLLM's own scheduler tests with our scheduler class
+	tools/vllm_tests.sh $(PY)
 
 demo: $(STAMP)
 	$(VENV)/bin/slidingserve demo
