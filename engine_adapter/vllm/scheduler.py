@@ -44,6 +44,7 @@ import numpy as np
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import FCFSRequestQueue, SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
 
 from engine_adapter.core import AdapterCore, AdapterSettings, GrpcBackend, InProcessBackend, IterationSample
 from scheduler_service.core import Snapshot
@@ -55,8 +56,12 @@ __all__ = ["RemoteScheduler", "RemoteSyncScheduler", "SlidingServeMixin", "build
 
 log = logging.getLogger("engine_adapter.vllm")
 
+#: Request states a plan may name; the others (waiting for remote KV, a grammar,
+#: streaming input) are vLLM's to promote.
+_SCHEDULABLE = frozenset((RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.RUNNING))
+
 #: Reasons counted besides AdapterCore's (deadline, error, invalid_plan, circuit_open).
-LOCAL_REASONS = ("unallocatable", "snapshot_error", "unsupported")
+LOCAL_REASONS = ("kv_pressure", "empty_plan", "unallocatable", "snapshot_error", "unsupported")
 
 
 def _channel_factory(s: VllmAdapterSettings) -> Any:
@@ -153,6 +158,7 @@ class SlidingServeMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._plan: dict[str, int] | None = None
+        self._ss_hidden = 0
         base = VllmAdapterSettings.from_env(self.slidingserve_env, apply_file=False)
         self._ss_watcher = SettingsWatcher(base)  # raises SettingsError on a bad file at start
         self._ss_settings = self._ss_watcher.current
@@ -224,11 +230,26 @@ class SlidingServeMixin:
 
     def _snapshot(self) -> tuple[Snapshot, list[Any], int]:
         free_blocks, free_tokens = self._free_kv_tokens()
-        reqs = [*self.running, *self.kv_holding_waiting, *self.waiting]
+        waiting = [r for r in (*self.kv_holding_waiting, *self.waiting) if r.status in _SCHEDULABLE]
         snap, rows = self._ss_builder.build(
-            reqs, max_batch_tokens=self.max_num_scheduled_tokens,
+            self.running, waiting, max_batch_tokens=self.max_num_scheduled_tokens,
             max_num_seqs=self.max_num_running_reqs, free_kv_tokens=free_tokens)
         return snap, rows, free_blocks
+
+    def _kv_short(self) -> str:
+        """Non-empty when the free KV blocks cannot give every running decode its next
+        token (the simulator's preemption rule, ARCHITECTURE §5): then only vLLM's
+        preemption can make progress, and the iteration is scheduled natively."""
+        b = self.block_size
+        need = 0
+        for r in self.running:
+            comp = r.num_computed_tokens
+            if comp % b == 0 and r.num_tokens + r.num_output_placeholders - comp <= 1:
+                need += 1
+        if need == 0:
+            return ""
+        free = int(self.kv_cache_manager.block_pool.get_num_free_blocks())
+        return f"{need} decodes need a new KV block, {free} free" if need > free else ""
 
     def _fit(self, snap: Snapshot, rows: list[Any], plan: dict[str, int], free_blocks: int) -> tuple[str, int]:
         """Mirror vLLM's KV rules on the plan: ("why it cannot run", 0) when its
@@ -283,6 +304,11 @@ class SlidingServeMixin:
             self._fallback("unsupported", self._ss_unsupported)
             return None
         core = self._core()
+        short = self._kv_short()
+        if short:
+            # vLLM must preempt to let every decode advance; a plan cannot preempt
+            self._fallback("kv_pressure", short)
+            return None
         try:
             snap, rows, free_blocks = self._snapshot()
         except Exception as e:  # a request state we cannot express: never break vLLM
@@ -295,6 +321,9 @@ class SlidingServeMixin:
             self._fallback(decision.reason, core.last_error)
             return None
         plan = decision.plan.as_dict()
+        if not plan:
+            self._fallback("empty_plan", f"policy path {decision.plan.path!r} schedules nothing")
+            return None
         why, trimmed = self._fit(snap, rows, plan, free_blocks)
         if why:
             self._fallback("unallocatable", why)
@@ -349,33 +378,44 @@ class SlidingServeMixin:
         rank = {rid: i for i, rid in enumerate(plan)}
         last = len(rank)
         self.running.sort(key=lambda r: rank.get(r.request_id, last))
-        planned_waiting = sorted((r for r in waiting0 if r.request_id in rank), key=lambda r: rank[r.request_id])
+        planned_waiting = [r for r in waiting0 if r.request_id in rank]
+        planned_waiting.sort(key=lambda r: rank[r.request_id])
+        # blocked requests stay visible so vLLM still promotes them when they are ready
+        planned_waiting += [r for r in waiting0 if r.status not in _SCHEDULABLE]
         self.waiting.clear()
         self.waiting.extend(planned_waiting)
+        self._ss_hidden = len(waiting0) - len(planned_waiting)
         self._plan = plan
         try:
             out = super().schedule(*args, **kwargs)  # type: ignore[misc]
         finally:
             self._plan = None
+            self._ss_hidden = 0
             self._restore(running0, waiting0)
         self._ss_counts["planned"] += 1
         self._count_deviations(plan, out)
         return out
 
+    def get_request_counts(self) -> tuple[int, int]:
+        """vLLM's counts, including the waiting requests hidden during a planned
+        ``schedule()`` (vLLM's long-prefill threshold and prefill-capacity logic
+        read them)."""
+        n_run, n_wait = super().get_request_counts()  # type: ignore[misc]
+        return n_run, n_wait + self._ss_hidden
+
     def _restore(self, running0: list[Any], waiting0: list[Any]) -> None:
         """vLLM's own queue order again: survivors in their old order, newcomers where
         vLLM put them (admitted requests at the end of running, preempted ones at the
         front of waiting)."""
-        was_running = {id(r) for r in running0}
-        now_running = {id(r) for r in self.running}
-        self.running[:] = [r for r in running0 if id(r) in now_running] + [
-            r for r in self.running if id(r) not in was_running]
-        was_waiting = {id(r) for r in waiting0}
-        cur = list(self.waiting)
-        still = {id(r) for r in cur}
-        admitted = {id(r) for r in self.running} | {id(r) for r in self.kv_holding_waiting}
-        front = [r for r in cur if id(r) not in was_waiting]
-        rest = [r for r in waiting0 if id(r) in still or id(r) not in admitted]
+        was_running = set(running0)
+        now_running = set(self.running)
+        self.running[:] = [r for r in running0 if r in now_running] + [
+            r for r in self.running if r not in was_running]
+        was_waiting = set(waiting0)
+        # preempted (from running) or promoted (from kv_holding_waiting) in this step
+        front = [r for r in self.waiting if r not in was_waiting]
+        gone = now_running.union(self.kv_holding_waiting)
+        rest = [r for r in waiting0 if r not in gone]
         self.waiting.clear()
         self.waiting.extend(front + rest)
 

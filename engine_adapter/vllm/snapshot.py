@@ -101,51 +101,58 @@ class SnapshotBuilder:
         if len(self._slo) > 2 * len(live) + 256:
             self._slo = {k: v for k, v in self._slo.items() if k in live}
 
-    def build(self, requests: Iterable[Any], *, max_batch_tokens: int, max_num_seqs: int,
-              free_kv_tokens: int | None, now: float | None = None) -> tuple[Snapshot, list[Any]]:
-        """The snapshot and, aligned with its rows, the vLLM request objects."""
+    def build(self, running: Iterable[Any], waiting: Iterable[Any], *, max_batch_tokens: int,
+              max_num_seqs: int, free_kv_tokens: int | None,
+              now: float | None = None) -> tuple[Snapshot, list[Any]]:
+        """The snapshot and, aligned with its rows, the vLLM request objects.
+
+        Waiting requests that have not started (the bulk under load) take a row
+        cached per request: their columns do not change while they wait."""
         reqs: list[Any] = []
-        ids: list[str] = []
-        arrival: list[float] = []
-        prompt: list[int] = []
-        computed: list[int] = []
-        output: list[int] = []
-        ttft: list[float] = []
-        tbt: list[float] = []
-        prot: list[bool] = []
-        for r in requests:
-            ph = r.num_output_placeholders
-            comp = r.num_computed_tokens
-            p = r.num_prompt_tokens
-            known = r.num_tokens + ph
-            need = known - comp
-            if need <= 0:
-                continue
-            out = r.num_output_tokens + ph
-            if ph > 0 and comp + 2 - ph >= p + r.max_tokens:
-                continue  # vLLM skips it: the in-flight step already finishes it
-            s = self._slo_of(r)
-            reqs.append(r)
-            ids.append(r.request_id)
-            arrival.append(r.arrival_time)
-            if out >= 1 and need == 1:
-                prompt.append(p)
-                computed.append(p)
-                output.append(out)
+        rows: list[tuple[str, float, int, int, int, float, float, bool]] = []
+        for r in running:
+            row = self._row(r)
+            if row is not None:
+                reqs.append(r)
+                rows.append(row)
+        cache = self._slo
+        for r in waiting:
+            if r.num_computed_tokens == 0 and r.num_output_placeholders == 0:
+                s = cache.get(r.request_id)
+                if s is None:
+                    s = self._slo_of(r)
+                known = r.num_tokens
+                reqs.append(r)
+                rows.append((r.request_id, r.arrival_time, known, 0, 0, s.ttft_s, s.tbt_s, s.protected))
             else:
-                prompt.append(known)
-                computed.append(comp)
-                output.append(0)
-            ttft.append(s.ttft_s)
-            tbt.append(s.tbt_s)
-            prot.append(s.protected)
+                row = self._row(r)
+                if row is not None:
+                    reqs.append(r)
+                    rows.append(row)
+        cols: list[Any] = list(zip(*rows, strict=True)) if rows else [()] * 8
         snap = Snapshot.from_columns(
             now=time.time() if now is None else now,
             max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
-            ids=ids, arrival=np.asarray(arrival, np.float64), prompt_tokens=np.asarray(prompt, np.int64),
-            computed_tokens=np.asarray(computed, np.int64), output_tokens=np.asarray(output, np.int64),
-            ttft_slo=np.asarray(ttft, np.float64), tbt_slo=np.asarray(tbt, np.float64),
-            protected=np.asarray(prot, np.bool_), free_kv_tokens=free_kv_tokens, profile=self.profile,
-            max_requests=max(len(ids), 1),
+            ids=cols[0], arrival=np.asarray(cols[1], np.float64), prompt_tokens=np.asarray(cols[2], np.int64),
+            computed_tokens=np.asarray(cols[3], np.int64), output_tokens=np.asarray(cols[4], np.int64),
+            ttft_slo=np.asarray(cols[5], np.float64), tbt_slo=np.asarray(cols[6], np.float64),
+            protected=np.asarray(cols[7], np.bool_), free_kv_tokens=free_kv_tokens, profile=self.profile,
+            max_requests=max(len(rows), 1),
         )
         return snap, reqs
+
+    def _row(self, r: Any) -> tuple[str, float, int, int, int, float, float, bool] | None:
+        ph = r.num_output_placeholders
+        comp = r.num_computed_tokens
+        p = r.num_prompt_tokens
+        known = r.num_tokens + ph
+        need = known - comp
+        if need <= 0:
+            return None
+        out = r.num_output_tokens + ph
+        if ph > 0 and comp + 2 - ph >= p + r.max_tokens:
+            return None  # vLLM skips it: the in-flight step already finishes it
+        s = self._slo_of(r)
+        if out >= 1 and need == 1:
+            return (r.request_id, r.arrival_time, p, p, out, s.ttft_s, s.tbt_s, s.protected)
+        return (r.request_id, r.arrival_time, known, comp, 0, s.ttft_s, s.tbt_s, s.protected)

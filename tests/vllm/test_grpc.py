@@ -48,7 +48,7 @@ def test_remote_plans_executed_exactly(base: type, async_: bool, mdir: str) -> N
     _done(s, res, 60, free0)
     assert st["core"]["remote_decisions"] >= st["planned"] > 0.8 * st["iterations"]
     assert st["deviating_iterations"] == 0
-    assert set(st["fallbacks"]) <= {"unallocatable"}
+    assert set(st["fallbacks"]) <= {"unallocatable", "kv_pressure", "empty_plan"}
 
 
 @pytest.mark.parametrize("base,async_", CASES, ids=["sync", "async"])

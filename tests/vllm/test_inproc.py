@@ -51,7 +51,7 @@ def test_plans_honoured_and_invariants(base: type, async_: bool, policy: str, nu
     # plans executed exactly whenever one was executed
     assert st["planned"] > 0.8 * st["iterations"], st
     assert st["deviating_iterations"] == 0, st
-    assert st["fallback_total"] == st["fallbacks"].get("unallocatable", 0)
+    assert set(st["fallbacks"]) <= {"unallocatable", "kv_pressure", "empty_plan"}, st
     if num_blocks == 90:
         assert res.preempted or st["fallbacks"] or st["trimmed_admissions"]
     # reports: one per executed step after the first, with the ground-truth step time
