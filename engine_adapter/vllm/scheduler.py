@@ -159,6 +159,7 @@ class SlidingServeMixin:
         super().__init__(*args, **kwargs)
         self._plan: dict[str, int] | None = None
         self._ss_hidden = 0
+        self._ss_blocked: set[str] = set()
         base = VllmAdapterSettings.from_env(self.slidingserve_env, apply_file=False)
         self._ss_watcher = SettingsWatcher(base)  # raises SettingsError on a bad file at start
         self._ss_settings = self._ss_watcher.current
@@ -230,7 +231,18 @@ class SlidingServeMixin:
 
     def _snapshot(self) -> tuple[Snapshot, list[Any], int]:
         free_blocks, free_tokens = self._free_kv_tokens()
-        waiting = [r for r in (*self.kv_holding_waiting, *self.waiting) if r.status in _SCHEDULABLE]
+        # Blocked requests (remote KV load, grammar, streaming input) are left out: the
+        # plan cannot know whether they become ready.  vLLM promotes them inside
+        # schedule() and schedules them uncapped from the budget the plan left (_cap).
+        waiting: list[Any] = []
+        blocked: set[str] = set()
+        for q in (self.kv_holding_waiting, self.waiting):
+            for r in q:
+                if r.status in _SCHEDULABLE:
+                    waiting.append(r)
+                else:
+                    blocked.add(r.request_id)
+        self._ss_blocked = blocked
         snap, rows = self._ss_builder.build(
             self.running, waiting, max_batch_tokens=self.max_num_scheduled_tokens,
             max_num_seqs=self.max_num_running_reqs, free_kv_tokens=free_tokens)
@@ -340,8 +352,11 @@ class SlidingServeMixin:
         plan = self._plan
         if plan is None:
             return n
-        want = plan.get(request.request_id, 0)
-        if want > 0 and computed >= request.num_tokens - 1:
+        want = plan.get(request.request_id)
+        if want is None:
+            # unplanned: nothing, unless it became ready during this schedule()
+            return n if request.request_id in self._ss_blocked else 0
+        if computed >= request.num_tokens - 1:
             return n  # a decode (with any spec tokens) is all-or-nothing
         return min(n, want)
 
