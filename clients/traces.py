@@ -1,8 +1,9 @@
 """Request-length traces from the shared Vidur/Sarathi data (see its README).
 
 The data lives outside the repository; ``SLIDINGSERVE_DATA`` points at the
-folder that holds ``processed_traces/`` and ``profiling/`` (default:
-``../shared/data/vidur/data`` next to the checkout).
+folder that holds ``processed_traces/`` and ``profiling/``.  Without it, the
+first ``shared/data/vidur/data`` found next to the checkout or next to one of
+its parent folders is used (``../shared/data/vidur/data`` in the usual layout).
 """
 
 from __future__ import annotations
@@ -22,11 +23,18 @@ TRACES = {
 }
 
 
+_SHARED = Path("shared") / "data" / "vidur" / "data"
+
+
 def data_dir() -> Path:
     env = os.environ.get("SLIDINGSERVE_DATA")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[1].parent / "shared" / "data" / "vidur" / "data"
+    repo = Path(__file__).resolve().parents[1]
+    for folder in repo.parents:
+        if (folder / _SHARED).is_dir():
+            return folder / _SHARED
+    return repo.parent / _SHARED  # not found: errors name the usual place
 
 
 @dataclass(frozen=True, slots=True)

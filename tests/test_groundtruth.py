@@ -7,7 +7,6 @@ import time
 import numpy as np
 import pytest
 
-from clients.traces import data_dir
 from engine_adapter.sim.fidelity import predictor_fidelity, qoserve_gap, qoserve_reference_ms
 from engine_adapter.sim.groundtruth import (
     PROFILES,
@@ -16,11 +15,6 @@ from engine_adapter.sim.groundtruth import (
     load_ground_truth,
 )
 from engine_adapter.sim.profiling import fit_profile_predictor, profiling_sweep, random_batches
-
-pytestmark = pytest.mark.skipif(
-    not (data_dir() / "profiling").is_dir(),
-    reason=f"Vidur profiles not found under {data_dir()} (set SLIDINGSERVE_DATA)",
-)
 
 
 def _batch(decodes: int, dctx: int, chunks: list[int], pctx: list[int]) -> tuple[np.ndarray, np.ndarray]:
