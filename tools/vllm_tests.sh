@@ -17,7 +17,10 @@ DEST=.tools/vllm-tests/$VERSION
 SDIST=$SDIST_DIR/vllm-$VERSION.tar.gz
 if [ ! -f "$SDIST" ]; then
   mkdir -p "$SDIST_DIR"
-  "$PY" -m pip download -q "vllm==$VERSION" --no-binary :all: --no-deps --no-build-isolation -d "$SDIST_DIR"
+  # pip prepares the sdist's metadata by running vLLM's setup.py, which fails for
+  # VLLM_TARGET_DEVICE=cpu (a CPU build needs its own toolchain): download without it.
+  env -u VLLM_TARGET_DEVICE "$PY" -m pip download -q "vllm==$VERSION" --no-binary :all: --no-deps \
+    --no-build-isolation -d "$SDIST_DIR"
 fi
 if [ ! -f "$DEST/tests/v1/core/test_scheduler.py" ]; then
   mkdir -p "$DEST"
