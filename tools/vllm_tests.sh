@@ -11,6 +11,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${1:-.venv/bin/python}; shift || true
+# Absolute, without resolving the venv's symlink (that would leave the venv): the suite
+# runs from another directory.
+PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")"
 VERSION=$("$PY" -c "import importlib.metadata as m; print(m.version('vllm'))")
 SDIST_DIR=.tools/vllm-sdist
 DEST=.tools/vllm-tests/$VERSION
@@ -61,12 +64,20 @@ OUT=$ROOT/.tools/vllm-suite-$VERSION
 mkdir -p "$OUT"
 SLIDINGSERVE_SUITE_NATIVE=1 run "$@" > "$OUT/native.log" || true
 run "$@" > "$OUT/adapter.log" || true
-fails() { grep -E '^(FAILED|ERROR) ' "$1" | sed -E 's/^(FAILED|ERROR) //; s/ - .*//' | sort -u; }
+fails() { { grep -E '^(FAILED|ERROR) ' "$1" || true; } | sed -E 's/^(FAILED|ERROR) //; s/ - .*//' | sort -u; }
+passed() { grep -oE '[0-9]+ passed' "$1" | tail -1 | cut -d' ' -f1; }
 fails "$OUT/native.log" > "$OUT/native.failed"
 fails "$OUT/adapter.log" > "$OUT/adapter.failed"
 echo "vLLM $VERSION scheduler suite, native classes: $(tail -1 "$OUT/native.log")"
 echo "vLLM $VERSION scheduler suite, slidingserve (vllm-fcfs): $(tail -1 "$OUT/adapter.log")"
 echo "(logs: $OUT; known differences: tools/vllm_suite_expected.txt)"
+# A run that did not get going (import error, crash) fails nothing and passes nothing:
+# insist that most of the suite actually ran with our classes.
+MIN_PASSED=200
+if [ "$(passed "$OUT/adapter.log" || echo 0)" -lt "$MIN_PASSED" ] 2>/dev/null || [ -z "$(passed "$OUT/adapter.log")" ]; then
+  echo "the suite did not run with the adapter (fewer than $MIN_PASSED passed); see $OUT/adapter.log"
+  tail -20 "$OUT/adapter.log"; exit 1
+fi
 NEW=$(comm -13 "$OUT/native.failed" "$OUT/adapter.failed")
 if [ -n "$NEW" ]; then
   echo "FAILED with the adapter only:"; echo "$NEW"; exit 1
