@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import operator
 import os
 import threading
 import time
@@ -59,6 +60,8 @@ log = logging.getLogger("engine_adapter.vllm")
 #: Request states a plan may name; the others (waiting for remote KV, a grammar,
 #: streaming input) are vLLM's to promote.
 _SCHEDULABLE = frozenset((RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.RUNNING))
+
+_status_of = operator.attrgetter("status")
 
 #: Reasons counted besides AdapterCore's (deadline, error, invalid_plan, circuit_open).
 LOCAL_REASONS = ("kv_pressure", "empty_plan", "unallocatable", "snapshot_error", "unsupported")
@@ -234,14 +237,11 @@ class SlidingServeMixin:
         # Blocked requests (remote KV load, grammar, streaming input) are left out: the
         # plan cannot know whether they become ready.  vLLM promotes them inside
         # schedule() and schedules them uncapped from the budget the plan left (_cap).
-        waiting: list[Any] = []
+        waiting: list[Any] = [*self.kv_holding_waiting, *self.waiting]
         blocked: set[str] = set()
-        for q in (self.kv_holding_waiting, self.waiting):
-            for r in q:
-                if r.status in _SCHEDULABLE:
-                    waiting.append(r)
-                else:
-                    blocked.add(r.request_id)
+        if not _SCHEDULABLE.issuperset(map(_status_of, waiting)):
+            blocked = {r.request_id for r in waiting if r.status not in _SCHEDULABLE}
+            waiting = [r for r in waiting if r.status in _SCHEDULABLE]
         self._ss_blocked = blocked
         snap, rows = self._ss_builder.build(
             self.running, waiting, max_batch_tokens=self.max_num_scheduled_tokens,

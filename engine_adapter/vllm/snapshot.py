@@ -20,6 +20,9 @@ already reaches ``max_tokens``) are left out, so a plan cannot name them.
 
 from __future__ import annotations
 
+import itertools
+import math
+import operator
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -78,13 +81,37 @@ def request_slo(extra_args: Any, prompt_tokens: int, defaults: SloDefaults) -> R
     return RequestSlo(ttft_s, (tbt / 1e3) if tbt is not None else defaults.tbt_s, prot)
 
 
+_ids_of = operator.attrgetter("request_id")
+#: what a running (or partly computed) request's row needs
+_full = operator.attrgetter("num_output_placeholders", "num_computed_tokens", "num_prompt_tokens",
+                            "num_tokens", "num_output_tokens", "max_tokens")
+#: what a waiting request's row needs when nothing of it is computed (the bulk)
+_computed_of = operator.attrgetter("num_computed_tokens")
+_placeholders_of = operator.attrgetter("num_output_placeholders")
+_num_tokens_of = operator.attrgetter("num_tokens")
+_chain = itertools.chain.from_iterable
+
+
+def _ro(a: np.ndarray) -> np.ndarray:
+    a.setflags(write=False)
+    return a
+
+
 class SnapshotBuilder:
-    """Builds one snapshot per iteration; SLOs are parsed once per request and cached."""
+    """Builds one snapshot per iteration, column-wise.
+
+    The per-request constants (arrival, TTFT/TBT SLO, protected) live in a row
+    pool filled once per request (SLOs are parsed once); each iteration reads the
+    changing counters with C-level ``attrgetter`` maps and derives the token
+    columns with numpy, so the Python work per request is a few attribute reads."""
 
     def __init__(self, defaults: SloDefaults, profile: str) -> None:
         self.defaults = defaults
         self.profile = profile
         self._slo: dict[str, RequestSlo] = {}
+        self._slot: dict[str, int] = {}
+        #: rows: arrival, ttft_s, tbt_s, protected (0/1)
+        self._pool = np.zeros((1024, 4), np.float64)
 
     def _slo_of(self, r: Any) -> RequestSlo:
         rid = r.request_id
@@ -96,63 +123,84 @@ class SnapshotBuilder:
             self._slo[rid] = s
         return s
 
+    def _add(self, r: Any) -> int:
+        s = self._slo_of(r)
+        row = (float(r.arrival_time), s.ttft_s, s.tbt_s, 1.0 if s.protected else 0.0)
+        if not (math.isfinite(row[0]) and 0 < row[1] < math.inf and 0 < row[2] < math.inf):
+            raise ValueError(f"request {r.request_id!r}: arrival/SLO not finite and positive: {row[:3]}")
+        slot = len(self._slot)
+        if slot >= len(self._pool):
+            pool = np.zeros((2 * len(self._pool), 4), np.float64)
+            pool[: len(self._pool)] = self._pool
+            self._pool = pool
+        self._pool[slot] = row
+        self._slot[r.request_id] = slot
+        return slot
+
     def prune(self, live: Any) -> None:
-        """Forget SLOs of finished requests (``live``: the scheduler's request map)."""
+        """Forget finished requests (``live``: the scheduler's request map)."""
         if len(self._slo) > 2 * len(live) + 256:
             self._slo = {k: v for k, v in self._slo.items() if k in live}
+        if len(self._slot) > 2 * len(live) + 256:
+            keep = [(k, v) for k, v in self._slot.items() if k in live]
+            rows = np.fromiter((v for _, v in keep), np.int64, len(keep))
+            pool = np.zeros((max(1024, 2 * len(keep)), 4), np.float64)
+            pool[: len(keep)] = self._pool[rows]
+            self._pool = pool
+            self._slot = {k: i for i, (k, _) in enumerate(keep)}
 
     def build(self, running: Iterable[Any], waiting: Iterable[Any], *, max_batch_tokens: int,
               max_num_seqs: int, free_kv_tokens: int | None,
               now: float | None = None) -> tuple[Snapshot, list[Any]]:
-        """The snapshot and, aligned with its rows, the vLLM request objects.
-
-        Waiting requests that have not started (the bulk under load) take a row
-        cached per request: their columns do not change while they wait."""
-        reqs: list[Any] = []
-        rows: list[tuple[str, float, int, int, int, float, float, bool]] = []
-        for r in running:
-            row = self._row(r)
-            if row is not None:
-                reqs.append(r)
-                rows.append(row)
-        cache = self._slo
-        for r in waiting:
-            if r.num_computed_tokens == 0 and r.num_output_placeholders == 0:
-                s = cache.get(r.request_id)
-                if s is None:
-                    s = self._slo_of(r)
-                known = r.num_tokens
-                reqs.append(r)
-                rows.append((r.request_id, r.arrival_time, known, 0, 0, s.ttft_s, s.tbt_s, s.protected))
-            else:
-                row = self._row(r)
-                if row is not None:
-                    reqs.append(r)
-                    rows.append(row)
-        cols: list[Any] = list(zip(*rows, strict=True)) if rows else [()] * 8
-        snap = Snapshot.from_columns(
-            now=time.time() if now is None else now,
-            max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
-            ids=cols[0], arrival=np.asarray(cols[1], np.float64), prompt_tokens=np.asarray(cols[2], np.int64),
-            computed_tokens=np.asarray(cols[3], np.int64), output_tokens=np.asarray(cols[4], np.int64),
-            ttft_slo=np.asarray(cols[5], np.float64), tbt_slo=np.asarray(cols[6], np.float64),
-            protected=np.asarray(cols[7], np.bool_), free_kv_tokens=free_kv_tokens, profile=self.profile,
-            max_requests=max(len(rows), 1),
+        """The snapshot and, aligned with its rows, the vLLM request objects."""
+        run = list(running)
+        wait = list(waiting)
+        nr, nw = len(run), len(wait)
+        # running requests (and partly computed waiting ones): the general rule
+        full = np.fromiter(_chain(map(_full, run)), np.int64, 6 * nr).reshape(nr, 6)
+        if nw and (any(map(_computed_of, wait)) or any(map(_placeholders_of, wait))):
+            # rare: the general rule for the waiting part too (it gives the
+            # fresh rows below for requests with nothing computed)
+            wf = np.fromiter(_chain(map(_full, wait)), np.int64, 6 * nw).reshape(nw, 6)
+            full = np.concatenate([full, wf])
+            wp = None
+        else:  # not started: prompt = known tokens, nothing computed
+            wp = np.fromiter(map(_num_tokens_of, wait), np.int64, nw)
+        ph, comp, p, ntok, nout, mt = full.T
+        known = ntok + ph
+        need = known - comp
+        keep = (need > 0) & ~((ph > 0) & (comp + 2 - ph >= p + mt))
+        out = nout + ph
+        dec = (out >= 1) & (need == 1)
+        prompt = np.where(dec, p, known)
+        computed = np.where(dec, p, comp)
+        output = np.where(dec, out, 0)
+        reqs = run + wait
+        if wp is not None:
+            prompt = np.concatenate([prompt, wp])
+            computed = np.concatenate([computed, np.zeros(nw, np.int64)])
+            output = np.concatenate([output, np.zeros(nw, np.int64)])
+            keep = np.concatenate([keep, np.ones(nw, np.bool_)])
+        if not keep.all():
+            reqs = list(itertools.compress(reqs, keep.tolist()))
+            prompt, computed, output = prompt[keep], computed[keep], output[keep]
+        ids = list(map(_ids_of, reqs))
+        slots = list(map(self._slot.get, ids))
+        if None in slots:
+            for i, sl in enumerate(slots):
+                if sl is None:
+                    slots[i] = self._add(reqs[i])
+        # Every row is valid by construction (kept rows need tokens, so computed <
+        # prompt or a decode with outputs; pool rows were checked once in _add):
+        # the snapshot is built directly; only id uniqueness is checked per step.
+        if len(set(ids)) != len(ids):
+            raise ValueError("duplicate request ids in vLLM's queues")
+        c = self._pool[np.array(slots, np.int64)].T.copy() if slots else np.zeros((4, 0), np.float64)
+        snap = Snapshot(
+            now=float(time.time() if now is None else now),
+            max_batch_tokens=int(max_batch_tokens), max_num_seqs=int(max_num_seqs),
+            ids=tuple(ids), arrival=_ro(c[0]), prompt_tokens=_ro(prompt), computed_tokens=_ro(computed),
+            output_tokens=_ro(output), ttft_slo=_ro(c[1]), tbt_slo=_ro(c[2]), protected=_ro(c[3] != 0),
+            free_kv_tokens=None if free_kv_tokens is None else int(free_kv_tokens), profile=self.profile,
         )
         return snap, reqs
-
-    def _row(self, r: Any) -> tuple[str, float, int, int, int, float, float, bool] | None:
-        ph = r.num_output_placeholders
-        comp = r.num_computed_tokens
-        p = r.num_prompt_tokens
-        known = r.num_tokens + ph
-        need = known - comp
-        if need <= 0:
-            return None
-        out = r.num_output_tokens + ph
-        if ph > 0 and comp + 2 - ph >= p + r.max_tokens:
-            return None  # vLLM skips it: the in-flight step already finishes it
-        s = self._slo_of(r)
-        if out >= 1 and need == 1:
-            return (r.request_id, r.arrival_time, p, p, out, s.ttft_s, s.tbt_s, s.protected)
-        return (r.request_id, r.arrival_time, known, comp, 0, s.ttft_s, s.tbt_s, s.protected)
