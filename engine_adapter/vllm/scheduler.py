@@ -161,6 +161,8 @@ class SlidingServeMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._plan: dict[str, int] | None = None
+        self._ss_run_order: list[Any] = []  # set by _fit: planned running requests, plan order
+        self._ss_admit: list[Any] = []  # set by _fit: planned waiting requests, plan order
         self._ss_hidden = 0
         self._ss_blocked: set[str] = set()
         base = VllmAdapterSettings.from_env(self.slidingserve_env, apply_file=False)
@@ -270,29 +272,32 @@ class SlidingServeMixin:
         admission control would refuse (free sequence slots; the whole prompt must
         fit, ``scheduler_reserve_full_isl``; the watermark).  Running requests are
         placed first, as vLLM does; prefix-cache hits are ignored (conservative)."""
-        index = snap.index_of
-        running = {id(r) for r in self.running}
+        keys = list(plan)
+        idx = np.fromiter(map(snap.index_of.__getitem__, keys), np.int64, len(keys))
+        n = np.fromiter(plan.values(), np.int64, len(keys))
+        builder = self._ss_builder
+        is_run = idx < builder.last_running_rows
         b = self.block_size
         la = self.num_lookahead_tokens
-        free = free_blocks
-        admissions: list[tuple[str, Any, int]] = []
-        for rid, n in plan.items():
-            r = rows[index[rid]]
-            if id(r) not in running:
-                admissions.append((rid, r, n))
-                continue
-            comp = r.num_computed_tokens
-            free -= max(0, -(-(comp + n + la) // b) - -(-comp // b))
+        run_idx = idx[is_run]
+        comp = builder.last_computed[run_idx]
+        free = free_blocks - int(np.maximum(0, -(-(comp + n[is_run] + la) // b) + (-comp // b)).sum())
         if free < 0:
             return f"running requests need {free_blocks - free} KV blocks, {free_blocks} free", 0
+        self._ss_run_order = list(map(rows.__getitem__, run_idx.tolist()))
+        admitted: list[Any] = []
+        self._ss_admit = admitted
         slots = min(self.max_num_running_reqs, self.max_num_active_reqs) - len(self.running)
         watermark = int(getattr(self.kv_cache_manager, "watermark_blocks", 0)) if self.running else 0
         full_isl = bool(getattr(self, "scheduler_reserve_full_isl", False))
         trimmed = 0
-        for rid, r, n in admissions:
-            comp = r.num_computed_tokens
-            held = -(-comp // b)
-            need = max(0, -(-(comp + n + la) // b) - held)
+        for j in np.flatnonzero(~is_run).tolist():
+            rid = keys[j]
+            r = rows[idx[j]]
+            n_j = int(n[j])
+            comp_j = r.num_computed_tokens
+            held = -(-comp_j // b)
+            need = max(0, -(-(comp_j + n_j + la) // b) - held)
             full = max(0, -(-r.num_tokens // b) - held) if full_isl else 0
             if slots <= 0 or max(need, full) + watermark > free:
                 del plan[rid]
@@ -300,6 +305,7 @@ class SlidingServeMixin:
                 continue
             slots -= 1
             free -= need
+            admitted.append(r)
         return "", trimmed
 
     # ----------------------------------------------------------------- decision
@@ -390,13 +396,22 @@ class SlidingServeMixin:
             return super().schedule(*args, **kwargs)  # type: ignore[misc]
         running0 = list(self.running)
         waiting0 = list(self.waiting)
-        rank = {rid: i for i, rid in enumerate(plan)}
-        last = len(rank)
-        self.running.sort(key=lambda r: rank.get(r.request_id, last))
-        planned_waiting = [r for r in waiting0 if r.request_id in rank]
-        planned_waiting.sort(key=lambda r: rank[r.request_id])
+        # planned running requests in plan order, then the unplanned ones in their order
+        order = self._ss_run_order
+        if len(order) != len(running0):
+            planned = set(map(id, order))
+            order = order + [r for r in running0 if id(r) not in planned]
+        self.running[:] = order
+        # only the planned waiting requests (plan order), not those in kv_holding_waiting
+        planned_waiting = self._ss_admit
+        if self.kv_holding_waiting:
+            holding = set(map(id, self.kv_holding_waiting))
+            planned_waiting = [r for r in planned_waiting if id(r) not in holding]
+        else:
+            planned_waiting = list(planned_waiting)
         # blocked requests stay visible so vLLM still promotes them when they are ready
-        planned_waiting += [r for r in waiting0 if r.status not in _SCHEDULABLE]
+        if self._ss_blocked:
+            planned_waiting += [r for r in waiting0 if r.status not in _SCHEDULABLE]
         self.waiting.clear()
         self.waiting.extend(planned_waiting)
         self._ss_hidden = len(waiting0) - len(planned_waiting)
@@ -406,7 +421,7 @@ class SlidingServeMixin:
         finally:
             self._plan = None
             self._ss_hidden = 0
-            self._restore(running0, waiting0)
+            self._restore(running0, waiting0, planned_waiting)
         self._ss_counts["planned"] += 1
         self._count_deviations(plan, out)
         return out
@@ -418,19 +433,24 @@ class SlidingServeMixin:
         n_run, n_wait = super().get_request_counts()  # type: ignore[misc]
         return n_run, n_wait + self._ss_hidden
 
-    def _restore(self, running0: list[Any], waiting0: list[Any]) -> None:
+    def _restore(self, running0: list[Any], waiting0: list[Any], shown: list[Any] | None = None) -> None:
         """vLLM's own queue order again: survivors in their old order, newcomers where
         vLLM put them (admitted requests at the end of running, preempted ones at the
-        front of waiting)."""
+        front of waiting).  ``shown``: the part of ``waiting0`` vLLM saw (default all)."""
         was_running = set(running0)
         now_running = set(self.running)
-        self.running[:] = [r for r in running0 if r in now_running] + [
-            r for r in self.running if r not in was_running]
-        was_waiting = set(waiting0)
+        newcomers = [r for r in self.running if r not in was_running]
+        if len(now_running) - len(newcomers) == len(running0):  # nothing left running
+            survivors = running0
+        else:
+            survivors = [r for r in running0 if r in now_running]
+        self.running[:] = survivors + newcomers
+        seen = set(waiting0 if shown is None else shown)
         # preempted (from running) or promoted (from kv_holding_waiting) in this step
-        front = [r for r in self.waiting if r not in was_waiting]
-        gone = now_running.union(self.kv_holding_waiting)
-        rest = [r for r in waiting0 if r not in gone]
+        front = [r for r in self.waiting if r not in seen]
+        gone = set(newcomers)  # admitted from waiting0 (nothing in waiting0 ran before)
+        gone.update(self.kv_holding_waiting)
+        rest = [r for r in waiting0 if r not in gone] if gone else waiting0
         self.waiting.clear()
         self.waiting.extend(front + rest)
 

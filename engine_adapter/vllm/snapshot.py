@@ -112,6 +112,8 @@ class SnapshotBuilder:
         self._slot: dict[str, int] = {}
         #: rows: arrival, ttft_s, tbt_s, protected (0/1)
         self._pool = np.zeros((1024, 4), np.float64)
+        self.last_computed = np.zeros(0, np.int64)
+        self.last_running_rows = 0
 
     def _slo_of(self, r: Any) -> RequestSlo:
         rid = r.request_id
@@ -181,9 +183,14 @@ class SnapshotBuilder:
             computed = np.concatenate([computed, np.zeros(nw, np.int64)])
             output = np.concatenate([output, np.zeros(nw, np.int64)])
             keep = np.concatenate([keep, np.ones(nw, np.bool_)])
+        comp_all = comp if wp is None else np.concatenate([comp, np.zeros(nw, np.int64)])
         if not keep.all():
             reqs = list(itertools.compress(reqs, keep.tolist()))
             prompt, computed, output = prompt[keep], computed[keep], output[keep]
+            comp_all = comp_all[keep]
+        #: vLLM's ``num_computed_tokens`` per row, and how many leading rows are running
+        self.last_computed = comp_all
+        self.last_running_rows = int(keep[:nr].sum())
         ids = list(map(_ids_of, reqs))
         slots = list(map(self._slot.get, ids))
         if None in slots:
