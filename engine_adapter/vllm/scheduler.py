@@ -362,9 +362,9 @@ class SlidingServeMixin:
         if want is None:
             # unplanned: nothing, unless it became ready during this schedule()
             return n if request.request_id in self._ss_blocked else 0
-        if computed >= request.num_tokens - 1:
-            return n  # a decode (with any spec tokens) is all-or-nothing
-        return min(n, want)
+        if want >= n or computed >= request.num_tokens - 1:
+            return n  # within the plan, or a decode (with any spec tokens): all-or-nothing
+        return want
 
     def _mamba_block_aligned_split(self, request: Any, num_new_tokens: int,
                                    num_new_local_computed_tokens: int = 0,
@@ -381,8 +381,10 @@ class SlidingServeMixin:
             *args, **kwargs)
 
     def _reserve_prefill_lookahead(self, request: Any, num_computed_tokens: int, num_new_tokens: int) -> int:
+        if self._plan is not None:  # called for every request vLLM schedules: keep it lean
+            num_new_tokens = self._cap(request, num_new_tokens, num_computed_tokens)
         return super()._reserve_prefill_lookahead(  # type: ignore[misc]
-            request, num_computed_tokens, self._cap(request, num_new_tokens, num_computed_tokens))
+            request, num_computed_tokens, num_new_tokens)
 
     # ---------------------------------------------------------------- schedule
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
