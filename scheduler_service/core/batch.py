@@ -249,31 +249,6 @@ class CandidateQueue:
         feats[:, 4] += dec_u
         return feats, scenario_codes(feats[:, 3], feats[:, 5])
 
-    def prefix_features(self, P: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Features of "decodes + stream prefix [0, P)": the greedy fill of P
-        tokens.  Same result as ``segment_features(0, P)`` with half the work,
-        because the partial request can only be the last one."""
-        P = np.asarray(P, dtype=np.int64)
-        feats = np.zeros((len(P), 7))
-        nq = len(self.r)
-        if nq:
-            j = np.minimum(np.searchsorted(self.R, P, side="right") - 1, nq)
-            jc = np.minimum(j, nq - 1)
-            c = np.where(j < nq, P - self.R[jc], 0).astype(np.float64)
-            u = self.u0[jc].astype(np.float64)
-            big, one, some = c > 1, c == 1, c > 0
-            feats[:, 0] = self._p1[j] + np.where(big, c * (u + c), 0.0)
-            feats[:, 1] = self._p2[j] + np.where(big, c * c, 0.0)
-            feats[:, 2] = self._p3[j] + np.where(some, u, 0.0)
-            feats[:, 3] = self._p4[j] + one
-            feats[:, 4] = self._p5[j] + np.where(one, u, 0.0)
-            feats[:, 5] = self._p6[j] + np.where(big, c, 0.0)
-            feats[:, 6] = np.maximum(self._pmax[j], np.where(big, c, 0.0))
-        feats[:, 2] += self.dec_u
-        feats[:, 3] += self.n_dec
-        feats[:, 4] += self.dec_u
-        return feats, scenario_codes(feats[:, 3], feats[:, 5])
-
     # ------------------------------------------------------------ fast path
     def _piece_ms(self, c: np.ndarray, u: np.ndarray) -> np.ndarray:
         """Weighted contribution (main scenario, x1..x6) of request pieces
