@@ -18,7 +18,8 @@ prefill tokens ≤ free_kv_tokens − scheduled decodes − ``kv_decode_reserve`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -81,7 +82,8 @@ class CandidateQueue:
     _p4: np.ndarray
     _p5: np.ndarray
     _p6: np.ndarray
-    _sparse: list[np.ndarray]
+    #: r where r > 1 (chunk sizes that count in x7), else 0.
+    _rbig: np.ndarray
     _pmax: np.ndarray
     # Fast path: the scenario model almost every candidate batch uses (mixed
     # with decodes, prefill-only without), its coefficients, and the prefix
@@ -90,6 +92,7 @@ class CandidateQueue:
     _w: np.ndarray
     _pw: np.ndarray
     _pbig: np.ndarray
+    _cache: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(
@@ -133,12 +136,6 @@ class CandidateQueue:
             + w[3] * uf
             + np.where(one, w[4] + w[5] * uf, 0.0)
         )
-        sparse = [rbig]
-        k = 1
-        while 2 * k <= len(rbig):
-            prev = sparse[-1]
-            sparse.append(np.maximum(prev[:-k], prev[k:]))
-            k *= 2
         return cls(
             snap=snap,
             predictor=predictor,
@@ -157,7 +154,7 @@ class CandidateQueue:
             _p4=pref(one.astype(np.float64)),
             _p5=pref(np.where(one, uf, 0.0)),
             _p6=pref(rbig),
-            _sparse=sparse,
+            _rbig=rbig,
             _pmax=np.concatenate([[0.0], np.maximum.accumulate(rbig)]) if len(rbig) else np.zeros(1),
             _main=main,
             _w=w,
@@ -175,6 +172,20 @@ class CandidateQueue:
         return int(self.R[-1])
 
     # ------------------------------------------------------------- features
+    def _sparse_table(self) -> list[np.ndarray]:
+        """Range-max table over ``_rbig``, built on first use: only the
+        reference path needs it, not a decision's fast path."""
+        table = self._cache.get("sparse")
+        if table is None:
+            table = [self._rbig]
+            k = 1
+            while 2 * k <= len(self._rbig):
+                prev = table[-1]
+                table.append(np.maximum(prev[:-k], prev[k:]))
+                k *= 2
+            self._cache["sparse"] = table
+        return table
+
     def _range_max(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         """max(rbig[a:b]) per element (0 where the range is empty)."""
         length = b - a
@@ -184,9 +195,10 @@ class CandidateQueue:
             return out
         lvl = np.zeros(len(a), dtype=np.int64)
         lvl[ok] = np.floor(np.log2(length[ok])).astype(np.int64)
+        sparse = self._sparse_table()
         for k in np.unique(lvl[ok]):
             m = ok & (lvl == k)
-            tab = self._sparse[k]
+            tab = sparse[k]
             out[m] = np.maximum(tab[a[m]], tab[b[m] - (1 << k)])
         return out
 
@@ -367,7 +379,7 @@ class CandidateQueue:
         span = int(jt.max()) + 1
         cols = np.arange(span)
         run = np.maximum.accumulate(
-            np.where(cols[None, :] > jh[:, None], self._sparse[0][:span][None, :], 0.0), axis=1
+            np.where(cols[None, :] > jh[:, None], self._rbig[:span][None, :], 0.0), axis=1
         )
         inner = run[:, np.maximum(jt - 1, 0)]
         big_h = np.where(ch_full > 1, ch_full, 0.0)[:, None]
