@@ -35,6 +35,14 @@ proto-check: $(STAMP)      ## fail when the generated code is stale
 buf-lint:                  ## lint proto/ with buf (npm package @bufbuild/buf)
 	tools/buf.sh lint
 
+# The wire contract of the previous release (see proto/baseline/README.md); paths are
+# relative to proto/ because tools/buf.sh runs buf there.
+BUF_BASELINE ?= baseline/slidingserve-v1.0.binpb
+
+.PHONY: buf-breaking
+buf-breaking:              ## fail when proto/ breaks peers of the previous release (rules: proto/buf.yaml)
+	tools/buf.sh breaking --against $(BUF_BASELINE)
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
