@@ -27,12 +27,22 @@ import numpy as np
 
 from .errors import FieldViolation, ValidationError
 
-__all__ = ["DEFAULT_MAX_REQUESTS", "Request", "Snapshot"]
+__all__ = ["DEFAULT_MAX_REQUESTS", "MAX_BATCH_TOKENS", "MAX_SECONDS", "Request", "Snapshot"]
 
 #: Upper bound on requests in one snapshot unless the caller sets another.
 DEFAULT_MAX_REQUESTS = 100_000
 #: Largest token count accepted anywhere (guards int64 arithmetic downstream).
 MAX_TOKENS = 1 << 40
+#: Largest ``max_batch_tokens``.  Policies build per-token curves up to the iteration's
+#: budget (O(budget) memory and time: ~70 MB and 0.1-0.2 s at this bound, 8 GB at 10^8),
+#: so an unbounded budget would let one request exhaust the server's memory.  2^20 is
+#: above any engine's per-iteration token budget (vLLM: 2k-64k, whole 1M-token prompts).
+MAX_BATCH_TOKENS = 1 << 20
+#: Largest magnitude of a time or SLO in seconds (~31,700 years).  Finite is not enough:
+#: sums like ``arrival + ttft_slo + k * tbt_slo`` must not overflow to inf downstream.
+MAX_SECONDS = 1e12
+#: Smallest ``prefill_throughput`` (tokens/s): policies divide remaining tokens by it.
+MIN_THROUGHPUT = 1e-3
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +199,9 @@ class Snapshot:
         if isinstance(data, str | bytes):
             try:
                 data = json.loads(data)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            except (ValueError, RecursionError) as e:
+                # ValueError covers JSONDecodeError, UnicodeDecodeError and integers over
+                # Python's digit limit; RecursionError is deeply nested arrays/objects.
                 raise ValidationError.single("snapshot", f"is not valid JSON: {e}") from None
         if not isinstance(data, Mapping):
             raise ValidationError.single("snapshot", "must be a JSON object")
@@ -233,6 +245,8 @@ class Snapshot:
         for i, v in enumerate(cols["id"]):
             if not isinstance(v, str):
                 errs.append(FieldViolation(f"requests[{i}].id", "must be a string"))
+        if not isinstance(data.get("profile", ""), str | None):
+            errs.append(FieldViolation("profile", "must be a string"))
         if errs:
             raise ValidationError(errs)
         return cls.from_columns(
@@ -365,6 +379,17 @@ def _is_real(v: Any) -> bool:
     )
 
 
+def _finite_within(v: Any, bound: float) -> bool:
+    """A real number with ``|v| <= bound`` (False, not OverflowError, for huge ints)."""
+    if not _is_real(v):
+        return False
+    try:
+        f = float(v)
+    except OverflowError:
+        return False
+    return math.isfinite(f) and abs(f) <= bound
+
+
 def _validate_scalars(
     errs: list[FieldViolation],
     now: Any,
@@ -373,24 +398,24 @@ def _validate_scalars(
     free_kv_tokens: Any,
     prefill_throughput: Any,
 ) -> tuple[float, int, int, int | None, float | None]:
-    if not _is_real(now) or not math.isfinite(now):
-        errs.append(FieldViolation("now", "must be a finite number of seconds"))
+    if not _finite_within(now, MAX_SECONDS):
+        errs.append(FieldViolation("now", f"must be a finite number of seconds, |now| <= {MAX_SECONDS:g}"))
         now = 0.0
-    for name, v in (("max_batch_tokens", max_batch_tokens), ("max_num_seqs", max_num_seqs)):
-        if not _is_int(v) or not 1 <= v <= MAX_TOKENS:
-            errs.append(FieldViolation(name, f"must be an integer >= 1, got {v!r}"))
+    for name, v, hi in (("max_batch_tokens", max_batch_tokens, MAX_BATCH_TOKENS),
+                        ("max_num_seqs", max_num_seqs, MAX_TOKENS)):
+        if not _is_int(v) or not 1 <= v <= hi:
+            errs.append(FieldViolation(name, f"must be an integer in [1, {hi}], got {v!r}"))
     if free_kv_tokens is not None and (not _is_int(free_kv_tokens) or not 0 <= free_kv_tokens <= MAX_TOKENS):
         errs.append(
             FieldViolation("free_kv_tokens", f"must be an integer >= 0, got {free_kv_tokens!r}")
         )
     if prefill_throughput is not None and (
-        not _is_real(prefill_throughput)
-        or not math.isfinite(prefill_throughput)
-        or prefill_throughput <= 0
+        not _finite_within(prefill_throughput, math.inf) or prefill_throughput < MIN_THROUGHPUT
     ):
         errs.append(
             FieldViolation(
-                "prefill_throughput", f"must be a finite number > 0, got {prefill_throughput!r}"
+                "prefill_throughput",
+                f"must be a finite number >= {MIN_THROUGHPUT:g} (tokens/s), got {prefill_throughput!r}",
             )
         )
     return (
@@ -467,9 +492,11 @@ def _validate_rows(errs: list[FieldViolation], a: dict[str, np.ndarray]) -> None
     """Vectorised row checks; per-row messages are built only for failing rows."""
     p, c, o = a["prompt_tokens"], a["computed_tokens"], a["output_tokens"]
     checks: list[tuple[str, np.ndarray, str]] = [
-        ("arrival", ~np.isfinite(a["arrival"]), "must be finite"),
-        ("ttft_slo", ~(np.isfinite(a["ttft_slo"]) & (a["ttft_slo"] > 0)), "must be finite and > 0"),
-        ("tbt_slo", ~(np.isfinite(a["tbt_slo"]) & (a["tbt_slo"] > 0)), "must be finite and > 0"),
+        ("arrival", ~(np.abs(a["arrival"]) <= MAX_SECONDS), f"must be finite, |arrival| <= {MAX_SECONDS:g}"),
+        ("ttft_slo", ~((a["ttft_slo"] > 0) & (a["ttft_slo"] <= MAX_SECONDS)),
+         f"must be finite and > 0, at most {MAX_SECONDS:g}"),
+        ("tbt_slo", ~((a["tbt_slo"] > 0) & (a["tbt_slo"] <= MAX_SECONDS)),
+         f"must be finite and > 0, at most {MAX_SECONDS:g}"),
         ("prompt_tokens", (p < 1) | (p > MAX_TOKENS), "must be >= 1"),
         ("computed_tokens", c < 0, "must be >= 0"),
         ("computed_tokens", c > p, "exceeds prompt_tokens"),
