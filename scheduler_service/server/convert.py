@@ -33,6 +33,7 @@ from scheduler_service.core.predictor import N_FEATURES, scenario_codes
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
 
 from .profile import EngineProfile
+from .status import MAX_DESCRIPTION_BYTES, MAX_FIELD_BYTES, MAX_VIOLATIONS, clip
 
 __all__ = [
     "MAX_TOKENS",
@@ -253,7 +254,11 @@ def plan_from_pb(msg: pb.Plan) -> Plan:
 
 # -------------------------------------------------------------- violations
 def violations_to_pb(err: ValidationError) -> list[pb.FieldViolation]:
-    return [pb.FieldViolation(field=v.field, description=v.description) for v in err.violations]
+    """Bounded like the unary status (:mod:`.status`): violations echo client input."""
+    return [
+        pb.FieldViolation(field=clip(v.field, MAX_FIELD_BYTES), description=clip(v.description, MAX_DESCRIPTION_BYTES))
+        for v in err.violations[:MAX_VIOLATIONS]
+    ]
 
 
 def violations_from_pb(items: Sequence[Any]) -> tuple[FieldViolation, ...]:
