@@ -30,6 +30,7 @@ from scheduler_service.core import (
     batch_features,
 )
 from scheduler_service.core.predictor import N_FEATURES, scenario_codes
+from scheduler_service.core.snapshot import MAX_BATCH_TOKENS
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
 
 from .profile import EngineProfile
@@ -53,6 +54,9 @@ __all__ = [
 MAX_TOKENS = 1 << 40
 #: Largest plausible iteration latency (ms): anything above is a unit error, not a sample.
 MAX_LATENCY_MS = 600_000.0
+#: Largest feature a composition within the limits can produce: Σc <= MAX_BATCH_TOKENS
+#: (2^20, so also <= 2^20 requests) and u <= 2^40 bound every x_i by 2^20 * (2^40 + 2^20).
+MAX_FEATURE = float(2**61)
 
 _COLUMNS = (
     ("arrival", np.float64),
@@ -288,17 +292,19 @@ def report_from_pb(
             raise ValidationError.single(f"{field}.composition.u", f"has {len(u)} entries, c has {len(c)}")
         if not 1 <= len(c) <= max_requests:
             raise ValidationError.single(f"{field}.composition.c", f"must have 1..{max_requests} entries")
-        if c.min() < 1 or c.max() > MAX_TOKENS:
-            raise ValidationError.single(f"{field}.composition.c", "every entry must be >= 1")
+        if c.min() < 1 or c.max() > MAX_BATCH_TOKENS or int(c.sum()) > MAX_BATCH_TOKENS:
+            raise ValidationError.single(
+                f"{field}.composition.c", f"every entry must be >= 1, all together <= {MAX_BATCH_TOKENS}"
+            )
         if u.min() < 0 or u.max() > MAX_TOKENS:
-            raise ValidationError.single(f"{field}.composition.u", "every entry must be >= 0")
+            raise ValidationError.single(f"{field}.composition.u", f"every entry must be in [0, {MAX_TOKENS}]")
         x, scen = batch_features(c, u)
         return profile, x, scen, float(lat)
     if kind == "features":
         x = np.array(msg.features.x, dtype=np.float64)
-        if len(x) != N_FEATURES or not np.all(np.isfinite(x)) or np.any(x < 0):
+        if len(x) != N_FEATURES or not np.all((x >= 0) & (x <= MAX_FEATURE)):
             raise ValidationError.single(
-                f"{field}.features.x", f"must be {N_FEATURES} finite, non-negative numbers"
+                f"{field}.features.x", f"must be {N_FEATURES} numbers in [0, {MAX_FEATURE:.3g}]"
             )
         s = int(msg.features.scenario)
         if s == pb.SCENARIO_UNSPECIFIED:
