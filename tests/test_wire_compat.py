@@ -161,8 +161,21 @@ def _buf(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(BUF), *args], capture_output=True, text=True, timeout=300, check=False)
 
 
-def _scratch_proto(tmp_path: Path, edit: Mapping[str, str]) -> Path:
-    """A copy of proto/ (module config + .proto files) with text replacements applied."""
+def _append_to_block(text: str, header: str, snippet: str) -> str:
+    """Insert ``snippet`` just before the closing brace of the block ``header {...}``
+    (braces of nested oneofs counted), wherever later edits have moved it."""
+    start = text.index(header + " {")
+    depth = 0
+    for i in range(text.index("{", start), len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[:i] + snippet + text[i:]
+    raise AssertionError(f"unbalanced block {header}")
+
+
+def _scratch_proto(tmp_path: Path, edit: Mapping[str, str], append: Mapping[str, str] | None = None) -> Path:
+    """A copy of proto/ (module config + .proto files) with text replacements applied and
+    snippets appended to the named blocks."""
     dst = tmp_path / "proto"
     shutil.copytree(PROTO, dst, ignore=shutil.ignore_patterns("baseline", "*.md"))
     path = dst / PROTO_FILE
@@ -170,6 +183,8 @@ def _scratch_proto(tmp_path: Path, edit: Mapping[str, str]) -> Path:
     for old, new in edit.items():
         assert text.count(old) == 1, f"scratch edit target not found exactly once: {old!r}"
         text = text.replace(old, new)
+    for header, snippet in (append or {}).items():
+        text = _append_to_block(text, header, snippet)
     path.write_text(text)
     return dst
 
@@ -190,8 +205,7 @@ BREAKING_EDITS: dict[str, tuple[dict[str, str], str]] = {
     "removed RPC": ({"  rpc GetPredictor(GetPredictorRequest) returns (GetPredictorResponse);\n": ""},
                     'RPC "GetPredictor"'),
     # Same number, new name: the JSON mapping (grpcurl, reflection clients) breaks.
-    "renamed field": ({"  string engine_id = 7;\n  // The requests": "  string engine_name = 7;\n  // The requests"},
-                      "engine_name"),
+    "renamed field": ({"  string engine_id = 7;": "  string engine_name = 7;"}, "engine_name"),
 }
 
 
@@ -205,13 +219,12 @@ def test_buf_breaking_rejects_a_breaking_edit(tmp_path: Path, name: str) -> None
 
 
 def test_buf_breaking_accepts_additive_edits(tmp_path: Path) -> None:
-    """New fields (with fresh numbers) and a new enum value keep old peers working."""
-    scratch = _scratch_proto(tmp_path, {
-        "  map<string, string> params = 4;\n}":
-            "  map<string, string> params = 4;\n  // Added later.\n  string wire_compat_added = 99;\n}",
-        "  map<string, int64> breakdown_us = 10;\n}":
-            "  map<string, int64> breakdown_us = 10;\n  // Added later.\n  optional int64 added_count = 11;\n}",
-        "  SCENARIO_MIXED = 3;\n": "  SCENARIO_MIXED = 3;\n  // Added later.\n  SCENARIO_SPECULATIVE = 4;\n",
+    """New fields (with fresh numbers), a new enum value and a new RPC keep old peers working."""
+    scratch = _scratch_proto(tmp_path, {}, append={
+        "message ScheduleRequest": "  // Added later.\n  string wire_compat_added = 9001;\n",
+        "message Plan": "  // Added later.\n  optional int64 wire_compat_count = 9002;\n",
+        "enum Scenario": "  // Added later.\n  SCENARIO_WIRE_COMPAT = 9003;\n",
+        "service SchedulerService": "  // Added later.\n  rpc WireCompatPing(ListPoliciesRequest) returns (ListPoliciesResponse);\n",
     })
     res = _buf("breaking", str(scratch), "--against", str(baseline_image()))
     assert res.returncode == 0, res.stdout + res.stderr
