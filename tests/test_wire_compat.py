@@ -218,6 +218,18 @@ def test_buf_breaking_rejects_a_breaking_edit(tmp_path: Path, name: str) -> None
     assert expected.lower() in (res.stdout + res.stderr).lower(), res.stdout + res.stderr
 
 
+def test_wire_json_rules_would_miss_a_removed_rpc(tmp_path: Path) -> None:
+    """Why buf.yaml uses FILE (proto/README.md): WIRE_JSON lets an RPC deletion through,
+    though every old caller of it would then get UNIMPLEMENTED."""
+    scratch = _scratch_proto(tmp_path, BREAKING_EDITS["removed RPC"][0])
+    config = scratch / "buf.yaml"
+    text = config.read_text()
+    assert text.count("    - FILE\n") == 1
+    config.write_text(text.replace("    - FILE\n", "    - WIRE_JSON\n"))
+    res = _buf("breaking", str(scratch), "--against", str(baseline_image()))
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
 def test_buf_breaking_accepts_additive_edits(tmp_path: Path) -> None:
     """New fields (with fresh numbers), a new enum value and a new RPC keep old peers working."""
     scratch = _scratch_proto(tmp_path, {}, append={
