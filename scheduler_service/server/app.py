@@ -7,6 +7,10 @@ Lifecycle, and why:
    turns SERVING (overall ``""`` and ``slidingserve.v1.SchedulerService``) — *readiness*;
 3. on stop: health NOT_SERVING first (load balancers stop routing), then ``stop(grace)``
    rejects new calls and lets in-flight ones finish for up to ``grace_s`` seconds.
+
+Security (TLS, mutual TLS, tokens, limits; see :mod:`.security` and ``docs/security.md``)
+is set up before binding, so that a bad certificate or tokens file fails the start instead
+of serving without the protection the operator configured.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from .config import ServerConfig
 from .logs import configure_logging
 from .metrics import Metrics
 from .predictors import PredictorRegistry, RefitSettings
+from .security import CertificateReloader, SecurityInterceptor, build_interceptor, server_credentials
 from .servicer import PolicyCache, SchedulerServicer
 
 __all__ = ["SERVICE_NAME", "SchedulerServer", "serve"]
@@ -62,7 +67,12 @@ class SchedulerServer:
         self.health = health.HealthServicer()
         self.predictors: PredictorRegistry | None = None
         self.servicer: SchedulerServicer | None = None
+        self.security: SecurityInterceptor | None = None
+        self.certificates: CertificateReloader | None = None
+        #: Port of the plaintext health-only server (``config.health_port``), 0 when none.
+        self.health_port = 0
         self._server: grpc.Server | None = None
+        self._health_server: grpc.Server | None = None
         self._stopped = threading.Event()
 
     @property
@@ -82,10 +92,16 @@ class SchedulerServer:
         configure_logging(cfg.log_level)
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         bootstrap = _load_predictor(cfg)  # fail fast on a bad file, before binding
+        tls = server_credentials(cfg)  # likewise certificates and tokens
+        self.security = build_interceptor(cfg, self.metrics)
+        if cfg.auth_tokens_file and tls is None:
+            log.warning("tokens_without_tls", hint="bearer tokens travel in plaintext; set tls_cert_file "
+                        "unless every client is on loopback or a trusted network")
         self.predictors = PredictorRegistry(
             bootstrap,
             RefitSettings(cfg.refit_every, cfg.refit_window, cfg.refit_holdout_fraction,
-                          cfg.refit_min_samples, cfg.max_profiles),
+                          cfg.refit_min_samples, cfg.max_profiles,
+                          max_profiles_per_tenant=cfg.max_profiles_per_tenant),
             self.metrics,
         )
         policies = PolicyCache()
@@ -97,17 +113,24 @@ class SchedulerServer:
                 ("grpc.max_send_message_length", cfg.max_message_bytes),
                 ("grpc.so_reuseport", 0),
             ],
+            interceptors=[self.security] if self.security is not None else None,
         )
         pb_grpc.add_SchedulerServiceServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
-        port = server.add_insecure_port(cfg.address)
+        if tls is None:
+            port = server.add_insecure_port(cfg.address)
+        else:
+            port = server.add_secure_port(cfg.address, tls[0])
+            self.certificates = tls[1]
         if port == 0:
             self.predictors.close()
             raise OSError(f"cannot bind {cfg.address}")
         self.port = port
+        if cfg.health_port:
+            self._start_health_server()
         server.start()
         self._server = server
         try:
@@ -123,8 +146,25 @@ class SchedulerServer:
         self.servicer.ready.set()
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("server_started", address=cfg.address, port=self.port, metrics_port=self.metrics_port,
-                 default_policy=cfg.default_policy, predictor_version=bootstrap.version)
+                 default_policy=cfg.default_policy, predictor_version=bootstrap.version,
+                 tls=tls is not None, mutual_tls=bool(cfg.tls_client_ca_file),
+                 tokens=bool(cfg.auth_tokens_file), health_port=self.health_port)
         return self
+
+    def _start_health_server(self) -> None:
+        """Plaintext, health-only: probes (kubelet's gRPC probe, load balancers) speak
+        neither TLS nor mutual TLS, and this port reveals nothing but SERVING/NOT_SERVING."""
+        hs = grpc.server(ThreadPoolExecutor(max_workers=2, thread_name_prefix="grpc-health"),
+                         options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, hs)
+        address = f"{self.config.host}:{self.config.health_port}"
+        self.health_port = hs.add_insecure_port(address)
+        if self.health_port == 0:
+            assert self.predictors is not None
+            self.predictors.close()
+            raise OSError(f"cannot bind {address}")
+        hs.start()
+        self._health_server = hs
 
     def _load(self, policies: PolicyCache) -> None:
         """Load the default policy and warm the decision path (first-call numpy costs)."""
@@ -147,6 +187,8 @@ class SchedulerServer:
         self.health.enter_graceful_shutdown()
         if self._server is not None:
             self._server.stop(g).wait()
+        if self._health_server is not None:
+            self._health_server.stop(0).wait()
         if self.predictors is not None:
             self.predictors.close()
         self.metrics.close()

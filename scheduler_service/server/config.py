@@ -57,14 +57,41 @@ class ServerConfig:
     #: Log level: debug, info, warning or error.
     log_level: str = "info"
 
+    # security (docs/security.md; enforced by scheduler_service/server/security.py)
+    #: PEM certificate chain and private key of the server; both set = TLS on the gRPC port.
+    #: The files are re-read when they change (certificate rotation without a restart).
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    #: PEM CA bundle for client certificates; set = mutual TLS (a client without a
+    #: certificate signed by one of these CAs fails the handshake).  Needs tls_cert_file.
+    tls_client_ca_file: str = ""
+    #: YAML/JSON file of accepted tokens: identity → {sha256, tenant, scopes}; set = every
+    #: SchedulerService call needs ``authorization: Bearer <token>``.  Re-read on change.
+    auth_tokens_file: str = ""
+    #: Refuse to start without an authentication method (tokens or mutual TLS), so that a
+    #: production config that lost its secrets fails loudly instead of serving openly.
+    require_auth: bool = False
+    #: Messages per second per identity (token identity, client certificate CN, or client
+    #: IP when unauthenticated): a unary call or one message of a stream; 0 = no limit.
+    rate_limit_rps: float = 0.0
+    #: Token-bucket depth: messages an identity may send at once above the steady rate.
+    rate_limit_burst: int = 200
+    #: Open streams (ScheduleStream, ReportIterations) per identity; 0 = no limit.  Each
+    #: open stream holds a worker thread, so this keeps one tenant from taking them all.
+    max_streams_per_identity: int = 0
+    #: Profiles with their own predictor per tenant (when authenticated); 0 = only max_profiles.
+    max_profiles_per_tenant: int = 0
+    #: Plaintext port serving only grpc.health.v1 (for probes that cannot do (m)TLS); 0 = none.
+    health_port: int = 0
+
     def __post_init__(self) -> None:
         errs: list[FieldViolation] = []
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            want = {"int": int, "float": float, "str": str}[str(f.type)]
+            want = {"int": int, "float": float, "str": str, "bool": bool}[str(f.type)]
             if want is float and isinstance(v, int) and not isinstance(v, bool):
                 object.__setattr__(self, f.name, float(v))
-            elif not isinstance(v, want) or isinstance(v, bool):
+            elif not isinstance(v, want) or (isinstance(v, bool) and want is not bool):
                 errs.append(FieldViolation(f.name, f"must be of type {want.__name__}, got {v!r}"))
         if errs:
             raise ValidationError(errs)
@@ -87,6 +114,19 @@ class ServerConfig:
         check("grace_s", 0.0 <= self.grace_s <= 3600.0, "must be in [0, 3600]")
         check("max_workers", 1 <= self.max_workers <= 4096, "must be in [1, 4096]")
         check("log_level", self.log_level in LOG_LEVELS, f"must be one of {list(LOG_LEVELS)}")
+        # security
+        check("tls_key_file", bool(self.tls_cert_file) == bool(self.tls_key_file),
+              "must be set together with tls_cert_file")
+        check("tls_client_ca_file", not self.tls_client_ca_file or bool(self.tls_cert_file),
+              "needs tls_cert_file and tls_key_file (mutual TLS is TLS first)")
+        check("require_auth", not self.require_auth or bool(self.auth_tokens_file or self.tls_client_ca_file),
+              "needs auth_tokens_file or tls_client_ca_file")
+        check("rate_limit_rps", 0.0 <= self.rate_limit_rps <= 1e7, "must be in [0, 1e7]")
+        check("rate_limit_burst", self.rate_limit_burst >= 1, "must be >= 1")
+        check("max_streams_per_identity", self.max_streams_per_identity >= 0, "must be >= 0")
+        check("max_profiles_per_tenant", self.max_profiles_per_tenant >= 0, "must be >= 0")
+        check("health_port", 0 <= self.health_port <= 65535 and (self.health_port == 0 or self.health_port != self.port),
+              "must be in [0, 65535] and differ from port")
         if errs:
             raise ValidationError(errs)
 

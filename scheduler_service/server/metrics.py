@@ -59,6 +59,15 @@ class Metrics:
         self.active_streams = Gauge(
             "slidingserve_active_streams", "Open ScheduleStream calls", registry=r
         )
+        # security: labelled by the token identity / certificate name, never by anything the
+        # caller chooses freely (unauthenticated callers are all "anonymous"), so bounded
+        self.rate_limited = Counter(
+            "slidingserve_rate_limited", "Calls or stream messages refused by the per-identity limits",
+            ["identity", "limit"], registry=r,
+        )
+        self.auth_failures = Counter(
+            "slidingserve_auth_failures", "Calls refused by authentication or authorisation", ["reason"], registry=r
+        )
         self._http: Any = None
         self._lock = threading.Lock()
 

@@ -5,6 +5,9 @@ Why this shape:
 * **Profiles never mix.**  Each engine profile (model|hardware|tp) has its own state; a
   profile never reported uses the bootstrap predictor and creates no state (so scheduling
   calls cannot grow server memory).
+* **Tenants never mix either.**  With authentication the servicer keys states by
+  ``tenant|profile`` (:func:`.security.scoped_key`), and ``max_profiles_per_tenant`` caps
+  each tenant's share of ``max_profiles`` so that one tenant cannot use up every slot.
 * **Hot path is lock-free.**  ``current(key)`` is one dict lookup and one attribute read;
   publishing replaces the reference atomically (the predictor object is immutable), so a
   decision sees either the old or the new version, never a mix.
@@ -43,6 +46,8 @@ class RefitSettings:
     holdout_fraction: float = 0.2
     min_samples: int = 30
     max_profiles: int = 64
+    #: Profiles one tenant may create (0 = no cap besides ``max_profiles``).
+    max_profiles_per_tenant: int = 0
 
 
 @dataclass(eq=False)
@@ -50,6 +55,7 @@ class ProfileState:
     key: str
     current: BatchLatencyPredictor
     window: deque[tuple[np.ndarray, int, float]]
+    tenant: str = ""
     lock: threading.Lock = field(default_factory=threading.Lock)
     new_since_refit: int = 0
     accepted: int = 0
@@ -75,6 +81,7 @@ class PredictorRegistry:
         self._metrics = metrics
         self._on_publish = on_publish
         self._states: dict[str, ProfileState] = {}
+        self._per_tenant: dict[str, int] = {}
         self._states_lock = threading.Lock()
         self._cv = threading.Condition()
         self._queue: deque[str] = deque()
@@ -94,8 +101,9 @@ class PredictorRegistry:
         return self._states.get(key)
 
     # ------------------------------------------------------------- reports
-    def add(self, key: str, x: np.ndarray, scenario: int, latency_ms: float) -> float:
-        """Buffer one validated sample; returns the current predictor's abs error (ms)."""
+    def add(self, key: str, x: np.ndarray, scenario: int, latency_ms: float, *, tenant: str = "") -> float:
+        """Buffer one validated sample; returns the current predictor's abs error (ms).
+        ``tenant`` (the owner of ``key``) only counts towards ``max_profiles_per_tenant``."""
         st = self._states.get(key)
         if st is None:
             with self._states_lock:
@@ -106,8 +114,15 @@ class PredictorRegistry:
                             "engine_profile",
                             f"the server already tracks {self.settings.max_profiles} profiles (max_profiles)",
                         )
-                    st = ProfileState(key, self.bootstrap, deque(maxlen=self.settings.window))
+                    cap = self.settings.max_profiles_per_tenant
+                    if cap and self._per_tenant.get(tenant, 0) >= cap:
+                        raise ValidationError.single(
+                            "engine_profile",
+                            f"this tenant already has {cap} profiles (max_profiles_per_tenant)",
+                        )
+                    st = ProfileState(key, self.bootstrap, deque(maxlen=self.settings.window), tenant)
                     self._states[key] = st
+                    self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
                     if self._metrics:
                         self._metrics.predictor_version.labels(profile=key).info(
                             {"version": st.current.version}

@@ -32,6 +32,7 @@ from .convert import (
 )
 from .metrics import Metrics
 from .predictors import PredictorRegistry
+from .security import DEFAULT_TENANT, scoped_key, tenant_of
 from .status import invalid_argument
 
 __all__ = ["PolicyCache", "SchedulerServicer"]
@@ -78,10 +79,10 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         self.ready = threading.Event()
 
     # ------------------------------------------------------------ decisions
-    def _decide(self, request: pb.ScheduleRequest, t0: int) -> pb.ScheduleResponse:
+    def _decide(self, request: pb.ScheduleRequest, t0: int, tenant: str = DEFAULT_TENANT) -> pb.ScheduleResponse:
         snap, profile = snapshot_from_pb(request.snapshot, max_requests=self._cfg.max_requests_per_snapshot)
         policy = self._policies.get(request.policy or self._cfg.default_policy, request.params)
-        plan = policy.plan(snap, self._predictors.current(profile.key))
+        plan = policy.plan(snap, self._predictors.current(scoped_key(tenant, profile.key)))
         resp = pb.ScheduleResponse(request_id=request.request_id, plan=plan_to_pb(plan))
         dt = perf_counter_ns() - t0
         resp.server_us = dt // 1000
@@ -107,7 +108,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         t0 = perf_counter_ns()
         self._check_ready(context)
         try:
-            return self._decide(request, t0)
+            return self._decide(request, t0, tenant_of(context))
         except ValidationError as e:
             self._rejected("Schedule", e, request.request_id)
             context.abort_with_status(invalid_argument(e))
@@ -120,11 +121,12 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
     ) -> Iterator[pb.ScheduleResponse]:
         self._check_ready(context)
         self._metrics.active_streams.inc()
+        tenant = tenant_of(context)
         try:
             for request in request_iterator:
                 t0 = perf_counter_ns()
                 try:
-                    resp = self._decide(request, t0)
+                    resp = self._decide(request, t0, tenant)
                 except ValidationError as e:
                     self._rejected("ScheduleStream", e, request.request_id)
                     resp = pb.ScheduleResponse(
@@ -152,13 +154,15 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         self._check_ready(context)
         summary = pb.ReportSummary()
         m = self._metrics
+        tenant = tenant_of(context)
         try:
             for i, msg in enumerate(request_iterator):
                 try:
                     profile, x, scen, lat = report_from_pb(
                         msg, max_requests=self._cfg.max_requests_per_snapshot, field=f"report[{i}]"
                     )
-                    err = self._predictors.add(profile.key, x, scen, lat)
+                    key = scoped_key(tenant, profile.key)
+                    err = self._predictors.add(key, x, scen, lat, tenant=tenant)
                 except ValidationError as e:
                     summary.rejected += 1
                     m.reports.labels("rejected").inc()
@@ -167,8 +171,8 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
                     continue
                 summary.accepted += 1
                 m.reports.labels("accepted").inc()
-                m.predictor_abs_error_ms.labels(profile.key).observe(err)
-                summary.predictor_version = self._predictors.current(profile.key).version
+                m.predictor_abs_error_ms.labels(key).observe(err)
+                summary.predictor_version = self._predictors.current(key).version
         except Exception:
             context.abort(grpc.StatusCode.INTERNAL, self._internal("ReportIterations"))
         if summary.rejected:
@@ -189,14 +193,15 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
     def GetPredictor(self, request: pb.GetPredictorRequest, context: grpc.ServicerContext) -> pb.GetPredictorResponse:
         try:
             profile = profile_from_pb(request.engine_profile, "engine_profile")
-            p = self._predictors.current(profile.key)
+            key = scoped_key(tenant_of(context), profile.key)  # only the caller's tenant
+            p = self._predictors.current(key)
             resp = pb.GetPredictorResponse(
                 predictor_json=p.to_json(indent=None),
                 version=p.version,
                 profile_key=profile.key,
                 sample_counts=predictor_sample_counts(p),
             )
-            st = self._predictors.state(profile.key)
+            st = self._predictors.state(key)
             if st is not None:
                 with st.lock:
                     resp.reports_accepted = st.accepted
