@@ -127,7 +127,7 @@ def old_release(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         pytest.fail(f"baseline source commit {commit} (proto/baseline/*.commit) is not in this clone; "
                     "fetch the history (git fetch --unshallow) to run the cross-version tests")
     source = tmp_path_factory.mktemp("old-release")
-    archive = _git("archive", "--format=tar", commit, "scheduler_service", "clients")
+    archive = _git("archive", "--format=tar", commit, "scheduler_service", "clients", "engine_adapter")
     assert archive.returncode == 0, archive.stderr.decode()
     subprocess.run(["tar", "-x", "-C", str(source)], input=archive.stdout, check=True)
     stubs = tmp_path_factory.mktemp("old-stubs")
@@ -295,9 +295,12 @@ def _peer(old_release: tuple[Path, Path], cases_file: Path, role: str, *extra: s
 @pytest.fixture(scope="module")
 def old_server(old_release: tuple[Path, Path], cases_file: Path) -> Iterator[dict[str, Any]]:
     """The previous release's SchedulerServer in a subprocess: {"target", "reference"}."""
-    proc = subprocess.Popen(_peer(old_release, cases_file, "serve"), stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert proc.stdout is not None and proc.stdin is not None and proc.stderr is not None
+    # stderr goes to a file: a pipe nobody reads could fill up and stall the server.
+    log = cases_file.with_name("old-server.log")
+    with log.open("w") as err:
+        proc = subprocess.Popen(_peer(old_release, cases_file, "serve"), stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=err, text=True)
+    assert proc.stdout is not None and proc.stdin is not None
     try:
         with selectors.DefaultSelector() as sel:
             sel.register(proc.stdout, selectors.EVENT_READ)
@@ -305,7 +308,8 @@ def old_server(old_release: tuple[Path, Path], cases_file: Path) -> Iterator[dic
         line = proc.stdout.readline() if ready else ""
         if not line:
             proc.kill()
-            pytest.fail(f"the old-release server did not start: {proc.communicate(timeout=10)[1][-3000:]}")
+            proc.wait()
+            pytest.fail(f"the old-release server did not start: {log.read_text()[-3000:]}")
         hello = json.loads(line)
         _assert_old_release(hello["modules"], old_release)
         yield {"target": f"127.0.0.1:{hello['port']}", "reference": hello["reference"]}
@@ -317,7 +321,7 @@ def old_server(old_release: tuple[Path, Path], cases_file: Path) -> Iterator[dic
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        for stream in (proc.stdout, proc.stderr, proc.stdin):
+        for stream in (proc.stdout, proc.stdin):
             stream.close()
 
 
