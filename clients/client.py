@@ -7,12 +7,17 @@ call takes a deadline (``timeout_s``; the client default applies when omitted) b
 engine must fall back to a local decision rather than stall a GPU iteration.  Every failure
 is a :class:`SchedulerError` with the gRPC status code and, for bad input, the violated
 fields decoded from ``google.rpc.BadRequest``.
+
+Security (:class:`ClientSecurity`): TLS with a private CA, a client certificate for mutual
+TLS, and a bearer token sent as ``authorization`` call metadata on every call, streams
+included (once, when a stream opens: the hot path of a stream pays nothing for it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import queue
 import threading
 import time
@@ -40,6 +45,7 @@ from scheduler_service.server.profile import EngineProfile
 
 __all__ = [
     "AsyncSchedulerClient",
+    "ClientSecurity",
     "EngineProfile",
     "IterationReport",
     "PolicyInfo",
@@ -210,6 +216,135 @@ class PredictorInfo:
         }
 
 
+# --------------------------------------------------------------- security
+Metadata = tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class ClientSecurity:
+    """How a client proves who the server is and who it is.
+
+    * ``tls``: TLS with the system's trusted roots; implied by ``ca_file`` or ``cert_file``.
+    * ``ca_file``: PEM CA bundle that signed the server's certificate (a private CA).
+    * ``cert_file`` + ``key_file``: this client's certificate for mutual TLS.
+    * ``token`` or ``token_file``: bearer token for servers with ``auth_tokens_file``.  The
+      file (a Kubernetes secret, say) is re-read when it changes, so a rotated token is
+      used from the next call on without a restart.
+    * ``server_name``: the name to check in the server certificate when the target's host
+      is not it (an IP address, a port-forward).
+
+    Files are read when a channel is built (engines build channels lazily, after a fork),
+    and missing files fail at construction with the setting named.
+    """
+
+    tls: bool = False
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+    token: str = field(default="", repr=False)
+    token_file: str = ""
+    server_name: str = ""
+    _token_reader: _TokenFile | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if bool(self.cert_file) != bool(self.key_file):
+            raise ValueError("cert_file and key_file must be given together (mutual TLS)")
+        if self.token and self.token_file:
+            raise ValueError("give token or token_file, not both")
+        if self.token:
+            _check_token(self.token, "token")
+        for name in ("ca_file", "cert_file", "key_file", "token_file"):
+            path = getattr(self, name)
+            if path and not os.path.isfile(path):
+                raise ValueError(f"{name}: no such file {path!r}")
+        if self.token_file:
+            object.__setattr__(self, "_token_reader", _TokenFile(self.token_file))
+
+    @property
+    def uses_tls(self) -> bool:
+        return bool(self.tls or self.ca_file or self.cert_file)
+
+    @property
+    def has_token(self) -> bool:
+        return bool(self.token or self.token_file)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, prefix: str = "SLIDINGSERVE_") -> ClientSecurity | None:
+        """From ``SLIDINGSERVE_TLS_CA``, ``_TLS_CERT``, ``_TLS_KEY``, ``_TOKEN``,
+        ``_TOKEN_FILE``, ``_TLS_SERVER_NAME`` (the vLLM adapter's names); None if none is set."""
+        env = os.environ if env is None else env
+        names = {"ca_file": "TLS_CA", "cert_file": "TLS_CERT", "key_file": "TLS_KEY", "token": "TOKEN",
+                 "token_file": "TOKEN_FILE", "server_name": "TLS_SERVER_NAME"}
+        values: dict[str, Any] = {k: env.get(prefix + v, "").strip() for k, v in names.items()}
+        return cls(**values) if any(values.values()) else None
+
+    def _read(self, path: str) -> bytes | None:
+        if not path:
+            return None
+        with open(path, "rb") as fh:
+            return fh.read()
+
+    def options(self) -> list[tuple[str, Any]]:
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(self._read(self.ca_file), self._read(self.key_file),
+                                            self._read(self.cert_file))
+
+    def channel(self, target: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+        opts = [*options, *self.options()]
+        if not self.uses_tls:
+            return grpc.insecure_channel(target, options=opts)
+        return grpc.secure_channel(target, self.credentials(), options=opts)
+
+    def aio_channel(self, target: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
+        opts = [*options, *self.options()]
+        if not self.uses_tls:
+            return grpc.aio.insecure_channel(target, options=opts)
+        return grpc.aio.secure_channel(target, self.credentials(), options=opts)
+
+    def metadata(self) -> Metadata | None:
+        """Call metadata carrying the token, or None when there is no token."""
+        if self.token:
+            return (("authorization", f"Bearer {self.token}"),)
+        if self._token_reader is None:
+            return None
+        return (("authorization", f"Bearer {self._token_reader.read()}"),)
+
+
+class _TokenFile:
+    """A token file, re-read only when its stat stamp changes (one ``stat`` per call)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._stamp: tuple[int, int, int] | None = None
+        self._token = ""
+        self._lock = threading.Lock()
+
+    def read(self) -> str:
+        try:
+            st = os.stat(self.path)
+            stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+            with self._lock:
+                if stamp != self._stamp:
+                    with open(self.path) as fh:
+                        token = fh.read().strip()
+                    _check_token(token, f"token_file {self.path!r}")
+                    self._stamp, self._token = stamp, token
+                return self._token
+        except OSError as e:
+            raise SchedulerError(grpc.StatusCode.UNAUTHENTICATED,
+                                 f"cannot read token_file {self.path!r}: {e.strerror or e}") from None
+        except ValueError as e:
+            raise SchedulerError(grpc.StatusCode.UNAUTHENTICATED, str(e)) from None
+
+
+def _check_token(token: str, what: str) -> None:
+    """Tokens travel as an ASCII metadata value: printable, no whitespace."""
+    if not token or any(not (33 <= ord(ch) <= 126) for ch in token):
+        raise ValueError(f"{what}: a token must be non-empty printable ASCII without spaces")
+
+
 # --------------------------------------------------------------- encoding
 def _profile(p: ProfileLike) -> EngineProfile | None:
     if p is None or isinstance(p, EngineProfile):
@@ -225,12 +360,16 @@ def _params_text(params: Mapping[str, Any] | None) -> dict[str, str]:
 
 @dataclass(slots=True)
 class _Encoder:
-    """Builds ScheduleRequests; shared by the sync and async clients."""
+    """Builds ScheduleRequests and call metadata; shared by the sync and async clients."""
 
     profile: EngineProfile | None
     engine_id: str
     encoding: str
+    security: ClientSecurity | None = None
     _ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+
+    def md(self) -> Metadata | None:
+        return self.security.metadata() if self.security is not None else None
 
     def request(self, snapshot: SnapshotLike, policy: str | None, params: Mapping[str, Any] | None,
                 request_id: str | None) -> pb.ScheduleRequest:
@@ -291,15 +430,18 @@ def _channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
 # ------------------------------------------------------------ sync client
 class SchedulerClient:
     """Blocking client.  ``profile`` and ``engine_id`` are defaults for snapshots and
-    reports that carry none; ``encoding`` is "columns" (faster) or "rows"."""
+    reports that carry none; ``encoding`` is "columns" (faster) or "rows"; ``security``
+    adds TLS and a token (with ``channel`` given, only its token is used)."""
 
     def __init__(self, target: str, timeout_s: float = 1.0, *, profile: ProfileLike = None,
                  engine_id: str = "", encoding: str = "columns", max_message_bytes: int = 64 << 20,
-                 channel: grpc.Channel | None = None) -> None:
+                 channel: grpc.Channel | None = None, security: ClientSecurity | None = None) -> None:
         self.target = target
         self.timeout_s = timeout_s
-        self._enc = _Encoder(_profile(profile), engine_id, encoding)
-        self._channel = channel or grpc.insecure_channel(target, options=_channel_options(max_message_bytes))
+        self._enc = _Encoder(_profile(profile), engine_id, encoding, security)
+        opts = _channel_options(max_message_bytes)
+        self._channel = channel or (security.channel(target, opts) if security is not None
+                                    else grpc.insecure_channel(target, options=opts))
         self._stub = pb_grpc.SchedulerServiceStub(self._channel)
 
     def _t(self, timeout_s: float | None) -> float:
@@ -309,7 +451,7 @@ class SchedulerClient:
                  timeout_s: float | None = None, *, request_id: str | None = None) -> Plan:
         req = self._enc.request(snapshot, policy, params, request_id)
         try:
-            return _plan(self._stub.Schedule(req, timeout=self._t(timeout_s)))
+            return _plan(self._stub.Schedule(req, timeout=self._t(timeout_s), metadata=self._enc.md()))
         except grpc.RpcError as e:
             raise SchedulerError.from_rpc_error(e) from None
 
@@ -320,13 +462,15 @@ class SchedulerClient:
     def report(self, reports: Iterable[IterationReport | pb.IterationReport],
                timeout_s: float | None = None) -> ReportSummary:
         try:
-            return _summary(self._stub.ReportIterations(self._enc.reports(reports), timeout=self._t(timeout_s)))
+            return _summary(self._stub.ReportIterations(self._enc.reports(reports), timeout=self._t(timeout_s),
+                                                        metadata=self._enc.md()))
         except grpc.RpcError as e:
             raise SchedulerError.from_rpc_error(e) from None
 
     def list_policies(self, timeout_s: float | None = None) -> PolicyList:
         try:
-            return _policy_list(self._stub.ListPolicies(pb.ListPoliciesRequest(), timeout=self._t(timeout_s)))
+            return _policy_list(self._stub.ListPolicies(pb.ListPoliciesRequest(), timeout=self._t(timeout_s),
+                                                        metadata=self._enc.md()))
         except grpc.RpcError as e:
             raise SchedulerError.from_rpc_error(e) from None
 
@@ -334,7 +478,8 @@ class SchedulerClient:
         prof = _profile(profile) or self._enc.profile or EngineProfile()
         req = pb.GetPredictorRequest(engine_profile=profile_to_pb(prof))
         try:
-            return _predictor_info(self._stub.GetPredictor(req, timeout=self._t(timeout_s)))
+            return _predictor_info(self._stub.GetPredictor(req, timeout=self._t(timeout_s),
+                                                           metadata=self._enc.md()))
         except grpc.RpcError as e:
             raise SchedulerError.from_rpc_error(e) from None
 
@@ -398,7 +543,7 @@ class ScheduleStream:
 
     def _open(self) -> None:
         self._send = queue.SimpleQueue()
-        self._call = self._stub.ScheduleStream(iter(self._send.get, _END))
+        self._call = self._stub.ScheduleStream(iter(self._send.get, _END), metadata=self._enc.md())
 
     def _reset(self) -> None:
         if self._call is not None:
@@ -465,11 +610,14 @@ class AsyncSchedulerClient:
     """asyncio twin of :class:`SchedulerClient` (grpc.aio); create it inside a running loop."""
 
     def __init__(self, target: str, timeout_s: float = 1.0, *, profile: ProfileLike = None,
-                 engine_id: str = "", encoding: str = "columns", max_message_bytes: int = 64 << 20) -> None:
+                 engine_id: str = "", encoding: str = "columns", max_message_bytes: int = 64 << 20,
+                 security: ClientSecurity | None = None) -> None:
         self.target = target
         self.timeout_s = timeout_s
-        self._enc = _Encoder(_profile(profile), engine_id, encoding)
-        self._channel = grpc.aio.insecure_channel(target, options=_channel_options(max_message_bytes))
+        self._enc = _Encoder(_profile(profile), engine_id, encoding, security)
+        opts = _channel_options(max_message_bytes)
+        self._channel = (security.aio_channel(target, opts) if security is not None
+                         else grpc.aio.insecure_channel(target, options=opts))
         self._stub = pb_grpc.SchedulerServiceStub(self._channel)
 
     def _t(self, timeout_s: float | None) -> float:
@@ -480,7 +628,7 @@ class AsyncSchedulerClient:
                        request_id: str | None = None) -> Plan:
         req = self._enc.request(snapshot, policy, params, request_id)
         try:
-            return _plan(await self._stub.Schedule(req, timeout=self._t(timeout_s)))
+            return _plan(await self._stub.Schedule(req, timeout=self._t(timeout_s), metadata=self._enc.md()))
         except grpc.RpcError as e:
             raise SchedulerError.from_rpc_error(e) from None
 
@@ -501,13 +649,15 @@ class AsyncSchedulerClient:
                     yield m
 
         try:
-            return _summary(await self._stub.ReportIterations(gen(), timeout=self._t(timeout_s)))
+            return _summary(await self._stub.ReportIterations(gen(), timeout=self._t(timeout_s),
+                                                              metadata=self._enc.md()))
         except grpc.RpcError as e:
             raise SchedulerError.from_rpc_error(e) from None
 
     async def list_policies(self, timeout_s: float | None = None) -> PolicyList:
         try:
-            return _policy_list(await self._stub.ListPolicies(pb.ListPoliciesRequest(), timeout=self._t(timeout_s)))
+            return _policy_list(await self._stub.ListPolicies(pb.ListPoliciesRequest(), timeout=self._t(timeout_s),
+                                                              metadata=self._enc.md()))
         except grpc.RpcError as e:
             raise SchedulerError.from_rpc_error(e) from None
 
@@ -515,7 +665,8 @@ class AsyncSchedulerClient:
         prof = _profile(profile) or self._enc.profile or EngineProfile()
         req = pb.GetPredictorRequest(engine_profile=profile_to_pb(prof))
         try:
-            return _predictor_info(await self._stub.GetPredictor(req, timeout=self._t(timeout_s)))
+            return _predictor_info(await self._stub.GetPredictor(req, timeout=self._t(timeout_s),
+                                                                 metadata=self._enc.md()))
         except grpc.RpcError as e:
             raise SchedulerError.from_rpc_error(e) from None
 
@@ -547,7 +698,7 @@ class AsyncScheduleStream:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         async with self._lock:
             if self._call is None:
-                self._call = self._stub.ScheduleStream()
+                self._call = self._stub.ScheduleStream(metadata=self._enc.md())
             call = self._call
             try:
                 async with asyncio.timeout(timeout):

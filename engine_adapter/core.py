@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -42,6 +42,9 @@ from scheduler_service.core import (
     plan_violations,
     registry,
 )
+
+if TYPE_CHECKING:
+    from clients.client import ClientSecurity
 
 __all__ = [
     "AdapterCore",
@@ -146,17 +149,22 @@ class GrpcBackend:
     """The remote service over one long-lived ScheduleStream per engine.
 
     Channels are created lazily on first use, so an engine that forks (vLLM's
-    EngineCore) creates them in the process that uses them.
+    EngineCore) creates them in the process that uses them.  ``security`` adds
+    TLS / mutual TLS and the engine's token (sent on every call and stream);
+    with a ``channel_factory`` the factory's channel carries the transport and
+    ``security`` only contributes the token.
     """
 
     def __init__(self, target: str, settings: AdapterSettings, *, unary: bool = False,
-                 channel_factory: Callable[[], Any] | None = None) -> None:
+                 channel_factory: Callable[[], Any] | None = None,
+                 security: ClientSecurity | None = None) -> None:
         self.target = target
         self._settings = settings
         self._unary = unary
         #: Builds the ``grpc.Channel`` (TLS, reconnect options); called lazily,
         #: after any fork, like the default insecure channel.
         self._channel_factory = channel_factory
+        self._security = security
         self._client: Any = None
         self._stream: Any = None
         self._lock = threading.Lock()
@@ -169,6 +177,7 @@ class GrpcBackend:
                 self.target, timeout_s=self._settings.deadline_ms / 1e3,
                 profile=self._settings.profile or None, engine_id=self._settings.engine_id,
                 channel=self._channel_factory() if self._channel_factory else None,
+                security=self._security,
             )
         return self._client
 
