@@ -1,0 +1,658 @@
+"""Many engines, one service: N simulated engines share one scheduling service over gRPC.
+
+    .venv/bin/python -m benchmarks.fleet_load [--engines 1,4,8,16] [--duration 30] [--speedup 1]
+        [--rate 1.6] [--workload mixed-v1] [--policy slidingserve] [--saturate] [--profile-server]
+        [--out fleet.json]
+
+Set-up, and why:
+
+* The service is a real ``slidingserve serve`` subprocess (started fresh for every phase so
+  that no phase inherits the predictor refits or the CPU time of the one before), bound to
+  loopback.  It is never in the benchmark's own process, so the engines' GIL cannot hide or
+  inflate the server's.
+* Every engine is its own process (``multiprocessing``, spawn) running the simulated engine
+  (real trace lengths, ground-truth GPU latencies) with the production adapter core
+  (:class:`~engine_adapter.core.AdapterCore` + :class:`~engine_adapter.core.GrpcBackend`,
+  one long-lived ScheduleStream, background reports).  All engines report under the same
+  engine profile, so the service pools their latencies into one predictor, as a fleet of
+  identical replicas would.
+* Real-time pacing: the simulator runs in simulated time, so before each decision an engine
+  sleeps until the simulated time of that iteration has elapsed in wall time (divided by
+  ``--speedup``).  Each engine therefore asks the service at the rate a real GPU would
+  (≈ 20–60 iterations/s when loaded); ``--speedup 4`` is the load of a GPU four times as
+  fast, or four times as many engines.  ``lag`` is how far behind schedule engines asked
+  (their own CPU work and the round trip are wall time the simulated clock does not have).
+* The same workloads (same seeds) are then replayed with the policy in the engine's own
+  process (:class:`~engine_adapter.core.InProcessBackend`, no pacing, inline refits): the
+  SLO attainment of the fleet is compared with it, so a loaded service that answers late or
+  falls back shows up as lost goodput, not only as latency.
+
+Figures per phase: service-side time from the ScheduleResponse (``server_us``: decode,
+validate, plan, encode) and the policy's own ``decision_us``, the client's round trip
+(encode → gRPC → decode), decisions/s in total, fallback rate by reason, errors, CPU used by
+the service process (cores; one Python process is capped near 1 core by its GIL, gRPC's C
+threads aside), and SLO attainment fleet vs in-process.  Target at N = 8: service p99 ≤ 5 ms,
+fallbacks ≤ 0.1 %, no errors.
+
+``--saturate`` then raises the speedup at the largest N (×2 per step) until the target
+breaks.  ``--profile-server`` samples the service with py-spy (PyPI package ``py-spy``;
+``--gil``: only the thread holding the GIL) during each phase and attributes its time to
+gRPC runtime, protobuf (de)serialisation, snapshot decode + validation, policy, plan encode,
+reports and predictor refits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+#: N = 8 must meet these (service p99, fallback fraction).
+TARGET_P99_MS = 5.0
+TARGET_FALLBACK = 0.001
+#: Reasons AdapterCore counts; "error" is also counted as an error of the phase.
+REASONS = ("deadline", "error", "invalid_plan", "circuit_open")
+
+
+# ------------------------------------------------------------------ engine side
+@dataclass(frozen=True, slots=True)
+class EngineJob:
+    """Everything one engine process needs (picklable)."""
+
+    index: int
+    workload: str
+    requests: int
+    rate: float
+    seed: int
+    profile: str
+    policy: str
+    deadline_ms: float
+    predictor_json: str
+    #: "" = policy in-process (reference run, unpaced); else host:port of the service.
+    target: str = ""
+    #: Wall seconds per simulated second = 1 / speedup; 0 = unpaced.
+    speedup: float = 1.0
+
+
+def _channel_factory(target: str, sink: list[int]) -> Callable[[], Any]:
+    """A channel that finds a restarted service quickly and records every reply's
+    ``server_us`` (a client interceptor: the public way to see the raw response)."""
+    import grpc
+
+    class _TappedCall:
+        def __init__(self, call: Any) -> None:
+            self._call = call
+
+        def __iter__(self) -> _TappedCall:
+            return self
+
+        def __next__(self) -> Any:
+            resp = next(self._call)
+            if resp.HasField("plan"):
+                sink.append(int(resp.server_us))
+            return resp
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._call, name)
+
+    class _Tap(grpc.StreamStreamClientInterceptor):  # type: ignore[misc]
+        def intercept_stream_stream(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+            return _TappedCall(continuation(details, request_iterator))
+
+    options = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+               ("grpc.max_reconnect_backoff_ms", 1000)]
+    return lambda: grpc.intercept_channel(grpc.insecure_channel(target, options=options), _Tap())
+
+
+def _make_paced_adapter(base: type, speedup: float, counters: Any, slot: int) -> type:
+    """``base`` (AdapterCore) whose ``decide`` first waits for the iteration's wall time."""
+
+    class Paced(base):  # type: ignore[valid-type,misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._sim0: float | None = None
+            self._wall0 = 0.0
+            #: Seconds each decision was asked later than its real-time schedule.
+            self.lag_s: list[float] = []
+
+        def decide(self, snapshot: Any) -> Any:
+            if speedup > 0:
+                if self._sim0 is None:
+                    self._sim0, self._wall0 = snapshot.now, time.perf_counter()
+                due = self._wall0 + (snapshot.now - self._sim0) / speedup
+                left = due - time.perf_counter()
+                if left > 0:
+                    time.sleep(left)
+                self.lag_s.append(max(0.0, -left))
+            d = super().decide(snapshot)
+            if counters is not None:
+                counters[3 * slot] += 1
+                if d.source != "remote":
+                    counters[3 * slot + 1] += 1
+            return d
+
+    return Paced
+
+
+def run_engine(job: EngineJob, counters: Any = None, on_ready: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Run one engine to the end of its workload; its figures (raw samples included)."""
+    from clients.bench.runner import quiet_logs
+    from clients.workloads import make_workload
+    from engine_adapter.core import (
+        AdapterCore,
+        AdapterSettings,
+        GrpcBackend,
+        InProcessBackend,
+        SchedulerBackend,
+    )
+    from engine_adapter.sim.engine import EngineConfig, SimulatedEngine
+    from engine_adapter.sim.groundtruth import PROFILES, load_ground_truth
+    from scheduler_service.core import BatchLatencyPredictor, Snapshot
+
+    quiet_logs()
+    pred = BatchLatencyPredictor.from_json(job.predictor_json)
+    profile = PROFILES[job.profile]
+    w = make_workload(job.workload, job.requests, job.rate, seed=job.seed)
+    settings = AdapterSettings(policy=job.policy, profile=profile.key, deadline_ms=job.deadline_ms,
+                               engine_id=f"fleet-{job.index}", report_inline=not job.target)
+    rtt_us: list[int] = []
+    server_us: list[int] = []
+    policy_us: list[int] = []
+    backend: SchedulerBackend
+    if job.target:
+        class Measured(GrpcBackend):
+            def schedule(self, snapshot: Snapshot, timeout_s: float) -> Any:
+                t0 = time.perf_counter_ns()
+                plan = super().schedule(snapshot, timeout_s)
+                rtt_us.append((time.perf_counter_ns() - t0) // 1000)
+                policy_us.append(plan.decision_us)
+                return plan
+
+        backend = Measured(job.target, settings, channel_factory=_channel_factory(job.target, server_us))
+        # Open the channel and the stream before the clock starts (not part of any figure).
+        warm = Snapshot.from_columns(
+            now=0.0, max_batch_tokens=64, max_num_seqs=4, ids=["warm"], arrival=np.zeros(1),
+            prompt_tokens=np.array([8]), computed_tokens=np.zeros(1, dtype=np.int64),
+            output_tokens=np.zeros(1, dtype=np.int64), ttft_slo=np.ones(1), tbt_slo=np.ones(1),
+            protected=np.zeros(1, dtype=bool), profile=profile.key)
+        backend.schedule(warm, 30.0)
+        rtt_us.clear()
+        server_us.clear()
+        policy_us.clear()
+    else:
+        backend = InProcessBackend(settings, pred)
+    cls = _make_paced_adapter(AdapterCore, job.speedup if job.target else 0.0, counters, job.index)
+    adapter = cls(backend, settings, pred)
+    engine = SimulatedEngine(w, load_ground_truth(job.profile), profile, adapter,
+                             EngineConfig(noise_seed=job.seed))
+    if counters is not None:
+        def hook(eng: SimulatedEngine, _snap: Any, _d: Any) -> None:
+            counters[3 * job.index + 2] = int(eng.done.sum())
+
+        engine.on_iteration = hook
+    if on_ready is not None:
+        on_ready()
+    cpu0 = time.process_time()
+    try:
+        res = engine.run()
+    finally:
+        adapter.flush(2.0)
+        adapter.close()
+    st = adapter.stats()
+    lag = np.array(getattr(adapter, "lag_s", []) or [0.0])
+    done = engine.done
+    return {
+        "index": job.index,
+        "requests": len(w),
+        "completed": res.completed,
+        "violated": int(res.violated.sum()),
+        "tokens_conserved": bool(np.array_equal(engine.generated[done], w.output_tokens[done])
+                                 and res.output_tokens == int(engine.generated.sum())),
+        "iterations": res.iterations,
+        "decisions": len(res.decision_us),
+        "wall_s": res.wall_time_s,
+        "sim_s": res.sim_time_s,
+        "cpu_s": time.process_time() - cpu0,
+        "remote": st["remote_decisions"],
+        "fallbacks": st["fallbacks"],
+        "last_error": st["last_error"],
+        "reports_sent": st["reports_sent"],
+        "reports_dropped": st["reports_dropped"],
+        "report_errors": st["report_errors"],
+        "lag_p99_ms": float(np.percentile(lag, 99) * 1e3),
+        "late_fraction": float(np.mean(lag > 0.005)),
+        "rtt_us": np.array(rtt_us, dtype=np.int64),
+        "server_us": np.array(server_us, dtype=np.int64),
+        "policy_us": np.array(policy_us, dtype=np.int64),
+    }
+
+
+def _engine_process(job: EngineJob, counters: Any, events: Any, start: Any) -> None:
+    """Child entry: build, report ready, wait for the common start, run, send the result."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and cleans up
+
+    def ready() -> None:
+        events.put(("ready", job.index, None))
+        start.wait()
+
+    try:
+        events.put(("done", job.index, run_engine(job, counters, ready)))
+    except BaseException:
+        events.put(("failed", job.index, traceback.format_exc()))
+
+
+def _reference(job: EngineJob) -> dict[str, Any]:
+    r = run_engine(replace(job, target="", speedup=0.0))
+    return {k: r[k] for k in ("index", "requests", "completed", "violated", "iterations")}
+
+
+# ------------------------------------------------------------------ the service
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Service:
+    """``slidingserve serve`` in a subprocess on a loopback port, with the offline predictor
+    of the engines' profile as its bootstrap (as in the in-process reference)."""
+
+    def __init__(self, predictor_json: str, engines: int, workdir: Path) -> None:
+        self.port = _free_port()
+        self.target = f"127.0.0.1:{self.port}"
+        pfile = workdir / "predictor.json"
+        pfile.write_text(predictor_json)
+        cfg = workdir / "server.json"
+        # One worker thread per open stream (a ScheduleStream per engine, plus report streams).
+        cfg.write_text(json.dumps({"host": "127.0.0.1", "port": self.port, "log_level": "warning",
+                                   "predictor_file": str(pfile), "grace_s": 0.5,
+                                   "max_workers": max(32, 3 * engines + 8)}))
+        self.log = (workdir / "server.log").open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "clients.cli", "serve", "--config", str(cfg)], cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=self.log, stderr=subprocess.STDOUT,
+        )
+        self._wait_serving()
+
+    def _wait_serving(self, timeout: float = 60.0) -> None:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        end = time.monotonic() + timeout
+        with grpc.insecure_channel(self.target) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            while time.monotonic() < end:
+                if self.proc.poll() is not None:
+                    raise SystemExit(f"the service exited with {self.proc.returncode}; see {self.log.name}")
+                with contextlib.suppress(grpc.RpcError):
+                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == \
+                            health_pb2.HealthCheckResponse.SERVING:
+                        return
+                time.sleep(0.1)
+        raise SystemExit(f"the service did not become SERVING within {timeout:.0f} s")
+
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system) the service process has used so far."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def threads(self) -> int:
+        return len(os.listdir(f"/proc/{self.proc.pid}/task"))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+# ------------------------------------------------------------------ py-spy attribution
+#: (category, substrings of a frame); the first category any frame of a stack matches wins,
+#: looking from the innermost frame outwards.
+CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    # a module imported on first use (sklearn at the first refit): a one-off, not steady state
+    ("module import", ("importlib._bootstrap",)),
+    ("protobuf (de)serialise", ("SerializeToString", "FromString", "ParseFromString", "_serialize_response",
+                                "serialize (grpc/_common", "deserialize (grpc/_common")),
+    ("snapshot decode + validate", ("snapshot_from_pb", "validate")),
+    ("plan encode", ("plan_to_pb",)),
+    ("predictor refit", ("refit", "_fit", "sklearn")),
+    ("reports", ("ReportIterations", "report_from_pb")),
+    ("metrics", ("prometheus_client",)),
+    ("policy", ("scheduler_service/core",)),
+    ("gRPC runtime (Python side)", ("grpc/",)),
+)
+
+
+def attribute(collapsed: str) -> dict[str, float]:
+    """Fractions of GIL-holding samples per category from py-spy's raw (collapsed) output."""
+    counts: collections.Counter[str] = collections.Counter()
+    for line in collapsed.splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        frames = stack.split(";")[::-1]
+        cat = "other"
+        for frame in frames:
+            hit = next((c for c, keys in CATEGORIES if any(k in frame for k in keys)), None)
+            if hit is not None:
+                cat = hit
+                break
+        counts[cat] += int(n)
+    total = sum(counts.values()) or 1
+    return {k: round(v / total, 3) for k, v in counts.most_common()}
+
+
+@contextlib.contextmanager
+def profiled(service: Service, seconds: float, out: Path | None) -> Iterator[dict[str, Any]]:
+    """Sample the service with py-spy while the body runs (when ``out`` is given)."""
+    result: dict[str, Any] = {}
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if out is None:
+        yield result
+        return
+    if not Path(spy).exists():
+        print("  (--profile-server: py-spy not found; install the PyPI package py-spy)", file=sys.stderr)
+        yield result
+        return
+    proc = subprocess.Popen([spy, "record", "--pid", str(service.proc.pid), "--gil", "--nonblocking",
+                             "--rate", "250", "--format", "raw", "--output", str(out),
+                             "--duration", str(max(2, int(seconds)))],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        yield result
+    finally:
+        try:
+            _, err = proc.communicate(timeout=seconds + 30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+        if out.exists():
+            result.update(attribute(out.read_text()))
+        else:
+            print(f"  (py-spy produced nothing: {err.decode(errors='replace').strip()[-200:]})", file=sys.stderr)
+
+
+# ------------------------------------------------------------------ one phase
+@dataclass(frozen=True, slots=True)
+class Phase:
+    engines: int
+    speedup: float
+
+
+def _pct(a: np.ndarray, q: float) -> float:
+    return float(np.percentile(a, q)) if len(a) else float("nan")
+
+
+def run_phase(phase: Phase, base: EngineJob, workdir: Path, spy_dir: Path | None) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    service = Service(base.predictor_json, phase.engines, workdir)
+    counters = ctx.Array("q", 3 * phase.engines, lock=False)
+    events = ctx.Queue()
+    start = ctx.Event()
+    jobs = [replace(base, index=i, seed=base.seed + i, target=service.target, speedup=phase.speedup)
+            for i in range(phase.engines)]
+    procs = [ctx.Process(target=_engine_process, args=(j, counters, events, start), daemon=True) for j in jobs]
+    label = f"N={phase.engines:<2d} x{phase.speedup:g}"
+    results: dict[int, dict[str, Any]] = {}
+    failures: dict[int, str] = {}
+    try:
+        for p in procs:
+            p.start()
+        ready = 0
+        while ready < len(procs):
+            kind, i, payload = events.get(timeout=120)
+            if kind == "ready":
+                ready += 1
+            else:  # failed before the start
+                raise SystemExit(f"engine {i} failed to start:\n{payload}")
+        expected_wall = (base.requests / base.rate) / phase.speedup
+        spy_out = spy_dir / f"pyspy-N{phase.engines}-x{phase.speedup:g}.txt" if spy_dir else None
+        cpu0, t0 = service.cpu_s(), time.perf_counter()
+        with profiled(service, 0.8 * expected_wall, spy_out) as spy:
+            start.set()
+            last = t0
+            while len(results) + len(failures) < len(procs):
+                try:
+                    kind, i, payload = events.get(timeout=1.0)
+                except queue.Empty:
+                    kind = ""
+                if kind == "done":
+                    results[i] = payload
+                elif kind == "failed":
+                    failures[i] = payload
+                now = time.perf_counter()
+                if now - last >= 5.0 or len(results) + len(failures) == len(procs):
+                    last = now
+                    c = np.frombuffer(counters, dtype=np.int64).reshape(-1, 3).sum(axis=0)
+                    print(f"  {label}  {now - t0:5.0f}s (arrivals end at {expected_wall:.0f}s)  decisions {c[0]:,} "
+                          f"({c[0] / (now - t0):,.0f}/s)  fallbacks {c[1]}  requests "
+                          f"{c[2]}/{base.requests * phase.engines}", file=sys.stderr, flush=True)
+                if now - t0 > 3 * expected_wall + 120:
+                    raise SystemExit(f"{label}: engines did not finish in time")
+            wall = time.perf_counter() - t0
+            cpu = service.cpu_s() - cpu0
+            threads = service.threads()
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+            p.join(5)
+        service.stop()
+    rs = [results[i] for i in sorted(results)]
+
+    def cat(key: str) -> np.ndarray:
+        return np.concatenate([r[key] for r in rs]) if rs else np.zeros(0)
+
+    srv, rtt, pol = cat("server_us") / 1e3, cat("rtt_us") / 1e3, cat("policy_us") / 1e3
+    decisions = sum(r["decisions"] for r in rs)
+    fb: collections.Counter[str] = collections.Counter()
+    for r in rs:
+        fb.update(r["fallbacks"])
+    out = {
+        "engines": phase.engines,
+        "speedup": phase.speedup,
+        "wall_s": round(wall, 2),
+        "decisions": decisions,
+        "decisions_per_s": round(sum(r["decisions"] / r["wall_s"] for r in rs), 1),
+        "per_engine_iterations_per_s": round(float(np.mean([r["iterations"] / r["wall_s"] for r in rs])), 1)
+        if rs else 0.0,
+        "service_ms": {"p50": _pct(srv, 50), "p99": _pct(srv, 99), "max": _pct(srv, 100)},
+        "policy_ms": {"p50": _pct(pol, 50), "p99": _pct(pol, 99)},
+        "round_trip_ms": {"p50": _pct(rtt, 50), "p99": _pct(rtt, 99), "max": _pct(rtt, 100)},
+        "fallbacks": dict(fb),
+        "fallback_rate": sum(fb.values()) / max(decisions, 1),
+        "errors": fb.get("error", 0) + len(failures),
+        "engine_failures": failures,
+        "last_errors": sorted({r["last_error"] for r in rs if r["last_error"]})[:3],
+        "lag_p99_ms": max((r["lag_p99_ms"] for r in rs), default=0.0),
+        "late_fraction": float(np.mean([r["late_fraction"] for r in rs])) if rs else 0.0,
+        "service_cpu_cores": round(cpu / wall, 2),
+        "service_threads": threads,
+        "engine_cpu_cores": round(sum(r["cpu_s"] for r in rs) / wall, 2),
+        "requests": sum(r["requests"] for r in rs),
+        "completed": sum(r["completed"] for r in rs),
+        "violated": sum(r["violated"] for r in rs),
+        "tokens_conserved": all(r["tokens_conserved"] for r in rs),
+        "reports_sent": sum(r["reports_sent"] for r in rs),
+        "reports_dropped": sum(r["reports_dropped"] for r in rs),
+        "loadavg_1m": os.getloadavg()[0],
+    }
+    out["slo_attainment"] = 1.0 - out["violated"] / max(out["requests"], 1)
+    out["meets_target"] = bool(out["service_ms"]["p99"] <= TARGET_P99_MS
+                               and out["fallback_rate"] <= TARGET_FALLBACK and out["errors"] == 0)
+    if spy:
+        out["server_profile_gil"] = spy
+    return out
+
+
+# ------------------------------------------------------------------ report
+HEADER = (f"{'N':>3} {'speed':>5} {'dec/s':>7} {'it/s/eng':>8} {'svc p50':>7} {'svc p99':>7} "
+          f"{'pol p50':>7} {'rtt p50':>7} {'rtt p99':>7} {'fallback':>9} {'err':>4} {'lag p99':>7} "
+          f"{'svc cpu':>7} {'SLO fleet':>9} {'SLO inproc':>10}  target")
+
+
+def row(p: dict[str, Any]) -> str:
+    fb = f"{100 * p['fallback_rate']:.2f}%"
+    ref = p.get("slo_attainment_inproc")
+    return (f"{p['engines']:>3} {p['speedup']:>5g} {p['decisions_per_s']:>7,.0f} "
+            f"{p['per_engine_iterations_per_s']:>8.1f} {p['service_ms']['p50']:>7.2f} "
+            f"{p['service_ms']['p99']:>7.2f} {p['policy_ms']['p50']:>7.2f} {p['round_trip_ms']['p50']:>7.2f} "
+            f"{p['round_trip_ms']['p99']:>7.2f} {fb:>9} {p['errors']:>4} {p['lag_p99_ms']:>7.1f} "
+            f"{p['service_cpu_cores']:>7.2f} {100 * p['slo_attainment']:>8.1f}% "
+            f"{'' if ref is None else f'{100 * ref:.1f}%':>10}  {'ok' if p['meets_target'] else 'MISSED'}")
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError("engine counts must be >= 1")
+    return vals
+
+
+def _positive(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return v
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engines", type=_ints, default=[1, 4, 8, 16], help="engine counts, e.g. 1,4,8,16")
+    ap.add_argument("--duration", type=_positive, default=30.0,
+                    help="simulated seconds of arrivals per engine (requests = rate × duration)")
+    ap.add_argument("--speedup", type=_positive, default=1.0, help="simulated seconds per wall second")
+    ap.add_argument("--rate", type=_positive, default=1.6, help="arrivals per second per engine")
+    ap.add_argument("--workload", default="mixed-v1")
+    ap.add_argument("--policy", default="slidingserve")
+    ap.add_argument("--profile", default="", help="GPU profile (default: the simulator's default)")
+    ap.add_argument("--deadline-ms", type=_positive, default=20.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--saturate", action="store_true",
+                    help="then double the speedup at the largest N until the target breaks")
+    ap.add_argument("--max-speedup", type=_positive, default=64.0)
+    ap.add_argument("--profile-server", action="store_true", help="sample the service with py-spy --gil")
+    ap.add_argument("--no-reference", action="store_true", help="skip the in-process SLO reference")
+    ap.add_argument("--out", help="write all figures as JSON")
+    args = ap.parse_args(argv)
+
+    from clients.bench.runner import profile_predictor
+    from clients.workloads import MIXES
+    from engine_adapter.sim.groundtruth import DEFAULT_PROFILE, PROFILES
+    from scheduler_service.core import registry
+
+    profile = args.profile or DEFAULT_PROFILE
+    if profile not in PROFILES:
+        ap.error(f"unknown --profile {profile!r}; valid: {', '.join(PROFILES)}")
+    if args.policy not in registry.names():
+        ap.error(f"unknown --policy {args.policy!r}; valid: {', '.join(registry.names())}")
+    if args.workload not in MIXES and not Path(args.workload).is_file():
+        ap.error(f"unknown --workload {args.workload!r}; valid: {', '.join(MIXES)} or a CSV path")
+
+    requests = max(1, round(args.rate * args.duration))
+    base = EngineJob(index=0, workload=args.workload, requests=requests, rate=args.rate, seed=args.seed,
+                     profile=profile, policy=args.policy, deadline_ms=args.deadline_ms,
+                     predictor_json=profile_predictor(profile).to_json())
+    print(f"fleet load: {args.workload} at {args.rate:g} rps per engine, {requests} requests each "
+          f"(~{args.duration:g} simulated s), policy {args.policy}, deadline {args.deadline_ms:g} ms, "
+          f"profile {profile}; one service process; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}",
+          file=sys.stderr)
+    phases: list[dict[str, Any]] = []
+    if args.out:
+        Path(args.out).resolve().parent.mkdir(parents=True, exist_ok=True)
+    # py-spy's raw stacks are kept beside --out (else in the temporary folder).
+    spy_dir = None if not args.profile_server else Path(args.out).resolve().parent if args.out else None
+    with tempfile.TemporaryDirectory(prefix="fleet-load-") as tmp:
+        if args.profile_server and spy_dir is None:
+            spy_dir = Path(tmp)
+
+        def go(ph: Phase) -> dict[str, Any]:
+            res = run_phase(ph, base, Path(tmp), spy_dir)
+            phases.append(res)
+            print(row(res), file=sys.stderr)
+            return res
+
+        for n in args.engines:
+            go(Phase(n, args.speedup))
+        saturation: dict[str, Any] = {}
+        if args.saturate:
+            n, s = max(args.engines), args.speedup
+            last_ok = next((p for p in phases[::-1] if p["engines"] == n and p["meets_target"]), None)
+            while s * 2 <= args.max_speedup:
+                s *= 2
+                res = go(Phase(n, s))
+                if not res["meets_target"]:
+                    saturation = {"engines": n, "breaks_at_speedup": s, "decisions_per_s": res["decisions_per_s"],
+                                  "last_ok": None if last_ok is None else
+                                  {"speedup": last_ok["speedup"], "decisions_per_s": last_ok["decisions_per_s"]}}
+                    break
+                last_ok = res
+        if not args.no_reference:
+            n_ref = max(p["engines"] for p in phases)
+            print(f"in-process reference: {n_ref} engines, same workloads and seeds", file=sys.stderr)
+            with mp.get_context("spawn").Pool(max(1, min(n_ref, os.cpu_count() or 1))) as pool:
+                refs = pool.map(_reference, [replace(base, index=i, seed=base.seed + i) for i in range(n_ref)])
+            for p in phases:
+                sub = refs[: p["engines"]]
+                p["slo_attainment_inproc"] = 1.0 - sum(r["violated"] for r in sub) / max(
+                    sum(r["requests"] for r in sub), 1)
+
+    print("\n" + HEADER)
+    for p in phases:
+        print(row(p))
+    print("(ms; svc = server_us from the response: decode + validate + policy + encode; pol = the policy alone;"
+          " rtt = client round trip; lag = how late engines asked vs real time; svc cpu = cores used by the"
+          " service process)")
+    for p in phases:
+        if p.get("server_profile_gil"):
+            share = ", ".join(f"{k} {100 * v:.0f}%" for k, v in p["server_profile_gil"].items())
+            print(f"service GIL time, N={p['engines']} x{p['speedup']:g}: {share}")
+        if p["fallbacks"] or p["errors"]:
+            print(f"N={p['engines']} x{p['speedup']:g}: fallbacks {p['fallbacks']}, engine failures "
+                  f"{len(p['engine_failures'])}, last errors {p['last_errors']}")
+    if args.saturate:
+        print(f"saturation: {saturation or 'not reached up to speedup ' + format(args.max_speedup, 'g')}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"config": {**vars(args), "profile": profile,
+                                                          "requests_per_engine": requests},
+                                              "target": {"service_p99_ms": TARGET_P99_MS,
+                                                         "fallback_rate": TARGET_FALLBACK},
+                                              "phases": phases, "saturation": saturation,
+                                              "cpus": os.cpu_count(), "base_job": asdict(base) | {
+                                                  "predictor_json": "<offline fit>"}}, indent=2))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
