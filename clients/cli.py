@@ -3,6 +3,7 @@
 Subcommands (their names, flags and output formats are the public interface):
 
 * ``serve``     run the gRPC scheduling service
+* ``health``    standard gRPC health check of a running service (container/K8s probes)
 * ``plan``      decide one iteration for a snapshot JSON file, offline or via a server
 * ``policies``  list policies, versions and parameters
 * ``predictor`` ``fit`` a predictor from a CSV of batch features and latencies;
@@ -192,6 +193,47 @@ def cmd_predictor_show(args: argparse.Namespace) -> int:
     return 0
 
 
+#: Exit code of ``health`` when the service is reachable but not SERVING, or not reachable.
+#: 1, not 2: Docker's HEALTHCHECK reads 1 as "unhealthy" and reserves 2.
+EXIT_UNHEALTHY = 1
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    """One ``grpc.health.v1.Health/Check``; exit 0 only on SERVING.
+
+    Fail-fast (no ``wait_for_ready``): a probe must answer within its own timeout, and a
+    refused connection is an answer.
+    """
+    import math
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    if not args.address.strip():
+        raise CliError("--address must not be empty")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise CliError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    what = f"{args.address} service {args.service!r}" if args.service else f"{args.address}"
+    with grpc.insecure_channel(args.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            resp = stub.Check(health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+        except grpc.RpcError as e:
+            code = e.code()
+            if code == grpc.StatusCode.NOT_FOUND:
+                print(f"unhealthy: {what}: unknown service", file=sys.stderr)
+            else:
+                detail = " ".join((e.details() or "").split())
+                print(f"unhealthy: {what}: {code.name}{': ' + detail if detail else ''}", file=sys.stderr)
+            return EXIT_UNHEALTHY
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    if resp.status != health_pb2.HealthCheckResponse.SERVING:
+        print(f"unhealthy: {what}: {status}", file=sys.stderr)
+        return EXIT_UNHEALTHY
+    print(status)
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from scheduler_service.server.app import serve
     from scheduler_service.server.config import ServerConfig
@@ -216,6 +258,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-port", type=int, help="Prometheus port, 0 disables")
     s.add_argument("--config", help="YAML/TOML/JSON server config file")
     s.set_defaults(func=cmd_serve)
+
+    s = sub.add_parser("health", help="gRPC health check of a running service; exit 0 when SERVING")
+    s.add_argument("--address", required=True, metavar="HOST:PORT", help="service address (any gRPC target)")
+    s.add_argument("--service", default="",
+                   help="service name, e.g. slidingserve.v1.SchedulerService (default: the whole server)")
+    s.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
+    s.set_defaults(func=cmd_health)
 
     s = sub.add_parser("plan", help="decide one iteration for a snapshot JSON file")
     s.add_argument("--snapshot", required=True, help="snapshot JSON (ARCHITECTURE §3), '-' for stdin")
