@@ -9,7 +9,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # vLLM runs its real scheduler on the CPU here (no GPU needed for the adapter tests).
 export VLLM_TARGET_DEVICE := cpu
 
-.PHONY: setup setup-vllm test test-fast vllm-suite lint proto proto-check buf-lint demo clean
+.PHONY: setup setup-vllm test test-fast vllm-suite lint proto proto-check buf-lint deploy-check demo clean
 
 setup: $(STAMP)
 
@@ -56,6 +56,9 @@ test-fast: $(STAMP)        ## everything but the vLLM parts, without installing 
 
 vllm-suite: $(VSTAMP)      ## vLLM's own scheduler tests with our scheduler class
 	tools/vllm_tests.sh $(PY)
+
+deploy-check: $(STAMP)     ## render the Kustomize overlays and validate every manifest offline
+	tools/validate_deploy.sh --python $(PY)
 
 demo: $(STAMP)
 	$(VENV)/bin/slidingserve demo
