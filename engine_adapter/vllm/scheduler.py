@@ -106,7 +106,7 @@ def build_core(s: VllmAdapterSettings, profile: str) -> AdapterCore:
     if s.address == "inproc":
         backend = InProcessBackend(a)
     else:
-        backend = GrpcBackend(s.address, a, channel_factory=_channel_factory(s))
+        backend = GrpcBackend(s.address, a, channel_factory=_channel_factory(s), security=s.client_security())
     return AdapterCore(backend, a)
 
 

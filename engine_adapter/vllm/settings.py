@@ -9,6 +9,13 @@ policy, its parameters or the deadline without restarting the engine.  The
 file is re-read when its mtime changes; a file that does not parse or
 validate is logged and the last good settings are kept.
 
+Security (docs/security.md): ``SLIDINGSERVE_TLS_CA`` / ``_TLS_CERT`` / ``_TLS_KEY``
+for TLS and mutual TLS; ``SLIDINGSERVE_TOKEN_FILE`` (preferred: a mounted
+Kubernetes secret, re-read when it changes, never in the environment that
+crash reports and ``/proc`` expose) or ``SLIDINGSERVE_TOKEN`` for a service
+with token authentication.  The token is never logged (``describe()`` and
+``repr`` redact it).
+
 This module does not import vLLM.
 """
 
@@ -68,6 +75,10 @@ class VllmAdapterSettings:
     tls_ca: str = ""
     tls_cert: str = ""
     tls_key: str = ""
+    #: Bearer token for a service with ``auth_tokens_file``; or ``token_file``, a file
+    #: holding it (preferred; re-read when it changes, so rotation needs no restart).
+    token: str = field(default="", repr=False)
+    token_file: str = ""
     #: Engine profile; empty = from vLLM's model config, detected hardware, TP size.
     profile_model: str = ""
     profile_hardware: str = ""
@@ -101,7 +112,13 @@ class VllmAdapterSettings:
             raise SettingsError("SLIDINGSERVE_TLS_CERT and SLIDINGSERVE_TLS_KEY must be given together")
         if (self.tls_cert or self.tls_key) and not self.tls_ca and self.address == "inproc":
             raise SettingsError("TLS settings need a remote SLIDINGSERVE_ADDRESS")
-        for name in ("tls_ca", "tls_cert", "tls_key"):
+        if self.token and self.token_file:
+            raise SettingsError("give SLIDINGSERVE_TOKEN or SLIDINGSERVE_TOKEN_FILE, not both")
+        if (self.token or self.token_file) and self.address == "inproc":
+            raise SettingsError("SLIDINGSERVE_TOKEN/_TOKEN_FILE need a remote SLIDINGSERVE_ADDRESS")
+        if self.token and any(not (33 <= ord(ch) <= 126) for ch in self.token):
+            raise SettingsError("SLIDINGSERVE_TOKEN must be printable ASCII without spaces")
+        for name in ("tls_ca", "tls_cert", "tls_key", "token_file"):
             path = getattr(self, name)
             if path and not os.path.isfile(path):
                 raise SettingsError(f"SLIDINGSERVE_{name.upper()}: no such file {path!r}")
@@ -127,6 +144,16 @@ class VllmAdapterSettings:
     @property
     def tls(self) -> bool:
         return bool(self.tls_ca or self.tls_cert)
+
+    def client_security(self) -> Any:
+        """The :class:`clients.client.ClientSecurity` of these settings (TLS files and
+        token), or None when neither is set."""
+        if not (self.tls or self.token or self.token_file):
+            return None
+        from clients.client import ClientSecurity
+
+        return ClientSecurity(ca_file=self.tls_ca, cert_file=self.tls_cert, key_file=self.tls_key,
+                              token=self.token, token_file=self.token_file)
 
     # --------------------------------------------------------------- loading
     @classmethod
@@ -155,7 +182,11 @@ class VllmAdapterSettings:
         return replace(self, **values)
 
     def describe(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """All settings, for logs: the token itself is redacted."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        if out["token"]:
+            out["token"] = "<redacted>"
+        return out
 
 
 _INT = {"profile_tp", "log_every", "reconnect_max_ms", "max_backoff_decisions", "report_batch"}
