@@ -12,6 +12,10 @@ Subcommands (their names, flags and output formats are the public interface):
 * ``demo``      a small bench: the four main policies on mixed-v1, table and plots
 
 Bad input gives one line on stderr and exit code 2; nothing prints a traceback.
+
+``--server`` reaches a secured service (docs/security.md) with the vLLM adapter's variables:
+``SLIDINGSERVE_TLS_CA``, ``SLIDINGSERVE_TLS_CERT`` + ``SLIDINGSERVE_TLS_KEY`` (mutual TLS),
+``SLIDINGSERVE_TOKEN_FILE`` or ``SLIDINGSERVE_TOKEN``; and ``SLIDINGSERVE_TLS_SERVER_NAME``.
 """
 
 from __future__ import annotations
@@ -76,9 +80,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.server:
         if args.predictor:
             raise CliError("--predictor applies offline only; a server uses its own predictor")
-        from clients.client import SchedulerClient
+        from clients.client import ClientSecurity, SchedulerClient
 
-        with SchedulerClient(args.server, timeout_s=args.timeout) as client:
+        with SchedulerClient(args.server, timeout_s=args.timeout, security=ClientSecurity.from_env()) as client:
             plan = client.schedule(snapshot, policy=args.policy, params=params)
     else:
         policy = registry.create(args.policy or "slidingserve", params)
@@ -91,9 +95,9 @@ def cmd_policies(args: argparse.Namespace) -> int:
     from scheduler_service.core import registry
 
     if args.server:
-        from clients.client import SchedulerClient
+        from clients.client import ClientSecurity, SchedulerClient
 
-        with SchedulerClient(args.server, timeout_s=args.timeout) as client:
+        with SchedulerClient(args.server, timeout_s=args.timeout, security=ClientSecurity.from_env()) as client:
             info = client.list_policies().to_dict()
     else:
         info = {"policies": [registry.describe(n) for n in registry.names()], "default": "slidingserve"}
@@ -183,9 +187,9 @@ def _read_samples_csv(path: str):  # type: ignore[no-untyped-def]
 
 def cmd_predictor_show(args: argparse.Namespace) -> int:
     if args.server:
-        from clients.client import SchedulerClient
+        from clients.client import ClientSecurity, SchedulerClient
 
-        with SchedulerClient(args.server, timeout_s=args.timeout) as client:
+        with SchedulerClient(args.server, timeout_s=args.timeout, security=ClientSecurity.from_env()) as client:
             info = client.get_predictor(args.profile or None).to_dict()
         print(json.dumps(info, indent=2, default=str))
         return 0

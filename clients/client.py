@@ -276,6 +276,9 @@ class ClientSecurity:
         names = {"ca_file": "TLS_CA", "cert_file": "TLS_CERT", "key_file": "TLS_KEY", "token": "TOKEN",
                  "token_file": "TOKEN_FILE", "server_name": "TLS_SERVER_NAME"}
         values: dict[str, Any] = {k: env.get(prefix + v, "").strip() for k, v in names.items()}
+        for k in ("ca_file", "cert_file", "key_file", "token_file"):
+            if values[k] and not os.path.isfile(values[k]):
+                raise ValueError(f"{prefix}{names[k]}: no such file {values[k]!r}")
         return cls(**values) if any(values.values()) else None
 
     def _read(self, path: str) -> bytes | None:

@@ -508,3 +508,21 @@ def test_new_token_command_output_is_a_valid_tokens_file(tmp_path: Path) -> None
     p = TokenStore(str(path)).lookup(token)
     assert p is not None and (p.identity, p.tenant) == ("engine-z", "team-z")
     assert main(["new-token", "--identity", "a|b", "--tenant", "t"]) == 2
+
+
+def test_cli_reaches_a_secured_server(token_server: SchedulerServer, pki: PKI, tmp_path: Path,
+                                      monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from clients.cli import main as cli
+
+    tok = tmp_path / "token"
+    tok.write_text(TOKENS["engine-a"])
+    monkeypatch.setenv("SLIDINGSERVE_TLS_CA", str(pki.ca.pem))
+    assert cli(["policies", "--server", token_server.target]) == 2  # TLS but no token
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "UNAUTHENTICATED" in err
+    monkeypatch.setenv("SLIDINGSERVE_TOKEN_FILE", str(tok))
+    assert cli(["policies", "--server", token_server.target, "--json"]) == 0
+    assert "slidingserve" in capsys.readouterr().out
+    monkeypatch.setenv("SLIDINGSERVE_TOKEN_FILE", str(tmp_path / "missing"))
+    assert cli(["policies", "--server", token_server.target]) == 2
+    assert "SLIDINGSERVE_TOKEN_FILE: no such file" in capsys.readouterr().err
