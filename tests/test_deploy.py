@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tomllib
 from collections.abc import Iterator
@@ -114,6 +115,54 @@ def test_health_bad_input_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[s
     code, out, err = _run(capsys, *argv)
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and needle in err and "Traceback" not in err
+
+
+# ------------------------------------------------- a rolling update, seen by an engine
+def _decisions(srv: SchedulerServer) -> float:
+    return sum(s.value for m in srv.metrics.registry.collect() if m.name == "slidingserve_decisions"
+               for s in m.samples if s.name.endswith("_total"))
+
+
+def test_engine_moves_to_another_replica_when_one_drains() -> None:
+    """What docs/operations.md promises for a rollout: two replicas on one port (127.0.0.1
+    and 127.0.0.2, as two pod IPs behind the headless Service), an engine's adapter with a
+    multi-address target; the replica it uses drains (stop with grace, as on SIGTERM). The
+    engine keeps getting plans during the grace period, loses at most a few iterations to
+    native fallback, and then gets its plans from the other replica."""
+    from engine_adapter.core import AdapterCore, AdapterSettings, GrpcBackend
+    from tests.grpc_support import mixed_snapshot
+
+    a = SchedulerServer(ServerConfig(host="127.0.0.1", port=0, log_level="warning", grace_s=1.0, max_workers=4))
+    a.start()
+    try:
+        b = SchedulerServer(ServerConfig(host="127.0.0.2", port=a.port, log_level="warning", max_workers=4)).start()
+    except Exception:
+        a.stop(0)
+        raise
+    settings = AdapterSettings(deadline_ms=2000, fallback_policy="vllm-fcfs", max_backoff_decisions=2)
+    core = AdapterCore(GrpcBackend(f"ipv4:127.0.0.1:{a.port},127.0.0.2:{a.port}", settings), settings)
+    snap = mixed_snapshot(n_decode=8, n_prefill=8)
+    try:
+        assert all(core.decide(snap).source == "remote" for _ in range(10))
+        assert (_decisions(a), _decisions(b)) == (10, 0), "pick_first: one replica per engine"
+        drain = threading.Thread(target=a.stop, kwargs={"grace": 1.0})
+        drain.start()
+        sources = []
+        t_end = time.monotonic() + 3.0
+        while time.monotonic() < t_end or len(sources) < 40:
+            sources.append(core.decide(snap).source)
+            time.sleep(0.02)
+            assert len(sources) < 1000
+        drain.join(10)
+        assert not drain.is_alive()
+        fallbacks = sources.count("fallback")
+        assert fallbacks <= 5, f"{fallbacks} native iterations during the drain: {sources}"
+        assert _decisions(a) > 10, "the draining replica kept serving its open stream"
+        assert _decisions(b) >= 20 and sources[-20:] == ["remote"] * 20
+    finally:
+        core.close()
+        b.stop(0)
+        a.stop(0)
 
 
 # ------------------------------------------------------------------- Dockerfile
