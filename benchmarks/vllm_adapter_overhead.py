@@ -4,11 +4,20 @@ A steady state of ~256 running and ~800 waiting requests, 2048-token budget
 (ARCHITECTURE §6): decodes finish at random lengths, freed slots admit waiting
 prompts (chunked), new arrivals keep the waiting queue at 800.  The same seeded
 process runs with vLLM's ``Scheduler`` and with ``RemoteSyncScheduler`` in-process
-(vllm-fcfs, slidingserve) and over gRPC on loopback (embedded server); each
-``schedule()`` call is timed, and the adapter's part is split into snapshot,
-decision (policy or RPC) and the rest (plan check, KV fit, reorder, caps, restore).
+(vllm-fcfs, slidingserve) and over gRPC on loopback (embedded server), with
+pipelining (the default: the next decision is taken in the background while the
+GPU step runs) and without.  The GPU step is a sleep of ``--step-ms`` between
+``schedule()`` and ``update_from_output()`` (the engine thread waits for the GPU
+workers there, holding no GIL).
 
-Run: ``VLLM_TARGET_DEVICE=cpu python -m benchmarks.vllm_adapter_overhead [--steps 300]``
+Columns: ``schedule()`` p50/p99 and its ratio to native; ``engine+`` is the
+engine thread's extra time per iteration vs native (``schedule()`` plus
+``update_from_output()``, p50 differences) — the part that is *not* overlapped
+with the GPU step in a synchronous engine; ``update+`` the ``update_from_output()``
+part of it (reports, waiting for a background snapshot); ``wait`` is the time ``schedule()``
+waited for a background decision; ``ahead`` the snapshot taken for it.
+
+Run: ``VLLM_TARGET_DEVICE=cpu python -m benchmarks.vllm_adapter_overhead [--steps 300] [--step-ms 30]``
 (needs the ``vllm`` extra).
 """
 
@@ -31,7 +40,7 @@ def _pct(xs: list[float]) -> tuple[float, float]:
     return float(np.percentile(a, 50)), float(np.percentile(a, 99))
 
 
-def run_case(cls: Any, mdir: str, steps: int, seed: int, warmup: int) -> dict[str, list[float]]:
+def run_case(cls: Any, mdir: str, steps: int, seed: int, warmup: int, step_ms: float) -> dict[str, list[float]]:
     from tests.vllm.support import build_scheduler, fake_output, make_request
 
     rng = np.random.default_rng(seed)
@@ -44,7 +53,8 @@ def run_case(cls: Any, mdir: str, steps: int, seed: int, warmup: int) -> dict[st
 
     for _ in range(1056):
         s.add_request(new_request())
-    times: dict[str, list[float]] = {"total": [], "snapshot": [], "decide": [], "running": [], "waiting": []}
+    times: dict[str, list[float]] = {"total": [], "update": [], "snapshot": [], "decide": [], "wait": [],
+                                     "ahead": [], "running": [], "waiting": []}
     snap_t: list[float] = []
     if hasattr(s, "_snapshot"):
         inner = s._snapshot
@@ -60,24 +70,33 @@ def run_case(cls: Any, mdir: str, steps: int, seed: int, warmup: int) -> dict[st
     while len(times["total"]) < steps:
         while len(s.waiting) < 800:
             s.add_request(new_request())
-        d0 = s._ss_counts["decide_us"] if hasattr(s, "_ss_counts") else 0
+        c0 = dict(s._ss_counts) if hasattr(s, "_ss_counts") else {}
         n_snap = len(snap_t)
         t0 = time.perf_counter()
         so = s.schedule()
         dt = time.perf_counter() - t0
-        s.update_from_output(so, fake_output(s, so))
+        out = fake_output(s, so)
+        if step_ms > 0:
+            time.sleep(step_ms / 1e3)
+        t1 = time.perf_counter()
+        s.update_from_output(so, out)
+        du = time.perf_counter() - t1
         k += 1
         if k <= warmup:
             continue
         times["total"].append(dt * 1e3)
+        times["update"].append(du * 1e3)
         times["running"].append(len(s.running))
         times["waiting"].append(len(s.waiting))
         if hasattr(s, "_ss_counts"):
-            times["decide"].append((s._ss_counts["decide_us"] - d0) / 1e3)
+            c1 = s._ss_counts
+            times["decide"].append((c1["decide_us"] - c0.get("decide_us", 0)) / 1e3)
+            times["wait"].append((c1["wait_us"] - c0.get("wait_us", 0)) / 1e3)
+            times["ahead"].append((c1["ahead_us"] - c0.get("ahead_us", 0)) / 1e3)
             times["snapshot"].append(snap_t[-1] * 1e3 if len(snap_t) > n_snap else 0.0)
     if hasattr(s, "slidingserve_stats"):
         st = s.slidingserve_stats()
-        times["_stats"] = [st["planned"], st["native"], st["deviating_iterations"]]
+        times["_stats"] = [st["planned"], st["pipelined"], st["native"], st["deviating_iterations"]]
         s.slidingserve_close()
     return times
 
@@ -87,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--step-ms", type=float, default=30.0, help="simulated GPU step (sleep) per iteration")
     args = ap.parse_args(argv)
     import logging
 
@@ -100,34 +120,36 @@ def main(argv: list[str] | None = None) -> None:
     mdir = model_dir(Path(tempfile.mkdtemp()))
     srv = make_server().start()
     try:
-        cases = {
-            "native": Scheduler,
-            "inproc vllm-fcfs": scheduler_class(RemoteSyncScheduler, {"SLIDINGSERVE_POLICY": "vllm-fcfs"}),
-            "inproc slidingserve": scheduler_class(RemoteSyncScheduler, {"SLIDINGSERVE_POLICY": "slidingserve"}),
-            "grpc slidingserve": scheduler_class(RemoteSyncScheduler, {
-                "SLIDINGSERVE_ADDRESS": srv.target, "SLIDINGSERVE_POLICY": "slidingserve",
-                "SLIDINGSERVE_DEADLINE_MS": "200"}),
-            "grpc vllm-fcfs": scheduler_class(RemoteSyncScheduler, {
-                "SLIDINGSERVE_ADDRESS": srv.target, "SLIDINGSERVE_POLICY": "vllm-fcfs",
-                "SLIDINGSERVE_DEADLINE_MS": "200"}),
-        }
-        res = {name: run_case(cls, mdir, args.steps, args.seed, args.warmup) for name, cls in cases.items()}
+        grpc = {"SLIDINGSERVE_ADDRESS": srv.target, "SLIDINGSERVE_DEADLINE_MS": "200"}
+        cases: dict[str, Any] = {"native": Scheduler}
+        for where, extra in (("inproc", {}), ("grpc", grpc)):
+            for policy in ("slidingserve", "vllm-fcfs"):
+                for pipe in ("on", "off"):
+                    env = {**extra, "SLIDINGSERVE_POLICY": policy, "SLIDINGSERVE_PIPELINE": pipe}
+                    cases[f"{where} {policy} pipe={pipe}"] = scheduler_class(RemoteSyncScheduler, env)
+        res: dict[str, dict[str, list[float]]] = {}
+        for name, cls in cases.items():
+            print(f"  running {name} ...", flush=True)
+            res[name] = run_case(cls, mdir, args.steps, args.seed, args.warmup, args.step_ms)
     finally:
         srv.stop(grace=0)
     base50, base99 = _pct(res["native"]["total"])
-    print(f"schedule() with ~256 running + ~800 waiting, 2048-token budget, {args.steps} calls each (ms)")
-    print(f"{'case':22s} {'p50':>7s} {'p99':>7s} {'ratio50':>8s} {'ratio99':>8s} {'snap50':>7s} {'decide50':>9s} "
-          f"{'rest50':>7s} {'running':>8s} {'waiting':>8s}  planned/native/deviating")
+    engine0 = _pct([a + b for a, b in zip(res["native"]["total"], res["native"]["update"], strict=True)])[0]
+    update0 = _pct(res["native"]["update"])[0]
+    print(f"schedule() with ~256 running + ~800 waiting, 2048-token budget, GPU step {args.step_ms:g} ms, "
+          f"{args.steps} calls each (ms)")
+    print(f"{'case':32s} {'p50':>7s} {'p99':>7s} {'ratio50':>8s} {'ratio99':>8s} {'engine+':>8s} {'decide50':>9s} "
+          f"{'wait50':>7s} {'ahead50':>8s} {'running':>8s} {'waiting':>8s}  planned/pipelined/native/deviating")
     for name, t in res.items():
         p50, p99 = _pct(t["total"])
-        extra = ""
+        eng = _pct([a + b for a, b in zip(t["total"], t["update"], strict=True)])[0] - engine0
         if t["decide"]:
-            rest = [a - b for a, b in zip(t["total"], t["decide"], strict=True)]
-            extra = f"{_pct(t['snapshot'])[0]:7.3f} {_pct(t['decide'])[0]:9.3f} {_pct(rest)[0]:7.3f}"
+            extra = f"{_pct(t['decide'])[0]:9.3f} {_pct(t['wait'])[0]:7.3f} {_pct(t['ahead'])[0]:8.3f}"
         else:
-            extra = f"{'':7s} {'':9s} {'':7s}"
-        print(f"{name:22s} {p50:7.3f} {p99:7.3f} {p50 / base50:8.2f} {p99 / base99:8.2f} {extra} {np.mean(t['running']):8.0f} "
-              f"{np.mean(t['waiting']):8.0f}  {t.get('_stats', '')}")
+            extra = f"{'':9s} {'':7s} {'':8s}"
+        upd = _pct(t["update"])[0] - update0
+        print(f"{name:32s} {p50:7.3f} {p99:7.3f} {p50 / base50:8.2f} {p99 / base99:8.2f} {eng:8.3f} {upd:8.3f} {extra} "
+              f"{np.mean(t['running']):8.0f} {np.mean(t['waiting']):8.0f}  {t.get('_stats', '')}")
 
 
 if __name__ == "__main__":

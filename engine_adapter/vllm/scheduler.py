@@ -25,20 +25,36 @@ are dropped from the plan and counted (``trimmed_admissions``).  The reason is c
 logged at most once per ``log_every``.  After ``super().schedule()`` the
 scheduled tokens are compared with the plan and deviations counted.
 
-Async scheduling: vLLM's EngineCore calls ``schedule()`` for step k+1 while
-step k runs on the GPU (batch queue), so the service round trip inside
-``schedule()`` overlaps GPU work by construction; it only adds idle time when
-snapshot + RPC + apply exceeds the step time, which the deadline bounds.
+Pipelining (``SLIDINGSERVE_PIPELINE``, on by default): the decision for the
+next iteration is taken while the current one runs on the GPU.  Right after
+``super().schedule()`` returns, vLLM has already advanced every scheduled
+request's ``num_computed_tokens``; the adapter snapshots the queues as the
+next ``schedule()`` will find them (a request that samples in the running step
+counts as one in-flight token, as async scheduling books it) and hands the
+snapshot to a background thread that asks the service (or the in-process
+policy; a gRPC wait releases the GIL).  The next ``schedule()`` only collects
+that plan and reconciles it with what happened meanwhile: requests that
+finished in ``update_from_output`` (EOS, stop strings) are dropped from it; when
+requests arrived since the snapshot and the plan leaves room (tokens or
+sequence slots), the plan is taken again synchronously on the queues as they
+are — the case of a lightly loaded engine, where queues and so decisions are
+small — otherwise the arrivals are in the next plan.  With async
+scheduling vLLM already calls ``schedule()`` for step k+1 while step k runs, so
+even the synchronous path overlaps GPU work; pipelining also takes the
+decision off that call.  When there is no plan in flight (first iteration,
+after idling, pipelining off) the decision is taken synchronously.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
 import operator
 import os
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -47,8 +63,15 @@ from vllm.v1.core.sched.request_queue import FCFSRequestQueue, SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from engine_adapter.core import AdapterCore, AdapterSettings, GrpcBackend, InProcessBackend, IterationSample
-from scheduler_service.core import Snapshot
+from engine_adapter.core import (
+    AdapterCore,
+    AdapterSettings,
+    Decision,
+    GrpcBackend,
+    InProcessBackend,
+    IterationSample,
+)
+from scheduler_service.core import Plan, Snapshot
 
 from .settings import SettingsWatcher, VllmAdapterSettings, default_engine_id
 from .snapshot import SloDefaults, SnapshotBuilder
@@ -62,6 +85,34 @@ log = logging.getLogger("engine_adapter.vllm")
 _SCHEDULABLE = frozenset((RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.RUNNING))
 
 _status_of = operator.attrgetter("status")
+_WAITING = frozenset((RequestStatus.WAITING, RequestStatus.PREEMPTED))
+
+
+@dataclass(slots=True)
+class _View:
+    """One snapshot of vLLM's queues with what executing a plan on it needs."""
+
+    snap: Snapshot
+    #: vLLM request objects aligned with the snapshot's rows
+    rows: list[Any]
+    #: vLLM's ``num_computed_tokens`` per row, and how many leading rows are running
+    computed: np.ndarray
+    running_rows: int
+    #: requests left out because they are blocked (remote KV, grammar, streaming input)
+    blocked: set[str]
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A decision for the next iteration, taken in the background."""
+
+    #: the snapshot and the decision on it; None when no snapshot could be taken
+    future: concurrent.futures.Future[tuple[_View, Decision] | None]
+    core: AdapterCore
+    #: set once the job has read vLLM's queues: until then they must not change
+    #: (``update_from_output`` waits for it; with a synchronous engine the job
+    #: reads them in the background while the GPU step runs)
+    snapped: threading.Event
 
 #: Reasons counted besides AdapterCore's (deadline, error, invalid_plan, circuit_open).
 LOCAL_REASONS = ("kv_pressure", "empty_plan", "unallocatable", "snapshot_error", "unsupported")
@@ -165,6 +216,12 @@ class SlidingServeMixin:
         self._ss_admit: list[Any] = []  # set by _fit: planned waiting requests, plan order
         self._ss_hidden = 0
         self._ss_blocked: set[str] = set()
+        # pipelining: the decision in flight and the arrivals since its snapshot
+        self._ss_pending: _Pending | None = None
+        self._ss_arrivals: list[Any] = []
+        self._ss_executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._ss_ahead_s = 0.0
+        self._ss_async = isinstance(self, AsyncScheduler)
         base = VllmAdapterSettings.from_env(self.slidingserve_env, apply_file=False)
         self._ss_watcher = SettingsWatcher(base)  # raises SettingsError on a bad file at start
         self._ss_settings = self._ss_watcher.current
@@ -234,8 +291,11 @@ class SlidingServeMixin:
             tail += -r.num_computed_tokens % b
         return free_blocks, free_blocks * b + tail
 
-    def _snapshot(self) -> tuple[Snapshot, list[Any], int]:
-        free_blocks, free_tokens = self._free_kv_tokens()
+    def _view(self, *, project: str = "", ahead_s: float = 0.0) -> _View:
+        """The snapshot of the queues (``project``: "sync"/"async", as the next
+        ``schedule()`` will find them, see :meth:`SnapshotBuilder.build`;
+        ``ahead_s``: when that will be)."""
+        _, free_tokens = self._free_kv_tokens()
         # Blocked requests (remote KV load, grammar, streaming input) are left out: the
         # plan cannot know whether they become ready.  vLLM promotes them inside
         # schedule() and schedules them uncapped from the budget the plan left (_cap).
@@ -244,11 +304,18 @@ class SlidingServeMixin:
         if not _SCHEDULABLE.issuperset(map(_status_of, waiting)):
             blocked = {r.request_id for r in waiting if r.status not in _SCHEDULABLE}
             waiting = [r for r in waiting if r.status in _SCHEDULABLE]
-        self._ss_blocked = blocked
-        snap, rows = self._ss_builder.build(
+        builder = self._ss_builder
+        snap, rows = builder.build(
             self.running, waiting, max_batch_tokens=self.max_num_scheduled_tokens,
-            max_num_seqs=self.max_num_running_reqs, free_kv_tokens=free_tokens)
-        return snap, rows, free_blocks
+            max_num_seqs=self.max_num_running_reqs, free_kv_tokens=free_tokens,
+            now=time.time() + ahead_s, project=project)
+        return _View(snap, rows, builder.last_computed, builder.last_running_rows, blocked)
+
+    def _snapshot(self) -> tuple[Snapshot, list[Any], int]:
+        """(snapshot, request objects per row, free KV blocks) of the queues now."""
+        v = self._view()
+        self._ss_blocked = v.blocked
+        return v.snap, v.rows, int(self.kv_cache_manager.block_pool.get_num_free_blocks())
 
     def _kv_short(self) -> str:
         """Non-empty when the free KV blocks cannot give every running decode its next
@@ -265,22 +332,32 @@ class SlidingServeMixin:
         free = int(self.kv_cache_manager.block_pool.get_num_free_blocks())
         return f"{need} decodes need a new KV block, {free} free" if need > free else ""
 
-    def _fit(self, snap: Snapshot, rows: list[Any], plan: dict[str, int], free_blocks: int) -> tuple[str, int]:
+    def _fit(self, view: _View, plan: dict[str, int], free_blocks: int, *, stale: bool = False) -> tuple[str, int]:
         """Mirror vLLM's KV rules on the plan: ("why it cannot run", 0) when its
         running requests need more blocks than are free (vLLM would preempt), else
         ("", trimmed) after dropping, from ``plan``, the admissions vLLM's own
         admission control would refuse (free sequence slots; the whole prompt must
         fit, ``scheduler_reserve_full_isl``; the watermark).  Running requests are
-        placed first, as vLLM does; prefix-cache hits are ignored (conservative)."""
+        placed first, as vLLM does; prefix-cache hits are ignored (conservative).
+        ``stale``: the view was taken before the last ``update_from_output``, so
+        requests that finished since are dropped from the plan first."""
+        snap, rows = view.snap, view.rows
         keys = list(plan)
         idx = np.fromiter(map(snap.index_of.__getitem__, keys), np.int64, len(keys))
+        if stale:
+            alive = [rows[i].status in _SCHEDULABLE for i in idx.tolist()]
+            if not all(alive):
+                for k, ok in zip(keys, alive, strict=True):
+                    if not ok:
+                        del plan[k]
+                keys = list(plan)
+                idx = idx[np.array(alive, np.bool_)]
         n = np.fromiter(plan.values(), np.int64, len(keys))
-        builder = self._ss_builder
-        is_run = idx < builder.last_running_rows
+        is_run = idx < view.running_rows
         b = self.block_size
         la = self.num_lookahead_tokens
         run_idx = idx[is_run]
-        comp = builder.last_computed[run_idx]
+        comp = view.computed[run_idx]
         free = free_blocks - int(np.maximum(0, -(-(comp + n[is_run] + la) // b) + (-comp // b)).sum())
         if free < 0:
             return f"running requests need {free_blocks - free} KV blocks, {free_blocks} free", 0
@@ -317,24 +394,50 @@ class SlidingServeMixin:
             log.warning("slidingserve: native scheduling (%s, %d so far): %s", reason, n, detail)
 
     def _decide(self) -> dict[str, int] | None:
-        """The plan to execute this iteration, or None for native scheduling."""
+        """The plan to execute this iteration, or None for native scheduling:
+        the one decided in the background when there is one, else decided now."""
+        pending, self._ss_pending = self._ss_pending, None
         if self._ss_unsupported:
             self._fallback("unsupported", self._ss_unsupported)
             return None
-        core = self._core()
+        if pending is not None:
+            core = pending.core
+        else:
+            core = self._core()
         short = self._kv_short()
         if short:
             # vLLM must preempt to let every decode advance; a plan cannot preempt
             self._fallback("kv_pressure", short)
             return None
-        try:
-            snap, rows, free_blocks = self._snapshot()
-        except Exception as e:  # a request state we cannot express: never break vLLM
-            self._fallback("snapshot_error", f"{type(e).__name__}: {e}")
-            return None
-        if len(snap) == 0:
-            return None
-        decision = core.decide(snap)
+        if pending is not None:
+            t = time.perf_counter()
+            try:
+                done = pending.future.result()  # bounded: the backend has the deadline
+            except Exception as e:  # a bug in the job must not break vLLM
+                self._fallback("error", f"background decision: {type(e).__name__}: {e}")
+                return None
+            self._ss_counts["wait_us"] += int((time.perf_counter() - t) * 1e6)
+            if done is None:
+                pending = None
+            else:
+                view, decision = done
+                if (self._ss_arrivals and decision.plan is not None
+                        and self._room_for_arrivals(decision.plan, view.snap)):
+                    self._ss_counts["resyncs"] += 1
+                    pending = None  # decide again, on the queues as they are now
+                else:
+                    self._ss_counts["pipelined"] += 1
+        self._ss_arrivals = []
+        if pending is None:
+            try:
+                view = self._view()
+            except Exception as e:  # a request state we cannot express: never break vLLM
+                self._fallback("snapshot_error", f"{type(e).__name__}: {e}")
+                return None
+            if len(view.snap) == 0:
+                return None
+            decision = core.decide(view.snap)
+        self._ss_blocked = view.blocked
         if decision.plan is None:
             self._fallback(decision.reason, core.last_error)
             return None
@@ -342,16 +445,86 @@ class SlidingServeMixin:
         if not plan:
             self._fallback("empty_plan", f"policy path {decision.plan.path!r} schedules nothing")
             return None
-        why, trimmed = self._fit(snap, rows, plan, free_blocks)
+        free_blocks = int(self.kv_cache_manager.block_pool.get_num_free_blocks())
+        why, trimmed = self._fit(view, plan, free_blocks, stale=pending is not None)
         if why:
             self._fallback("unallocatable", why)
             return None
         if trimmed:
             self._ss_counts["trimmed_admissions"] += trimmed
-            if not plan:  # our estimate ignores prefix hits: let vLLM try itself
-                self._fallback("unallocatable", "no planned request fits vLLM's admission rules")
-                return None
+        if not plan:  # finished meanwhile, or our estimate ignores prefix hits: vLLM decides
+            self._fallback("unallocatable", "no planned request fits vLLM's admission rules")
+            return None
+        self._ss_ahead_s = decision.plan.predicted_latency_ms / 1e3
         return plan
+
+    def _room_for_arrivals(self, plan: Plan, snap: Snapshot) -> bool:
+        """Whether requests that arrived after the plan's snapshot could have been
+        given something: the plan serves every request it knew of and leaves tokens
+        and sequence slots unused.  (A plan that leaves known requests waiting
+        chose its budget — e.g. for the TBT of running decodes — and would leave
+        the arrivals waiting too; they are in the next plan.)"""
+        return (len(plan.allocations) == len(snap)
+                and plan.token_budget < self.max_num_scheduled_tokens
+                and len(plan.allocations) < self.max_num_running_reqs
+                and any(r.status in _WAITING for r in self._ss_arrivals))
+
+    def _decide_ahead(self) -> None:
+        """Start the next iteration's decision in the background (called at the end
+        of ``schedule()``) on the queues as the next ``schedule()`` will find them.
+
+        With async scheduling vLLM applies the previous step's output right after
+        this call, so the snapshot is taken here, on the engine thread (inside
+        ``schedule()``, which async scheduling overlaps with the GPU).  A
+        synchronous engine leaves the queues alone until the GPU step is over, so
+        the background job reads them itself and ``update_from_output`` waits for
+        that read (about a millisecond, far shorter than a step) before changing
+        them: the engine thread pays only for the hand-over."""
+        self._ss_arrivals = []
+        if not self._ss_settings.pipeline or self._ss_unsupported:
+            return
+        if not (self.running or self.waiting or self.kv_holding_waiting):
+            return
+        core = self._core()  # nothing is in flight: a settings swap is safe here
+        if not self._ss_settings.pipeline:
+            return
+        view: _View | None = None
+        if self._ss_async:
+            try:
+                view = self._view(project="async", ahead_s=self._ss_ahead_s)
+            except Exception:
+                return  # the next schedule() decides synchronously and counts the error
+            if len(view.snap) == 0:
+                return
+        ex = self._ss_executor
+        if ex is None:  # created on first use: after vLLM forks the engine process
+            ex = self._ss_executor = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="slidingserve-decide")
+        snapped = threading.Event()
+        ahead_s = self._ss_ahead_s
+
+        def job() -> tuple[_View, Decision] | None:
+            v = view
+            try:
+                if v is None:
+                    v = self._view(project="sync", ahead_s=ahead_s)
+            except Exception:
+                v = None  # the next schedule() decides synchronously and counts the error
+            finally:
+                snapped.set()
+            if v is None or len(v.snap) == 0:
+                return None
+            return v, core.decide(v.snap)
+
+        if view is not None:
+            snapped.set()
+        self._ss_pending = _Pending(ex.submit(job), core, snapped)
+
+    def add_request(self, request: Any) -> None:
+        self._quiesce()
+        super().add_request(request)  # type: ignore[misc]
+        if self._ss_pending is not None:
+            self._ss_arrivals.append(request)
 
     # ------------------------------------------------------------------- hooks
     def _cap(self, request: Any, n: int, computed: int) -> int:
@@ -390,12 +563,25 @@ class SlidingServeMixin:
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         self._ss_counts["iterations"] += 1
         t0 = time.perf_counter()
-        plan = self._decide() if (self.running or self.waiting or self.kv_holding_waiting) else None
+        if self.running or self.waiting or self.kv_holding_waiting:
+            plan = self._decide()
+        else:
+            plan, self._ss_pending = None, None
         t1 = time.perf_counter()
         self._ss_counts["decide_us"] += int((t1 - t0) * 1e6)
         if plan is None:
             self._ss_counts["native"] += 1
-            return super().schedule(*args, **kwargs)  # type: ignore[misc]
+            self._ss_ahead_s = 0.0
+            out = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        else:
+            out = self._execute(plan, args, kwargs)
+        t2 = time.perf_counter()
+        self._decide_ahead()
+        self._ss_counts["ahead_us"] += int((time.perf_counter() - t2) * 1e6)
+        return out
+
+    def _execute(self, plan: dict[str, int], args: Any, kwargs: Any) -> Any:
+        """``super().schedule()`` with the queues ordered and the hooks capping by ``plan``."""
         running0 = list(self.running)
         waiting0 = list(self.waiting)
         # planned running requests in plan order, then the unplanned ones in their order
@@ -476,7 +662,21 @@ class SlidingServeMixin:
             self._ss_deviated_requests += bad
 
     # --------------------------------------------------------------- reporting
+    def _quiesce(self) -> None:
+        """Wait until a background job has finished reading vLLM's queues; called
+        before anything changes them (output, aborts, arrivals)."""
+        pending = self._ss_pending
+        if pending is not None and not pending.snapped.is_set():
+            t0 = time.perf_counter()
+            pending.snapped.wait()
+            self._ss_counts["snap_wait_us"] += int((time.perf_counter() - t0) * 1e6)
+
+    def finish_requests(self, *args: Any, **kwargs: Any) -> Any:
+        self._quiesce()
+        return super().finish_requests(*args, **kwargs)  # type: ignore[misc]
+
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        self._quiesce()
         t = self.slidingserve_clock()
         prev = self._ss_last_update
         self._ss_last_update = t
@@ -521,6 +721,11 @@ class SlidingServeMixin:
             "reports": c["reports"],
             "report_errors": c["report_errors"],
             "mean_decide_us": c["decide_us"] / max(1, c["iterations"]),
+            "pipelined": c["pipelined"],
+            "mean_wait_us": c["wait_us"] / max(1, c["pipelined"]),
+            "mean_ahead_us": c["ahead_us"] / max(1, c["iterations"]),
+            "snap_waits_us": c["snap_wait_us"],
+            "resyncs": c["resyncs"],
             "last_reason": self._ss_last_reason,
             "settings_reloads": self._ss_watcher.reloads,
             "settings_errors": self._ss_watcher.errors,
@@ -531,6 +736,10 @@ class SlidingServeMixin:
         }
 
     def slidingserve_close(self) -> None:
+        self._ss_pending = None
+        if self._ss_executor is not None:
+            self._ss_executor.shutdown(wait=True, cancel_futures=True)
+            self._ss_executor = None
         if self._ss_core is not None:
             self._ss_core.close()
             self._ss_core = None

@@ -99,6 +99,10 @@ class VllmAdapterSettings:
     max_backoff_decisions: int = 64
     #: Reports per batch sent to ReportIterations.
     report_batch: int = 64
+    #: Decide the next iteration in the background while the current one runs on
+    #: the GPU (from the queues as they will be after it), so that the decision's
+    #: time is hidden; "false" decides synchronously inside ``schedule()``.
+    pipeline: bool = True
 
     # ------------------------------------------------------------ validation
     def __post_init__(self) -> None:
@@ -191,6 +195,9 @@ class VllmAdapterSettings:
 
 _INT = {"profile_tp", "log_every", "reconnect_max_ms", "max_backoff_decisions", "report_batch"}
 _FLOAT = {"deadline_ms", "default_ttft_ms", "default_tbt_ms"}
+_BOOL = {"pipeline"}
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
 
 
 def _coerce(name: str, raw: Any) -> Any:
@@ -208,11 +215,18 @@ def _coerce(name: str, raw: Any) -> Any:
             if isinstance(raw, bool):
                 raise ValueError(raw)
             return float(raw)
+        if name in _BOOL:
+            if isinstance(raw, bool):
+                return raw
+            text = str(raw).strip().lower()
+            if text not in _TRUE + _FALSE:
+                raise ValueError(raw)
+            return text in _TRUE
         return str(raw).strip()
     except SettingsError:
         raise
     except (TypeError, ValueError):
-        kind = "an integer" if name in _INT else "a number"
+        kind = "an integer" if name in _INT else "true or false" if name in _BOOL else "a number"
         raise SettingsError(f"SLIDINGSERVE_{name.upper()} must be {kind}, got {raw!r}") from None
 
 

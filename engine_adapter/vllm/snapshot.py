@@ -153,8 +153,16 @@ class SnapshotBuilder:
 
     def build(self, running: Iterable[Any], waiting: Iterable[Any], *, max_batch_tokens: int,
               max_num_seqs: int, free_kv_tokens: int | None,
-              now: float | None = None) -> tuple[Snapshot, list[Any]]:
-        """The snapshot and, aligned with its rows, the vLLM request objects."""
+              now: float | None = None, project: str = "") -> tuple[Snapshot, list[Any]]:
+        """The snapshot and, aligned with its rows, the vLLM request objects.
+
+        ``project``: called right after ``schedule()``, describe the queues as the
+        *next* ``schedule()`` will find them.  ``"sync"``: every request whose known
+        tokens are all computed samples one token in the step that is running, so it
+        counts as an in-flight placeholder, as async scheduling books it.  ``"async"``
+        (and ``"sync"``): a request whose in-flight tokens reach ``max_tokens`` drops
+        out — vLLM skips it once the older in-flight step's output is applied (its
+        own rule, evaluated now, keeps it while two steps are in flight)."""
         run = list(running)
         wait = list(waiting)
         nr, nw = len(run), len(wait)
@@ -169,10 +177,15 @@ class SnapshotBuilder:
         else:  # not started: prompt = known tokens, nothing computed
             wp = np.fromiter(map(_num_tokens_of, wait), np.int64, nw)
         ph, comp, p, ntok, nout, mt = full.T
+        if project == "sync":
+            ph = ph + ((ph == 0) & (comp >= ntok))
         known = ntok + ph
         need = known - comp
-        keep = (need > 0) & ~((ph > 0) & (comp + 2 - ph >= p + mt))
         out = nout + ph
+        done = comp + 2 - ph >= p + mt
+        if project:
+            done |= out >= mt
+        keep = (need > 0) & ~((ph > 0) & done)
         dec = (out >= 1) & (need == 1)
         prompt = np.where(dec, p, known)
         computed = np.where(dec, p, comp)

@@ -130,3 +130,72 @@ def test_snapshot_mapping_and_slos(mdir: str) -> None:
     assert snap.free_kv_tokens == free_blocks * 16
     assert snap.profile.endswith("|tp1") and snap.profile.startswith("tiny-llama|")
     s.slidingserve_close()
+
+
+@pytest.mark.parametrize("base,async_", CASES, ids=["sync", "async"])
+def test_pipelined_snapshot_matches_the_queues_it_predicts(base: type, async_: bool, mdir: str) -> None:
+    """The snapshot taken at the end of schedule() for the next one (pipelining) is the
+    snapshot the next schedule() would take itself, except for requests that finished
+    or arrived in between; arrivals that the plan leaves room for trigger a fresh decision."""
+    clock = FakeClock()
+    cls = scheduler_class(base, {"SLIDINGSERVE_POLICY": "slidingserve"}, clock)
+    s = build_scheduler(cls, mdir, async_scheduling=async_, num_blocks=400)
+    spec = workload(40, 5, max_out=40)
+    for p, o in spec[:8]:
+        s.add_request(make_request(p, o))
+    late = iter(spec[8:])
+    checked = {"rows": 0, "steps": 0}
+    orig = s._decide
+
+    def checking_decide() -> Any:
+        pending = s._ss_pending
+        if pending is not None:
+            done = pending.future.result()
+            assert done is not None
+            fresh = s._view().snap
+            old = done[0].snap
+            for i, rid in enumerate(old.ids):
+                j = fresh.index_of.get(rid)
+                if j is None:  # finished in update_from_output
+                    assert rid not in s.requests or s.requests[rid].is_finished(), rid
+                    continue
+                row_old = (old.prompt_tokens[i], old.computed_tokens[i], old.output_tokens[i])
+                row_new = (fresh.prompt_tokens[j], fresh.computed_tokens[j], fresh.output_tokens[j])
+                assert row_old == row_new, (rid, row_old, row_new)
+                checked["rows"] += 1
+            arrived = {r.request_id for r in s._ss_arrivals}
+            assert set(fresh.ids) - set(old.ids) <= arrived
+            checked["steps"] += 1
+        return orig()
+
+    s._decide = checking_decide  # type: ignore[method-assign]
+
+    def add_late(k: int, so: Any) -> None:
+        if k % 2 == 0:
+            nxt = next(late, None)
+            if nxt is not None:
+                s.add_request(make_request(*nxt))
+
+    res = Driver(s, clock, async_scheduling=async_).run(on_step=add_late)
+    st = s.slidingserve_stats()
+    assert sorted(res.finished.values()) == sorted(o for _, o in spec)
+    assert checked["steps"] > 20 and checked["rows"] > 100, checked
+    assert st["pipelined"] + st["resyncs"] >= checked["steps"] and st["pipelined"] > 0, st
+    assert st["deviating_iterations"] == 0, st
+    assert st["resyncs"] > 0, st
+    s.slidingserve_close()
+
+
+@pytest.mark.parametrize("base,async_", CASES, ids=["sync", "async"])
+def test_pipeline_off_decides_synchronously(base: type, async_: bool, mdir: str) -> None:
+    clock = FakeClock()
+    cls = scheduler_class(base, {"SLIDINGSERVE_POLICY": "slidingserve", "SLIDINGSERVE_PIPELINE": "off"}, clock)
+    s = build_scheduler(cls, mdir, async_scheduling=async_, num_blocks=400)
+    spec = workload(30, 2)
+    for p, o in spec:
+        s.add_request(make_request(p, o))
+    res = Driver(s, clock, async_scheduling=async_).run()
+    st = s.slidingserve_stats()
+    assert sorted(res.finished.values()) == sorted(o for _, o in spec)
+    assert st["pipelined"] == 0 and st["planned"] > 0.8 * st["iterations"] and st["deviating_iterations"] == 0
+    s.slidingserve_close()
