@@ -8,6 +8,7 @@ Subcommands (their names, flags and output formats are the public interface):
 * ``policies``  list policies, versions and parameters
 * ``predictor`` ``fit`` a predictor from a CSV of batch features and latencies;
   ``show`` one (a file, the built-in default, or a server's)
+* ``token``     ``new`` bearer token + tokens-file entry, ``hash`` of a token (docs/security.md)
 * ``bench``     goodput benchmark on the simulated engine (:mod:`clients.bench`)
 * ``demo``      a small bench: the four main policies on mixed-v1, table and plots
 
@@ -251,6 +252,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _security() -> Any:
+    from scheduler_service.server import security
+
+    return security
+
+
 # -------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="slidingserve", description="SLO-aware batch scheduling service for LLM engines.")
@@ -300,6 +307,16 @@ def build_parser() -> argparse.ArgumentParser:
     sh.add_argument("--profile", help="engine profile key (with --server)")
     sh.add_argument("--timeout", type=float, default=5.0)
     sh.set_defaults(func=cmd_predictor_show)
+
+    s = sub.add_parser("token", help="bearer tokens for the server's auth_tokens_file (docs/security.md)")
+    tsub = s.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    n = tsub.add_parser("new", help="print a fresh token and its tokens-file entry")
+    n.add_argument("--identity", required=True, help="engine (or token) name, shown in logs and metrics")
+    n.add_argument("--tenant", required=True, help="isolation domain of the engine's predictors")
+    n.add_argument("--token-out", help="write the token to this file (mode 0600) instead of stdout")
+    n.set_defaults(func=lambda a: _security().cmd_token_new(a))
+    h = tsub.add_parser("hash", help="SHA-256 of a token read from stdin, for a tokens-file entry")
+    h.set_defaults(func=lambda a: _security().cmd_token_hash(a))
 
     from clients.bench.command import add_subcommands
 

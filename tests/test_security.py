@@ -11,7 +11,6 @@ import ipaddress
 import json
 import time
 from collections.abc import Iterator
-from contextlib import redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,7 @@ from engine_adapter.core import AdapterCore, AdapterSettings, GrpcBackend, Itera
 from engine_adapter.vllm.settings import SettingsError, VllmAdapterSettings
 from scheduler_service.core import ValidationError, batch_features, default_predictor
 from scheduler_service.server import SchedulerServer
-from scheduler_service.server.security import RateLimiter, TokenStore, hash_token, main, scoped_key
+from scheduler_service.server.security import RateLimiter, TokenStore, hash_token, scoped_key
 from tests.grpc_support import make_server, mixed_snapshot
 
 PROFILE = EngineProfile("llama-3-8b", "a100", 1)
@@ -497,17 +496,26 @@ def test_token_store_reload_and_revocation(tmp_path: Path) -> None:
     assert store.lookup("token-two") is not None and store.reloads == 1
 
 
-def test_new_token_command_output_is_a_valid_tokens_file(tmp_path: Path) -> None:
-    out = io.StringIO()
-    with redirect_stdout(out):
-        assert main(["new-token", "--identity", "engine-z", "--tenant", "team-z"]) == 0
-    text = out.getvalue()
+def test_token_command_output_is_a_valid_tokens_file(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from clients.cli import main as cli
+
+    assert cli(["token", "new", "--identity", "engine-z", "--tenant", "team-z"]) == 0
+    text = capsys.readouterr().out
     token = text.splitlines()[0].removeprefix("token: ")
     path = tmp_path / "tokens.json"
     path.write_text(text.split("# tokens-file entry:\n", 1)[1])
     p = TokenStore(str(path)).lookup(token)
     assert p is not None and (p.identity, p.tenant) == ("engine-z", "team-z")
-    assert main(["new-token", "--identity", "a|b", "--tenant", "t"]) == 2
+    out = tmp_path / "engine.token"
+    assert cli(["token", "new", "--identity", "e2", "--tenant", "t", "--token-out", str(out)]) == 0
+    assert "token:" not in capsys.readouterr().out and out.stat().st_mode & 0o777 == 0o600
+    monkeypatch.setattr("sys.stdin", io.StringIO(out.read_text()))
+    assert cli(["token", "hash"]) == 0
+    assert capsys.readouterr().out.strip() == hash_token(out.read_text().strip())
+    assert cli(["token", "new", "--identity", "a|b", "--tenant", "t"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--identity" in err
 
 
 def test_cli_reaches_a_secured_server(token_server: SchedulerServer, pki: PKI, tmp_path: Path,

@@ -599,29 +599,21 @@ def server_credentials(config: ServerConfig) -> tuple[grpc.ServerCredentials, Ce
 
 
 # ------------------------------------------------------------------------- CLI
-def main(argv: list[str] | None = None) -> int:
-    """``python -m scheduler_service.server.security new-token --identity E --tenant T``:
-    print a fresh token (give it to the engine) and its tokens-file entry (give it to the
-    server).  The server never sees the token itself."""
-    ap = argparse.ArgumentParser(prog="python -m scheduler_service.server.security")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    n = sub.add_parser("new-token", help="generate a token and its tokens-file entry")
-    n.add_argument("--identity", required=True, help="engine (or token) name, shown in logs and metrics")
-    n.add_argument("--tenant", required=True, help="isolation domain of the engine's predictors")
-    n.add_argument("--token-out", help="write the token to this file (mode 0600) instead of stdout")
-    sub.add_parser("hash", help="SHA-256 of a token read from stdin")
-    args = ap.parse_args(argv)
-    if args.cmd == "hash":
-        print(hash_token(sys.stdin.read().strip()))
-        return 0
+# ``slidingserve token new|hash`` (parsers in clients/cli.py, which imports this module only
+# when the command runs).  Bad input raises ValidationError: one line, exit code 2.
+def cmd_token_new(args: argparse.Namespace) -> int:
+    """The server never sees the token itself: the engine gets the token, the tokens file
+    only its digest."""
     for what in ("identity", "tenant"):
         if not _NAME.match(getattr(args, what)):
-            print(f"error: --{what} must match [A-Za-z0-9][A-Za-z0-9._@-]{{0,127}}", file=sys.stderr)
-            return 2
+            raise ValidationError.single(f"--{what}", "must match [A-Za-z0-9][A-Za-z0-9._@-]{0,127}")
     token = new_token()
     entry = {"tokens": {args.identity: {"sha256": hash_token(token), "tenant": args.tenant}}}
     if args.token_out:
-        fd = os.open(args.token_out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            fd = os.open(args.token_out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        except OSError as e:
+            raise ValidationError.single("--token-out", f"cannot write {args.token_out}: {e.strerror}") from None
         with os.fdopen(fd, "w") as fh:
             fh.write(token + "\n")
     else:
@@ -631,5 +623,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+def cmd_token_hash(args: argparse.Namespace) -> int:
+    token = sys.stdin.read().strip()
+    if not token:
+        raise ValidationError.single("stdin", "expected a token")
+    print(hash_token(token))
+    return 0
