@@ -364,6 +364,20 @@ def test_rate_limit_per_identity(tokens_file: Path) -> None:
         assert srv.metrics.rate_limited.labels("engine-b", "rate")._value.get() == 1
 
 
+def test_rate_limit_without_auth_keys_on_the_client_and_covers_reports() -> None:
+    with make_server(rate_limit_rps=0.5, rate_limit_burst=4) as srv, \
+            SchedulerClient(srv.target, timeout_s=5.0, profile=PROFILE) as cl:
+        with pytest.raises(SchedulerError) as exc:
+            cl.report(skewed_reports(6, 1.0))  # one token per report message
+        assert exc.value.code == CODES.RESOURCE_EXHAUSTED and "peer:ipv4:127.0.0.1" in exc.value.message
+        assert srv.predictors is not None
+        st = srv.predictors.state(PROFILE.key)
+        assert st is not None and st.accepted == 4  # the ones within the burst were taken
+        assert code_of(cl.list_policies) == CODES.RESOURCE_EXHAUSTED
+        assert srv.metrics.rate_limited.labels("anonymous", "rate")._value.get() == 2
+        assert health(srv.target) == SERVING  # health is never limited
+
+
 def test_stream_limit_per_identity(tokens_file: Path) -> None:
     with make_server(auth_tokens_file=str(tokens_file), max_streams_per_identity=1) as srv:
         with client(srv, token=TOKENS["engine-a"]) as a, client(srv, token=TOKENS["engine-b"]) as b:
