@@ -231,12 +231,12 @@ class TokenStore:
         self._lock = threading.Lock()
         self.reloads = 0
 
-    def _stat(self) -> int | None:
+    def _stat(self) -> tuple[int, int, int] | None:
         try:
             st = os.stat(self.path)
         except OSError:
             return None
-        return st.st_mtime_ns ^ st.st_size ^ st.st_ino
+        return st.st_mtime_ns, st.st_size, st.st_ino
 
     def _maybe_reload(self) -> None:
         now = time.monotonic()
@@ -545,14 +545,14 @@ class CertificateReloader:
         self._stamp = self._stat()
         self.initial = self._load()
 
-    def _stat(self) -> tuple[int | None, ...]:
-        out: list[int | None] = []
+    def _stat(self) -> tuple[tuple[int, int, int] | None, ...]:
+        out: list[tuple[int, int, int] | None] = []
         for f in self.files:
             try:
                 st = os.stat(f) if f else None
             except OSError:
                 st = None
-            out.append(None if st is None else st.st_mtime_ns ^ st.st_size ^ st.st_ino)
+            out.append(None if st is None else (st.st_mtime_ns, st.st_size, st.st_ino))
         return tuple(out)
 
     def _load(self) -> grpc.ServerCertificateConfiguration:
