@@ -176,15 +176,40 @@ def _typed(type_name: str, text: str) -> Any:
 
 
 @dataclass(frozen=True, slots=True)
+class PolicyVersionInfo:
+    """A named version of the server's policy config (what engines pin)."""
+
+    name: str
+    policy: str
+    params: Mapping[str, str]
+    policy_version: str
+
+
+@dataclass(frozen=True, slots=True)
 class PolicyList:
     default_policy: str
     policies: tuple[PolicyInfo, ...]
+    #: The server's policy config: versions side by side, the shadow, the config digest
+    #: (all empty for a server without one, or older than these fields).
+    versions: tuple[PolicyVersionInfo, ...] = ()
+    shadow: str = ""
+    config_digest: str = ""
 
     def names(self) -> list[str]:
         return [p.name for p in self.policies]
 
     def to_dict(self) -> dict[str, Any]:
-        """Same shape as the offline ``{"default": ..., "policies": [registry.describe(n)...]}``."""
+        """Same shape as the offline ``{"default": ..., "policies": [registry.describe(n)...]}``,
+        plus ``versions``/``shadow``/``config_digest`` when the server has a policy config."""
+        out = self._registry_dict()
+        if self.versions:
+            out["versions"] = [{"name": v.name, "policy": v.policy, "params": dict(v.params),
+                                "policy_version": v.policy_version} for v in self.versions]
+            out["shadow"] = self.shadow
+            out["config_digest"] = self.config_digest
+        return out
+
+    def _registry_dict(self) -> dict[str, Any]:
         return {
             "default": self.default_policy,
             "policies": [
@@ -414,6 +439,9 @@ def _policy_list(msg: pb.ListPoliciesResponse) -> PolicyList:
                 for q in p.params))
             for p in msg.policies
         ),
+        tuple(PolicyVersionInfo(v.name, v.policy, dict(v.params), v.policy_version) for v in msg.versions),
+        msg.shadow,
+        msg.config_digest,
     )
 
 

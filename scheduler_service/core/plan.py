@@ -39,6 +39,9 @@ class Plan:
     decision_us: int = 0
     #: Decision time per component (sorter, predictor, chunker, constructor).
     breakdown_us: Mapping[str, int] = field(default_factory=dict)
+    #: The service's policy version that decided ("" = a registry policy named directly);
+    #: set by the service, not by policies.
+    deployment: str = ""
 
     def decision_key(self) -> tuple[Any, ...]:
         return (
@@ -67,6 +70,8 @@ class Plan:
         }
         if self.breakdown_us:
             out["breakdown_us"] = dict(self.breakdown_us)
+        if self.deployment:
+            out["deployment"] = self.deployment
         return out
 
     def to_json(self, indent: int | None = None) -> str:
@@ -84,4 +89,5 @@ class Plan:
             allocations=tuple(Allocation(str(a["id"]), int(a["tokens"])) for a in d["allocations"]),
             decision_us=int(d.get("decision_us", 0)),
             breakdown_us={str(k): int(v) for k, v in d.get("breakdown_us", {}).items()},
+            deployment=str(d.get("deployment", "")),
         )

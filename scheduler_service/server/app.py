@@ -33,6 +33,7 @@ from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2_grpc as pb_grpc
 
 from .config import ServerConfig
+from .deployments import PolicyConfig, PolicyConfigWatcher, PolicySet, ShadowRunner
 from .logs import configure_logging
 from .metrics import Metrics
 from .predictors import PredictorRegistry, RefitSettings
@@ -66,6 +67,9 @@ class SchedulerServer:
         self.metrics_port = 0
         self.health = health.HealthServicer()
         self.predictors: PredictorRegistry | None = None
+        self.policies: PolicySet | None = None
+        self.shadow: ShadowRunner | None = None
+        self.policy_watcher: PolicyConfigWatcher | None = None
         self.servicer: SchedulerServicer | None = None
         self.security: SecurityInterceptor | None = None
         self.certificates: CertificateReloader | None = None
@@ -105,7 +109,17 @@ class SchedulerServer:
             self.metrics,
         )
         policies = PolicyCache()
-        self.servicer = SchedulerServicer(cfg, self.predictors, self.metrics, policies)
+        # policy versions: a bad config fails the start (before binding), like a bad predictor
+        try:
+            pconf = PolicyConfig.from_file(cfg.policy_config) if cfg.policy_config else None
+        except Exception:
+            self.predictors.close()
+            raise
+        self.policies = PolicySet(cfg.default_policy, policies, pconf)
+        self.shadow = ShadowRunner(self.policies, self.metrics)
+        self._note_policy_config(pconf)
+        self.servicer = SchedulerServicer(cfg, self.predictors, self.metrics, policies,
+                                          policyset=self.policies, shadow=self.shadow)
         server = grpc.server(
             ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix="grpc"),
             options=[
@@ -143,6 +157,10 @@ class SchedulerServer:
                 "127.0.0.1" if self.target.startswith("127.") else cfg.host.strip("[]"),
                 max(cfg.metrics_port, 0),
             )
+        if cfg.policy_config:
+            self.policy_watcher = PolicyConfigWatcher(
+                cfg.policy_config, self.policies, self.metrics, cfg.policy_config_poll_s,
+                on_swap=self._note_policy_config).start()
         self.servicer.ready.set()
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("server_started", address=cfg.address, port=self.port, metrics_port=self.metrics_port,
@@ -166,10 +184,16 @@ class SchedulerServer:
         hs.start()
         self._health_server = hs
 
+    def _note_policy_config(self, c: PolicyConfig | None) -> None:
+        if c is not None:
+            self.metrics.policy_config.info({"digest": c.digest, "default": c.default, "shadow": c.shadow,
+                                             "versions": ",".join(sorted(c.versions))})
+
     def _load(self, policies: PolicyCache) -> None:
         """Load the default policy and warm the decision path (first-call numpy costs)."""
         assert self.predictors is not None
-        policy = policies.get(self.config.default_policy, {})
+        assert self.policies is not None
+        policy, _ = self.policies.resolve("", {})
         snap = Snapshot.from_columns(
             now=1.0, max_batch_tokens=64, max_num_seqs=4, ids=["warm-d", "warm-p"],
             arrival=np.array([0.0, 0.5]), prompt_tokens=np.array([8, 100]),
@@ -189,6 +213,10 @@ class SchedulerServer:
             self._server.stop(g).wait()
         if self._health_server is not None:
             self._health_server.stop(0).wait()
+        if self.policy_watcher is not None:
+            self.policy_watcher.close()
+        if self.shadow is not None:
+            self.shadow.close()
         if self.predictors is not None:
             self.predictors.close()
         self.metrics.close()

@@ -56,6 +56,13 @@ class ServerConfig:
     predictor_file: str = ""
     #: Log level: debug, info, warning or error.
     log_level: str = "info"
+    # policy versions (scheduler_service/server/deployments.py)
+    #: Policy config file (YAML/TOML/JSON): named versions side by side, the default, a shadow.
+    #: Re-read on change; a bad file is refused and the last good one keeps serving.  Empty:
+    #: no versions, requests name registry policies and ``default_policy`` applies.
+    policy_config: str = ""
+    #: Seconds between checks of the policy config file for changes.
+    policy_config_poll_s: float = 2.0
 
     # security (docs/security.md; enforced by scheduler_service/server/security.py)
     #: PEM certificate chain and private key of the server; both set = TLS on the gRPC port.
@@ -114,6 +121,7 @@ class ServerConfig:
         check("grace_s", 0.0 <= self.grace_s <= 3600.0, "must be in [0, 3600]")
         check("max_workers", 1 <= self.max_workers <= 4096, "must be in [1, 4096]")
         check("log_level", self.log_level in LOG_LEVELS, f"must be one of {list(LOG_LEVELS)}")
+        check("policy_config_poll_s", 0.05 <= self.policy_config_poll_s <= 3600, "must be in [0.05, 3600]")
         # security
         check("tls_key_file", bool(self.tls_cert_file) == bool(self.tls_key_file),
               "must be set together with tls_cert_file")

@@ -237,6 +237,8 @@ def plan_to_pb(plan: Plan) -> pb.Plan:
     msg.allocation_tokens.extend([a.tokens for a in plan.allocations])
     if plan.breakdown_us:
         msg.breakdown_us.update({str(k): int(v) for k, v in plan.breakdown_us.items()})
+    if plan.deployment:
+        msg.deployment = plan.deployment
     return msg
 
 
@@ -253,6 +255,7 @@ def plan_from_pb(msg: pb.Plan) -> Plan:
         ),
         decision_us=msg.decision_us,
         breakdown_us=dict(msg.breakdown_us),
+        deployment=msg.deployment,
     )
 
 

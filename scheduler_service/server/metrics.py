@@ -68,6 +68,35 @@ class Metrics:
         self.auth_failures = Counter(
             "slidingserve_auth_failures", "Calls refused by authentication or authorisation", ["reason"], registry=r
         )
+        # policy versions (deployments.py): version names come from the operator's config, bounded
+        self.version_decisions = Counter(
+            "slidingserve_version_decisions", "Decisions by policy version of the policy config", ["version"],
+            registry=r,
+        )
+        self.config_reloads = Counter(
+            "slidingserve_policy_config_reloads", "Policy config reloads by result (a refused file keeps the last good one)",
+            ["result"], registry=r,
+        )
+        self.policy_config = Info(
+            "slidingserve_policy_config", "Policy config in force (digest, default, shadow)", registry=r
+        )
+        self.shadow_decisions = Counter(
+            "slidingserve_shadow_decisions",
+            "Shadow decisions by result: same/different plan than the served one, error, dropped (busy)",
+            ["version", "result"], registry=r,
+        )
+        self.shadow_token_delta = Histogram(
+            "slidingserve_shadow_token_delta", "Shadow plan tokens minus served plan tokens", ["version"],
+            buckets=(-2048, -512, -128, -32, -8, -1, 0, 1, 8, 32, 128, 512, 2048), registry=r,
+        )
+        self.shadow_latency_delta_ms = Histogram(
+            "slidingserve_shadow_latency_delta_ms", "Shadow plan predicted latency minus served (ms)", ["version"],
+            buckets=(-50, -20, -10, -5, -2, -1, 0, 1, 2, 5, 10, 20, 50), registry=r,
+        )
+        self.shadow_decision_seconds = Histogram(
+            "slidingserve_shadow_decision_seconds", "Time the shadow version takes per decision", ["version"],
+            buckets=DECISION_BUCKETS, registry=r,
+        )
         self._http: Any = None
         self._lock = threading.Lock()
 

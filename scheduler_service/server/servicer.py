@@ -30,6 +30,7 @@ from .convert import (
     snapshot_from_pb,
     violations_to_pb,
 )
+from .deployments import PolicySet, ShadowRunner
 from .metrics import Metrics
 from .predictors import PredictorRegistry
 from .security import DEFAULT_TENANT, scoped_key, tenant_of
@@ -70,20 +71,29 @@ class PolicyCache:
 
 class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
     def __init__(
-        self, config: ServerConfig, predictors: PredictorRegistry, metrics: Metrics, policies: PolicyCache
+        self, config: ServerConfig, predictors: PredictorRegistry, metrics: Metrics, policies: PolicyCache,
+        *, policyset: PolicySet | None = None, shadow: ShadowRunner | None = None,
     ) -> None:
         self._cfg = config
         self._predictors = predictors
         self._metrics = metrics
         self._policies = policies
+        self._versions = policyset or PolicySet(config.default_policy, policies)
+        self._shadow = shadow
         self.ready = threading.Event()
 
     # ------------------------------------------------------------ decisions
     def _decide(self, request: pb.ScheduleRequest, t0: int, tenant: str = DEFAULT_TENANT) -> pb.ScheduleResponse:
         snap, profile = snapshot_from_pb(request.snapshot, max_requests=self._cfg.max_requests_per_snapshot)
-        policy = self._policies.get(request.policy or self._cfg.default_policy, request.params)
-        plan = policy.plan(snap, self._predictors.current(scoped_key(tenant, profile.key)))
+        policy, version = self._versions.resolve(request.policy, request.params)
+        predictor = self._predictors.current(scoped_key(tenant, profile.key))
+        plan = policy.plan(snap, predictor)
         resp = pb.ScheduleResponse(request_id=request.request_id, plan=plan_to_pb(plan))
+        if version:
+            resp.plan.deployment = version
+            self._metrics.version_decisions.labels(version).inc()
+        if self._shadow is not None:  # one queue put at most; the comparison runs elsewhere
+            self._shadow.offer(snap, predictor, plan, version)
         dt = perf_counter_ns() - t0
         resp.server_us = dt // 1000
         self._metrics.decisions.labels(plan.policy, plan.path).inc()
@@ -183,8 +193,15 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
     # ------------------------------------------------------------ metadata
     def ListPolicies(self, request: pb.ListPoliciesRequest, context: grpc.ServicerContext) -> pb.ListPoliciesResponse:
         try:
-            resp = pb.ListPoliciesResponse(default_policy=self._cfg.default_policy)
+            resp = pb.ListPoliciesResponse(default_policy=self._versions.default)
             resp.policies.extend(describe_to_pb(registry.describe(n)) for n in registry.names())
+            c = self._versions.config
+            if c is not None:
+                for name, spec in sorted(c.versions.items()):
+                    resp.versions.add(name=name, policy=spec.policy, params=dict(spec.params),
+                                      policy_version=c.built[name].version)
+                resp.shadow = c.shadow
+                resp.config_digest = c.digest
             return resp
         except Exception:
             context.abort(grpc.StatusCode.INTERNAL, self._internal("ListPolicies"))

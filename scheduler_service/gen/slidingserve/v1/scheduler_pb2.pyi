@@ -337,7 +337,9 @@ class ScheduleRequest(_message.Message):
     request_id: _builtins.str
     """Caller-chosen id, echoed in the response (lets a stream client match late replies)."""
     policy: _builtins.str
-    """Policy name (see ListPolicies); empty selects the server's default policy."""
+    """A policy version of the server's policy config (pins it) or a registry policy name (see
+    ListPolicies); empty follows the server's default.
+    """
     @_builtins.property
     def snapshot(self) -> Global___Snapshot:
         """The engine's queues."""
@@ -400,6 +402,7 @@ class Plan(_message.Message):
     ALLOCATION_TOKENS_FIELD_NUMBER: _builtins.int
     DECISION_US_FIELD_NUMBER: _builtins.int
     BREAKDOWN_US_FIELD_NUMBER: _builtins.int
+    DEPLOYMENT_FIELD_NUMBER: _builtins.int
     policy: _builtins.str
     """Name of the policy that decided."""
     policy_version: _builtins.str
@@ -414,6 +417,10 @@ class Plan(_message.Message):
     """Predicted iteration latency of this batch (milliseconds)."""
     decision_us: _builtins.int
     """Time the policy took to decide (microseconds; a measurement, not part of the decision)."""
+    deployment: _builtins.str
+    """Name of the policy version (server policy config) that decided; empty when the request
+    named a registry policy directly.  Added after v1.0: older services leave it empty.
+    """
     @_builtins.property
     def allocation_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Ids of the scheduled requests."""
@@ -439,10 +446,11 @@ class Plan(_message.Message):
         allocation_tokens: _abc.Iterable[_builtins.int] | None = ...,
         decision_us: _builtins.int = ...,
         breakdown_us: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        deployment: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocation_ids", b"allocation_ids", "allocation_tokens", b"allocation_tokens", "breakdown_us", b"breakdown_us", "decision_us", b"decision_us", "path", b"path", "policy", b"policy", "policy_version", b"policy_version", "predicted_latency_ms", b"predicted_latency_ms", "predictor_version", b"predictor_version", "token_budget", b"token_budget"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocation_ids", b"allocation_ids", "allocation_tokens", b"allocation_tokens", "breakdown_us", b"breakdown_us", "decision_us", b"decision_us", "deployment", b"deployment", "path", b"path", "policy", b"policy", "policy_version", b"policy_version", "predicted_latency_ms", b"predicted_latency_ms", "predictor_version", b"predictor_version", "token_budget", b"token_budget"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -797,6 +805,64 @@ class PolicyInfo(_message.Message):
 Global___PolicyInfo: _TypeAlias = PolicyInfo  # noqa: Y015
 
 @_typing.final
+class PolicyVersion(_message.Message):
+    """A named policy version of the server's policy config: engines pin it by name in
+    ScheduleRequest.policy or follow the default.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ParamsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    NAME_FIELD_NUMBER: _builtins.int
+    POLICY_FIELD_NUMBER: _builtins.int
+    PARAMS_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Version name, e.g. "v2" (what ScheduleRequest.policy names)."""
+    policy: _builtins.str
+    """Registry policy it runs, e.g. "slidingserve"."""
+    policy_version: _builtins.str
+    """Version of the policy with these parameters (changes with code or parameters)."""
+    @_builtins.property
+    def params(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Parameter overrides."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        policy: _builtins.str = ...,
+        params: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        policy_version: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "params", b"params", "policy", b"policy", "policy_version", b"policy_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PolicyVersion: _TypeAlias = PolicyVersion  # noqa: Y015
+
+@_typing.final
 class ListPoliciesResponse(_message.Message):
     """The answer of ListPolicies."""
 
@@ -804,21 +870,37 @@ class ListPoliciesResponse(_message.Message):
 
     POLICIES_FIELD_NUMBER: _builtins.int
     DEFAULT_POLICY_FIELD_NUMBER: _builtins.int
+    VERSIONS_FIELD_NUMBER: _builtins.int
+    SHADOW_FIELD_NUMBER: _builtins.int
+    CONFIG_DIGEST_FIELD_NUMBER: _builtins.int
     default_policy: _builtins.str
-    """The policy used when ScheduleRequest.policy is empty."""
+    """The policy used when ScheduleRequest.policy is empty: a version name when the server has
+    a policy config, else a registry name.
+    """
+    shadow: _builtins.str
+    """Version that also decides on live snapshots for comparison, never served ("" = none)."""
+    config_digest: _builtins.str
+    """Content digest of the policy config in force ("" = none)."""
     @_builtins.property
     def policies(self) -> _containers.RepeatedCompositeFieldContainer[Global___PolicyInfo]:
         """All registered policies."""
+
+    @_builtins.property
+    def versions(self) -> _containers.RepeatedCompositeFieldContainer[Global___PolicyVersion]:
+        """Policy versions loaded side by side (empty without a policy config).  Added after v1.0."""
 
     def __init__(
         self,
         *,
         policies: _abc.Iterable[Global___PolicyInfo] | None = ...,
         default_policy: _builtins.str = ...,
+        versions: _abc.Iterable[Global___PolicyVersion] | None = ...,
+        shadow: _builtins.str = ...,
+        config_digest: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["default_policy", b"default_policy", "policies", b"policies"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config_digest", b"config_digest", "default_policy", b"default_policy", "policies", b"policies", "shadow", b"shadow", "versions", b"versions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,378 @@
+"""Policy versions side by side, the policy config file that defines them, shadow mode.
+
+Operators change the scheduler without touching the GPUs: a *policy config* (YAML, TOML or
+JSON; ``policy_config`` in the server config) names versions — a registry policy plus
+parameter overrides — and which one is the default::
+
+    default: v2
+    versions:
+      v1: {policy: slidingserve}
+      v2: {policy: slidingserve, params: {window: 3, margin: 1.15}}
+      fcfs: {policy: vllm-fcfs}
+    shadow: {version: v2, sample: 0.25}   # optional: also decide with v2, compare, never serve
+
+An engine pins a version by naming it in ``ScheduleRequest.policy`` (``SLIDINGSERVE_POLICY=v1``
+on the vLLM adapter) or follows the default by leaving it empty; a registry name
+(``slidingserve``) still works as before.  The file is re-read when it changes
+(:class:`PolicyConfigWatcher`): a file that does not parse or validate is refused with a
+logged reason and the last good config keeps serving; both outcomes are counted
+(``slidingserve_policy_config_reloads``).  Every version is built (and so validated) before
+the swap, which is one reference assignment: a decision sees the old or the new config,
+never a mix.
+
+Shadow mode (:class:`ShadowRunner`) hands the live snapshot to a candidate version on one
+background thread after the served plan has been sent; the two plans are compared and only
+metered and logged.  When the thread is still busy the snapshot is dropped (counted), so a
+slow candidate can never slow down the served path or grow a queue.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import random
+import threading
+import time
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from scheduler_service.core import (
+    BatchLatencyPredictor,
+    FieldViolation,
+    Plan,
+    Policy,
+    Snapshot,
+    ValidationError,
+    registry,
+)
+
+from .metrics import Metrics
+
+__all__ = ["PolicyConfig", "PolicyConfigWatcher", "PolicySet", "ShadowRunner", "VersionSpec"]
+
+log = structlog.get_logger("slidingserve.server")
+
+#: Version names: short, printable, usable as a metric label and an env var value.
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+MAX_VERSIONS = 32
+
+
+@dataclass(frozen=True, slots=True)
+class VersionSpec:
+    name: str
+    policy: str
+    params: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    """A validated policy config: every version's policy is already built."""
+
+    default: str
+    versions: Mapping[str, VersionSpec]
+    built: Mapping[str, Policy]
+    shadow: str = ""
+    shadow_sample: float = 1.0
+    digest: str = ""
+    source: str = ""
+
+    @classmethod
+    def from_mapping(cls, data: Any, source: str = "") -> PolicyConfig:
+        """Validate ``data``; every problem is a :class:`FieldViolation` naming its key."""
+        errs: list[FieldViolation] = []
+        if not isinstance(data, Mapping):
+            raise ValidationError.single("policy_config", "must be a mapping with 'default' and 'versions'")
+        unknown = sorted(set(map(str, data)) - {"default", "versions", "shadow"})
+        errs += [FieldViolation(k, "unknown key; valid: default, versions, shadow") for k in unknown]
+        raw_versions = data.get("versions")
+        if not isinstance(raw_versions, Mapping) or not raw_versions:
+            errs.append(FieldViolation("versions", "must map version names to {policy, params}"))
+            raw_versions = {}
+        elif len(raw_versions) > MAX_VERSIONS:
+            errs.append(FieldViolation("versions", f"at most {MAX_VERSIONS} versions, got {len(raw_versions)}"))
+        versions: dict[str, VersionSpec] = {}
+        built: dict[str, Policy] = {}
+        for name, spec in raw_versions.items():
+            where = f"versions.{name}"
+            name = str(name)
+            if not name or len(name) > 64 or not set(name) <= _NAME_CHARS:
+                errs.append(FieldViolation(where, "name must be 1-64 characters of [A-Za-z0-9._-]"))
+                continue
+            if name in registry.names():
+                errs.append(FieldViolation(where, f"name {name!r} is a registry policy; choose another"))
+                continue
+            if not isinstance(spec, Mapping):
+                errs.append(FieldViolation(where, "must be a mapping {policy, params}"))
+                continue
+            extra = sorted(set(map(str, spec)) - {"policy", "params"})
+            errs += [FieldViolation(f"{where}.{k}", "unknown key; valid: policy, params") for k in extra]
+            policy = spec.get("policy")
+            params = spec.get("params") or {}
+            if not isinstance(policy, str) or not policy:
+                errs.append(FieldViolation(f"{where}.policy", "must name a registered policy"))
+                continue
+            if not isinstance(params, Mapping):
+                errs.append(FieldViolation(f"{where}.params", "must be a mapping of parameter names to values"))
+                continue
+            text = {str(k): _text(v) for k, v in params.items()}
+            try:
+                built[name] = registry.create(policy, text or None)
+            except ValidationError as e:
+                errs += [FieldViolation(f"{where}.{v.field}" if v.field else where, v.description)
+                         for v in e.violations]
+                continue
+            versions[name] = VersionSpec(name, policy, text)
+        default = data.get("default")
+        if not isinstance(default, str) or not default:
+            errs.append(FieldViolation("default", "must name one of the versions"))
+        elif raw_versions and default not in raw_versions:
+            errs.append(FieldViolation("default", f"{default!r} is not a version; versions: {sorted(raw_versions)}"))
+        shadow, sample = "", 1.0
+        raw_shadow = data.get("shadow")
+        if raw_shadow is not None:
+            if isinstance(raw_shadow, str):
+                raw_shadow = {"version": raw_shadow}
+            if not isinstance(raw_shadow, Mapping):
+                errs.append(FieldViolation("shadow", "must be a version name or {version, sample}"))
+            else:
+                extra = sorted(set(map(str, raw_shadow)) - {"version", "sample"})
+                errs += [FieldViolation(f"shadow.{k}", "unknown key; valid: version, sample") for k in extra]
+                shadow = str(raw_shadow.get("version", ""))
+                if shadow not in raw_versions:
+                    errs.append(FieldViolation("shadow.version", f"{shadow!r} is not a version"))
+                s = raw_shadow.get("sample", 1.0)
+                if isinstance(s, bool) or not isinstance(s, int | float) or not 0.0 < float(s) <= 1.0:
+                    errs.append(FieldViolation("shadow.sample", f"must be a number in (0, 1], got {s!r}"))
+                else:
+                    sample = float(s)
+        if errs:
+            raise ValidationError(errs)
+        assert isinstance(default, str)
+        canon = json.dumps({"default": default, "shadow": shadow, "sample": sample,
+                            "versions": {n: [v.policy, dict(sorted(v.params.items()))]
+                                         for n, v in sorted(versions.items())}}, sort_keys=True)
+        digest = hashlib.sha256(canon.encode()).hexdigest()[:12]
+        return cls(default, versions, built, shadow, sample, digest, source)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> PolicyConfig:
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValidationError.single("policy_config", f"cannot read {p}: {getattr(e, 'strerror', None) or e}") from None
+        suffix = p.suffix.lower()
+        try:
+            if suffix == ".toml":
+                data: Any = tomllib.loads(text)
+            elif suffix == ".json":
+                data = json.loads(text)
+            elif suffix in (".yaml", ".yml"):
+                import yaml
+
+                data = yaml.safe_load(text)
+            else:
+                raise ValidationError.single("policy_config", f"unknown format {suffix!r}; use .yaml, .toml or .json")
+        except ValidationError:
+            raise
+        except Exception as e:  # the parsers' own errors
+            raise ValidationError.single("policy_config", f"cannot parse {p}: {e}") from None
+        return cls.from_mapping(data, str(p))
+
+
+def _text(v: Any) -> str:
+    return "true" if v is True else "false" if v is False else str(v)
+
+
+class PolicySet:
+    """Resolves a request's policy name to a policy; the config behind it is swapped whole.
+
+    Resolution: a version name of the config in force (its parameters, then the request's
+    overrides on top), else a registry name (as without a config), else INVALID_ARGUMENT.
+    """
+
+    def __init__(self, default_policy: str, cache: Any, config: PolicyConfig | None = None) -> None:
+        self._default_policy = default_policy
+        self._cache = cache  # servicer.PolicyCache: (name, params) -> Policy
+        self.config = config
+
+    @property
+    def default(self) -> str:
+        c = self.config
+        return c.default if c is not None else self._default_policy
+
+    def swap(self, config: PolicyConfig) -> None:
+        self.config = config  # one reference assignment: readers see old or new, never a mix
+
+    def resolve(self, name: str, params: Mapping[str, str]) -> tuple[Policy, str]:
+        """(policy, version name or "" for a registry policy)."""
+        c = self.config
+        if c is not None:
+            key = name or c.default
+            spec = c.versions.get(key)
+            if spec is not None:
+                if not params:
+                    return c.built[key], key
+                return self._cache.get(spec.policy, {**spec.params, **params}), key
+        return self._cache.get(name or self._default_policy, params), ""
+
+
+class PolicyConfigWatcher:
+    """Re-reads the policy config file when its mtime or size changes; swaps only valid files."""
+
+    def __init__(self, path: str, policies: PolicySet, metrics: Metrics, period_s: float = 2.0,
+                 on_swap: Any = None) -> None:
+        self.path = path
+        self.policies = policies
+        self.metrics = metrics
+        self.period_s = period_s
+        self.on_swap = on_swap
+        self._stamp = self._stat()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="policy-config", daemon=True)
+
+    def _stat(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_mtime_ns, st.st_size
+
+    def start(self) -> PolicyConfigWatcher:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.check()
+
+    def check(self) -> bool | None:
+        """Reload when the file changed: True swapped, False refused, None unchanged."""
+        stamp = self._stat()
+        if stamp == self._stamp:
+            return None
+        self._stamp = stamp
+        try:
+            new = PolicyConfig.from_file(self.path)
+        except ValidationError as e:
+            self.metrics.config_reloads.labels("failure").inc()
+            log.error("policy_config_refused", path=self.path, error=str(e),
+                      keeping=self.policies.config.digest if self.policies.config else "")
+            return False
+        old = self.policies.config
+        if old is not None and new.digest == old.digest:
+            return None
+        self.policies.swap(new)
+        self.metrics.config_reloads.labels("success").inc()
+        if self.on_swap is not None:
+            self.on_swap(new)
+        log.info("policy_config_reloaded", path=self.path, digest=new.digest, default=new.default,
+                 versions=sorted(new.versions), shadow=new.shadow,
+                 previous=old.digest if old is not None else "")
+        return True
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+
+@dataclass(frozen=True, slots=True)
+class _ShadowJob:
+    snapshot: Snapshot
+    predictor: BatchLatencyPredictor
+    served: Plan
+    served_version: str
+
+
+class ShadowRunner:
+    """Decides again with the shadow version on a background thread and meters the difference.
+
+    ``offer`` never blocks: one job at a time; a job offered while another runs is dropped
+    and counted, so the shadow costs the served path one queue put at most."""
+
+    def __init__(self, policies: PolicySet, metrics: Metrics, seed: int | None = None) -> None:
+        self.policies = policies
+        self.metrics = metrics
+        self._rng = random.Random(seed)
+        self._jobs: queue.Queue[_ShadowJob | None] = queue.Queue(maxsize=1)
+        self._thread = threading.Thread(target=self._run, name="policy-shadow", daemon=True)
+        self._thread.start()
+        self.compared = 0
+        self.dropped = 0
+
+    def offer(self, snapshot: Snapshot, predictor: BatchLatencyPredictor, served: Plan, served_version: str) -> None:
+        c = self.policies.config
+        if c is None or not c.shadow or c.shadow == served_version:
+            return
+        if c.shadow_sample < 1.0 and self._rng.random() >= c.shadow_sample:
+            return
+        try:
+            self._jobs.put_nowait(_ShadowJob(snapshot, predictor, served, served_version))
+        except queue.Full:
+            self.dropped += 1
+            self.metrics.shadow_decisions.labels(c.shadow, "dropped").inc()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                if job is None:
+                    return
+                self._shadow(job)
+            finally:
+                self._jobs.task_done()
+
+    def _shadow(self, job: _ShadowJob) -> None:
+        c = self.policies.config
+        if c is None or not c.shadow:
+            return
+        name = c.shadow
+        t0 = time.perf_counter()
+        try:
+            plan = c.built[name].plan(job.snapshot, job.predictor)
+        except Exception:
+            log.exception("shadow_failed", version=name)
+            self.metrics.shadow_decisions.labels(name, "error").inc()
+            return
+        self.metrics.shadow_decision_seconds.labels(name).observe(time.perf_counter() - t0)
+        self._compare(name, job, plan)
+
+    def _compare(self, name: str, job: _ShadowJob, plan: Plan) -> None:
+        served = job.served.as_dict()
+        shadow = plan.as_dict()
+        same = served == shadow
+        self.compared += 1
+        m = self.metrics
+        m.shadow_decisions.labels(name, "same" if same else "different").inc()
+        m.shadow_token_delta.labels(name).observe(plan.token_budget - job.served.token_budget)
+        m.shadow_latency_delta_ms.labels(name).observe(plan.predicted_latency_ms - job.served.predicted_latency_ms)
+        if not same:
+            only_served = sorted(set(served) - set(shadow))[:10]
+            only_shadow = sorted(set(shadow) - set(served))[:10]
+            log.debug("shadow_differs", shadow=name, served=job.served_version or job.served.policy,
+                      tokens=(job.served.token_budget, plan.token_budget),
+                      only_served=only_served, only_shadow=only_shadow)
+
+    def wait_idle(self, timeout: float = 5.0) -> bool:
+        """Tests: True once no shadow job is queued or running."""
+        end = time.monotonic() + timeout
+        while self._jobs.unfinished_tasks:
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def close(self) -> None:
+        try:
+            self._jobs.put(None, timeout=1)
+        except queue.Full:
+            pass
+        self._thread.join(timeout=5)
