@@ -47,7 +47,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-test: $(VSTAMP) proto-check buf-lint lint
+test: $(VSTAMP) proto-check buf-lint buf-breaking lint deploy-check
 	$(PY) -m pytest -q
 	tools/vllm_tests.sh $(PY)
 
