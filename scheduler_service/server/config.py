@@ -63,6 +63,10 @@ class ServerConfig:
     policy_config: str = ""
     #: Seconds between checks of the policy config file for changes.
     policy_config_poll_s: float = 2.0
+    #: An engine unseen this long is dropped from the engine table (metrics, logs).
+    engine_ttl_s: float = 300.0
+    #: Most engines tracked; beyond it the least recently seen is evicted (bounded memory).
+    max_engines: int = 10_000
 
     # security (docs/security.md; enforced by scheduler_service/server/security.py)
     #: PEM certificate chain and private key of the server; both set = TLS on the gRPC port.
@@ -122,6 +126,8 @@ class ServerConfig:
         check("max_workers", 1 <= self.max_workers <= 4096, "must be in [1, 4096]")
         check("log_level", self.log_level in LOG_LEVELS, f"must be one of {list(LOG_LEVELS)}")
         check("policy_config_poll_s", 0.05 <= self.policy_config_poll_s <= 3600, "must be in [0.05, 3600]")
+        check("engine_ttl_s", 0.01 <= self.engine_ttl_s <= 86400 * 30, "must be in [0.01, 2592000]")
+        check("max_engines", 1 <= self.max_engines <= 10_000_000, "must be in [1, 10000000]")
         # security
         check("tls_key_file", bool(self.tls_cert_file) == bool(self.tls_key_file),
               "must be set together with tls_cert_file")

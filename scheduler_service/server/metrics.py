@@ -97,6 +97,19 @@ class Metrics:
             "slidingserve_shadow_decision_seconds", "Time the shadow version takes per decision", ["version"],
             buckets=DECISION_BUCKETS, registry=r,
         )
+        # the fleet (engines.py): gauges refreshed by the engine table's sweeps
+        self.engines_active = Gauge(
+            "slidingserve_engines_active", "Engines seen within engine_ttl_s", registry=r
+        )
+        self.engines_by_version = Gauge(
+            "slidingserve_engines_by_version", "Active engines by the policy version of their last decision",
+            ["version"], registry=r,
+        )
+        self.engines_removed = Counter(
+            "slidingserve_engines_removed", "Engine records removed: expired (idle) or evicted (max_engines)",
+            ["reason"], registry=r,
+        )
+        self.known_engine_versions: set[str] = set()
         self._http: Any = None
         self._lock = threading.Lock()
 

@@ -31,6 +31,7 @@ from .convert import (
     violations_to_pb,
 )
 from .deployments import PolicySet, ShadowRunner
+from .engines import EngineTable
 from .metrics import Metrics
 from .predictors import PredictorRegistry
 from .security import DEFAULT_TENANT, scoped_key, tenant_of
@@ -73,6 +74,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
     def __init__(
         self, config: ServerConfig, predictors: PredictorRegistry, metrics: Metrics, policies: PolicyCache,
         *, policyset: PolicySet | None = None, shadow: ShadowRunner | None = None,
+        engines: EngineTable | None = None,
     ) -> None:
         self._cfg = config
         self._predictors = predictors
@@ -80,6 +82,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         self._policies = policies
         self._versions = policyset or PolicySet(config.default_policy, policies)
         self._shadow = shadow
+        self.engines = engines or EngineTable(metrics, config.engine_ttl_s, config.max_engines)
         self.ready = threading.Event()
 
     # ------------------------------------------------------------ decisions
@@ -94,6 +97,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
             self._metrics.version_decisions.labels(version).inc()
         if self._shadow is not None:  # one queue put at most; the comparison runs elsewhere
             self._shadow.offer(snap, predictor, plan, version)
+        self.engines.seen(tenant, request.snapshot.engine_id, version)
         dt = perf_counter_ns() - t0
         resp.server_us = dt // 1000
         self._metrics.decisions.labels(plan.policy, plan.path).inc()
