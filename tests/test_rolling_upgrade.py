@@ -1,0 +1,32 @@
+"""Rolling upgrade (issue: fleet operation): simulated engines run through a policy version change
+(config reload, v1 -> v2) and a rolling restart of both service replicas (real processes) with
+zero lost requests and a bounded number of fallback iterations.  The full-size figures come
+from ``python -m benchmarks.rolling_upgrade``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks.rolling_upgrade import rolling_upgrade
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_rolling_upgrade_loses_nothing_and_falls_back_briefly(tmp_path: Path) -> None:
+    res = rolling_upgrade(tmp_path, engines=2, requests=60, rate=4.0, speedup=2.0, progress=False)
+    assert res["lost"] == 0 and res["completed"] == res["submitted"] == 120
+    for e in res["per_engine"]:
+        assert e["error"] == "" and e["lost"] == 0
+        phases = e["served_by_phase"]
+        # before the reload only v1 served; once both replicas restarted only v2
+        assert set(phases["v1"]) == {"v1"}, phases
+        assert set(phases.get("after B", {})) | set(phases.get("upgraded", {})) <= {"v2"}, phases
+        assert sum(phases.get("after B", {}).values()) + sum(phases.get("upgraded", {}).values()) > 50
+        # each restart costs an engine a few native iterations (the failed call, one back-off)
+        assert sum(e["fallbacks"].values()) <= 10, e
+        assert e["longest_fallback_run"] <= 4, e
+        assert set(e["fallbacks"]) <= {"error", "circuit_open", "deadline"}, e
+    # the engines moved between replicas: both restarts were seen by at least one engine
+    assert res["fallback_iterations"] >= 1
