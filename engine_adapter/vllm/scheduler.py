@@ -554,8 +554,14 @@ class SlidingServeMixin:
             *args, **kwargs)
 
     def _reserve_prefill_lookahead(self, request: Any, num_computed_tokens: int, num_new_tokens: int) -> int:
-        if self._plan is not None:  # called for every request vLLM schedules: keep it lean
-            num_new_tokens = self._cap(request, num_new_tokens, num_computed_tokens)
+        plan = self._plan
+        if plan is not None:  # called for every request vLLM schedules: _cap, inlined
+            want = plan.get(request.request_id)
+            if want is None:
+                if request.request_id not in self._ss_blocked:
+                    num_new_tokens = 0
+            elif want < num_new_tokens and num_computed_tokens < request.num_tokens - 1:
+                num_new_tokens = want
         return super()._reserve_prefill_lookahead(  # type: ignore[misc]
             request, num_computed_tokens, num_new_tokens)
 
@@ -644,11 +650,12 @@ class SlidingServeMixin:
 
     def _count_deviations(self, plan: dict[str, int], out: Any) -> None:
         got = out.num_scheduled_tokens
+        differ = [rid for rid, n in plan.items() if got.get(rid, 0) != n]
+        if not differ:
+            return
         bad = 0
-        for rid, n in plan.items():
-            g = got.get(rid, 0)
-            if g == n:
-                continue
+        for rid in differ:
+            n, g = plan[rid], got.get(rid, 0)
             r = self.requests.get(rid)
             if r is not None and g > 0:
                 # decode with spec tokens, or a prefill shortened by a prefix-cache hit
