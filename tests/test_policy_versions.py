@@ -194,3 +194,9 @@ def test_server_config_knows_the_policy_config_fields() -> None:
     assert ServerConfig(policy_config="x.yaml", policy_config_poll_s=0.5).policy_config_poll_s == 0.5
     with pytest.raises(ValidationError, match="policy_config_poll_s"):
         ServerConfig(policy_config_poll_s=0)
+
+
+def test_shipped_policy_config_loads() -> None:
+    root = Path(__file__).resolve().parent.parent
+    c = PolicyConfig.from_file(root / "deploy/kubernetes/base/policies.yaml")
+    assert c.default in c.versions
