@@ -73,7 +73,7 @@ from engine_adapter.core import (
 )
 from scheduler_service.core import Plan, Snapshot
 
-from .settings import SettingsWatcher, VllmAdapterSettings, default_engine_id
+from .settings import FOLLOW_DEFAULT, SettingsWatcher, VllmAdapterSettings, default_engine_id
 from .snapshot import SloDefaults, SnapshotBuilder
 
 __all__ = ["RemoteScheduler", "RemoteSyncScheduler", "SlidingServeMixin", "build_core"]
@@ -149,7 +149,7 @@ def _channel_factory(s: VllmAdapterSettings) -> Any:
 def build_core(s: VllmAdapterSettings, profile: str) -> AdapterCore:
     """An :class:`AdapterCore` whose fallback is "no plan" (vLLM's native scheduling)."""
     a = AdapterSettings(
-        policy=s.policy, params=dict(s.params), deadline_ms=s.deadline_ms, fallback_policy="",
+        policy="" if s.policy == FOLLOW_DEFAULT else s.policy, params=dict(s.params), deadline_ms=s.deadline_ms, fallback_policy="",
         profile=profile, engine_id=s.engine_id or default_engine_id(), report_batch=s.report_batch,
         max_backoff_decisions=s.max_backoff_decisions,
     )

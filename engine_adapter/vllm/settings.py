@@ -33,11 +33,14 @@ from typing import Any
 
 import yaml
 
-__all__ = ["ENV_PREFIX", "SettingsError", "SettingsWatcher", "VllmAdapterSettings", "parse_params"]
+__all__ = ["ENV_PREFIX", "FOLLOW_DEFAULT", "SettingsError", "SettingsWatcher", "VllmAdapterSettings", "parse_params"]
 
 log = logging.getLogger(__name__)
 
 ENV_PREFIX = "SLIDINGSERVE_"
+#: ``SLIDINGSERVE_POLICY`` value that follows the service's default policy version (what an
+#: empty ``ScheduleRequest.policy`` selects) instead of naming a policy or version.
+FOLLOW_DEFAULT = "default"
 
 
 class SettingsError(ValueError):
@@ -67,6 +70,8 @@ class VllmAdapterSettings:
 
     #: ``host:port`` of the scheduling service, or ``inproc`` (policy in the engine process).
     address: str = "inproc"
+    #: A registry policy, a policy version of the service's policy config (pins it), or
+    #: ``default`` (follow the service's default version; in-process: ``slidingserve``).
     policy: str = "slidingserve"
     params: Mapping[str, str] = field(default_factory=dict)
     #: Time the engine waits for a remote plan before scheduling natively.
@@ -136,7 +141,7 @@ class VllmAdapterSettings:
         for name in ("log_every", "reconnect_max_ms", "max_backoff_decisions", "report_batch"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"SLIDINGSERVE_{name.upper()} must be >= 1")
-        if self.policy:
+        if self.policy and self.policy != FOLLOW_DEFAULT:
             from scheduler_service.core import registry
 
             if self.address == "inproc":

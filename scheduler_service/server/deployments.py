@@ -105,8 +105,9 @@ class PolicyConfig:
             if not name or len(name) > 64 or not set(name) <= _NAME_CHARS:
                 errs.append(FieldViolation(where, "name must be 1-64 characters of [A-Za-z0-9._-]"))
                 continue
-            if name in registry.names():
-                errs.append(FieldViolation(where, f"name {name!r} is a registry policy; choose another"))
+            if name in registry.names() or name == "default":
+                errs.append(FieldViolation(where, f"name {name!r} is reserved (a registry policy or 'default'); "
+                                                  "choose another"))
                 continue
             if not isinstance(spec, Mapping):
                 errs.append(FieldViolation(where, "must be a mapping {policy, params}"))
@@ -214,6 +215,8 @@ class PolicySet:
     def resolve(self, name: str, params: Mapping[str, str]) -> tuple[Policy, str]:
         """(policy, version name or "" for a registry policy)."""
         c = self.config
+        if name == "default":  # the adapters' spelling of "follow the default"
+            name = ""
         if c is not None:
             key = name or c.default
             spec = c.versions.get(key)

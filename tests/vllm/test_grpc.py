@@ -120,3 +120,39 @@ def test_invalid_plans_rejected_and_counted(base: type, async_: bool, mdir: str)
     _done(s, res, 20, free0)
     assert st["planned"] == 0 and st["fallbacks"]["invalid_plan"] >= 5
     assert "gets" in st["core"]["last_error"]
+
+
+def test_engines_follow_the_default_version_or_pin_one(mdir: str, tmp_path: Any) -> None:
+    """SLIDINGSERVE_POLICY=default follows the service's default version; a version name pins
+    it; the adapter's settings file switches between them without a restart."""
+    import json
+
+    conf = tmp_path / "policies.json"
+    conf.write_text(json.dumps({"default": "v2", "versions": {
+        "v1": {"policy": "vllm-fcfs"}, "v2": {"policy": "slidingserve", "params": {"window": 1}}}}))
+    settings = tmp_path / "adapter.yaml"
+    settings.write_text("policy: default\n")
+    with make_server(policy_config=str(conf)) as srv:
+        s, d, free0 = _engine(RemoteSyncScheduler, False, mdir, srv.target, 60, deadline_ms=2000,
+                              SLIDINGSERVE_CONFIG=str(settings))
+        s._ss_watcher.period_s = 0
+
+        def by_version(v: str) -> float:
+            return srv.metrics.registry.get_sample_value("slidingserve_version_decisions_total", {"version": v}) or 0
+
+        marks: dict[str, float] = {}
+
+        def on_step(k: int, _so: Any) -> None:
+            if k == 15:
+                marks["v2"] = by_version("v2")
+                settings.write_text("policy: v1\n")  # pin v1 from now on
+            if k == 16:
+                marks["v1_at_switch"] = by_version("v1")
+
+        res = d.run(on_step=on_step)
+        st = s.slidingserve_stats()
+        s.slidingserve_close()
+    _done(s, res, 60, free0)
+    assert marks["v2"] >= 10 and by_version("v2") <= marks["v2"] + 2  # pipelined decisions in flight
+    assert by_version("v1") > marks["v1_at_switch"] + 10
+    assert st["settings_reloads"] == 1 and st["policy"] == "v1" and st["deviating_iterations"] == 0
