@@ -9,7 +9,9 @@ Set-up, and why:
 * The service is a real ``slidingserve serve`` subprocess (started fresh for every phase so
   that no phase inherits the predictor refits or the CPU time of the one before), bound to
   loopback.  It is never in the benchmark's own process, so the engines' GIL cannot hide or
-  inflate the server's.
+  inflate the server's.  Before the clock starts it is made to refit once under a spare
+  profile: a fresh process imports scikit-learn on its first refit (~1 s, mostly holding the
+  GIL), a one-off stall that would otherwise land in the first seconds of every phase.
 * Every engine is its own process (``multiprocessing``, spawn) running the simulated engine
   (real trace lengths, ground-truth GPU latencies) with the production adapter core
   (:class:`~engine_adapter.core.AdapterCore` + :class:`~engine_adapter.core.GrpcBackend`,
@@ -34,8 +36,15 @@ the service process (cores; one Python process is capped near 1 core by its GIL,
 threads aside), and SLO attainment fleet vs in-process.  Target at N = 8: service p99 ≤ 5 ms,
 fallbacks ≤ 0.1 %, no errors.
 
+How close one process is to its limit: ``service_cpu_ms_per_decision`` (CPU per decision,
+reports and refits included; 1000 / it is the most decisions/s one core serves) and, with
+``--profile-server``, the fraction of time the service's GIL was held.  ``engine_wall_split``
+and ``engines_keep_pace`` tell whether the engines themselves kept real time: on a small
+machine the engine processes and the service share the cores, and the engines (the load
+generator) give out first.
+
 ``--saturate`` then raises the speedup at the largest N (×2 per step) until the target
-breaks.  ``--profile-server`` samples the service with py-spy (PyPI package ``py-spy``;
+breaks, or until the engines can no longer keep pace (then the service was not the limit).  ``--profile-server`` samples the service with py-spy (PyPI package ``py-spy``;
 ``--gil``: only the thread holding the GIL) during each phase and attributes its time to
 gRPC runtime, protobuf (de)serialisation, snapshot decode + validation, policy, plan encode,
 reports and predictor refits.
@@ -133,8 +142,17 @@ def _make_paced_adapter(base: type, speedup: float, counters: Any, slot: int) ->
             self._wall0 = 0.0
             #: Seconds each decision was asked later than its real-time schedule.
             self.lag_s: list[float] = []
+            #: Wall seconds spent pacing (asleep) and in decide() (round trip, plan check).
+            self.sleep_s = 0.0
+            self.decide_s = 0.0
+            #: Longest decide() and longest stretch between two decisions outside it (seconds).
+            self.max_decide_s = 0.0
+            self.max_between_s = 0.0
+            self._last_end: float | None = None
 
         def decide(self, snapshot: Any) -> Any:
+            if self._last_end is not None:
+                self.max_between_s = max(self.max_between_s, time.perf_counter() - self._last_end)
             if speedup > 0:
                 if self._sim0 is None:
                     self._sim0, self._wall0 = snapshot.now, time.perf_counter()
@@ -142,8 +160,13 @@ def _make_paced_adapter(base: type, speedup: float, counters: Any, slot: int) ->
                 left = due - time.perf_counter()
                 if left > 0:
                     time.sleep(left)
+                    self.sleep_s += left
                 self.lag_s.append(max(0.0, -left))
+            t0 = time.perf_counter()
             d = super().decide(snapshot)
+            self._last_end = time.perf_counter()
+            self.decide_s += self._last_end - t0
+            self.max_decide_s = max(self.max_decide_s, self._last_end - t0)
             if counters is not None:
                 counters[3 * slot] += 1
                 if d.source != "remote":
@@ -239,6 +262,11 @@ def run_engine(job: EngineJob, counters: Any = None, on_ready: Callable[[], None
         "reports_dropped": st["reports_dropped"],
         "report_errors": st["report_errors"],
         "lag_p99_ms": float(np.percentile(lag, 99) * 1e3),
+        "lag_ms": (lag * 1e3).astype(np.float32),
+        "sleep_s": getattr(adapter, "sleep_s", 0.0),
+        "decide_s": getattr(adapter, "decide_s", 0.0),
+        "max_decide_ms": getattr(adapter, "max_decide_s", 0.0) * 1e3,
+        "max_between_ms": getattr(adapter, "max_between_s", 0.0) * 1e3,
         "late_fraction": float(np.mean(lag > 0.005)),
         "rtt_us": np.array(rtt_us, dtype=np.int64),
         "server_us": np.array(server_us, dtype=np.int64),
@@ -292,6 +320,7 @@ class Service:
             env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=self.log, stderr=subprocess.STDOUT,
         )
         self._wait_serving()
+        self._first_refit()
 
     def _wait_serving(self, timeout: float = 60.0) -> None:
         import grpc
@@ -309,6 +338,29 @@ class Service:
                         return
                 time.sleep(0.1)
         raise SystemExit(f"the service did not become SERVING within {timeout:.0f} s")
+
+    def _first_refit(self, timeout: float = 60.0) -> None:
+        """Make the service refit once, under a profile no engine uses, before the clock starts.
+
+        The first refit of a fresh process imports scikit-learn (about 1 s, mostly holding the
+        GIL), which would stall every decision of the first phase seconds once and then never
+        again; a phase measures the steady state.  (The engines' profile keeps its bootstrap.)
+        """
+        from clients.client import IterationReport, SchedulerClient
+
+        rng = np.random.default_rng(0)
+        reports = []
+        for _ in range(400):
+            c = rng.integers(1, 512, rng.integers(1, 32))
+            u = rng.integers(0, 2048, len(c))
+            reports.append(IterationReport(latency_ms=5.0 + 0.02 * float(c.sum()) + 1e-4 * float(u.sum()), c=c, u=u))
+        with SchedulerClient(self.target, timeout_s=30.0, profile="fleet-load-warmup") as client:
+            client.report(reports)
+            end = time.monotonic() + timeout
+            while client.get_predictor("fleet-load-warmup").refits < 1:
+                if time.monotonic() > end:
+                    raise SystemExit("the service did not refit its warm-up profile")
+                time.sleep(0.1)
 
     def cpu_s(self) -> float:
         """CPU seconds (user + system) the service process has used so far."""
@@ -363,7 +415,7 @@ def attribute(collapsed: str) -> dict[str, float]:
                 break
         counts[cat] += int(n)
     total = sum(counts.values()) or 1
-    return {k: round(v / total, 3) for k, v in counts.most_common()}
+    return {k: round(v / total, 3) for k, v in counts.most_common()} | {"_samples": sum(counts.values())}
 
 
 @contextlib.contextmanager
@@ -378,9 +430,10 @@ def profiled(service: Service, seconds: float, out: Path | None) -> Iterator[dic
         print("  (--profile-server: py-spy not found; install the PyPI package py-spy)", file=sys.stderr)
         yield result
         return
+    rate, duration = 250, max(2, int(seconds))
     proc = subprocess.Popen([spy, "record", "--pid", str(service.proc.pid), "--gil", "--nonblocking",
-                             "--rate", "250", "--format", "raw", "--output", str(out),
-                             "--duration", str(max(2, int(seconds)))],
+                             "--rate", str(rate), "--format", "raw", "--output", str(out),
+                             "--duration", str(duration)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         yield result
@@ -391,7 +444,11 @@ def profiled(service: Service, seconds: float, out: Path | None) -> Iterator[dic
             proc.kill()
             _, err = proc.communicate()
         if out.exists():
-            result.update(attribute(out.read_text()))
+            shares = attribute(out.read_text())
+            # --gil samples only while some thread holds the GIL: samples / (rate × duration) is
+            # the fraction of time the GIL was busy, the saturation gauge of one Python process.
+            result["gil_held_fraction"] = round(shares.pop("_samples") / (rate * duration), 3)
+            result["shares"] = shares
         else:
             print(f"  (py-spy produced nothing: {err.decode(errors='replace').strip()[-200:]})", file=sys.stderr)
 
@@ -490,7 +547,19 @@ def run_phase(phase: Phase, base: EngineJob, workdir: Path, spy_dir: Path | None
         "last_errors": sorted({r["last_error"] for r in rs if r["last_error"]})[:3],
         "lag_p99_ms": max((r["lag_p99_ms"] for r in rs), default=0.0),
         "late_fraction": float(np.mean([r["late_fraction"] for r in rs])) if rs else 0.0,
+        # Where an engine's wall time went: pacing sleep, decide() (mostly the round trip), and
+        # the rest (its own simulation work, reports, and waiting for a CPU).  Little sleep
+        # means the engines, not the service, set the pace.
+        "engine_max_decide_ms": max((r["max_decide_ms"] for r in rs), default=0.0),
+        "engine_max_between_ms": max((r["max_between_ms"] for r in rs), default=0.0),
+        "engine_wall_split": {
+            "sleep": round(float(np.mean([r["sleep_s"] / r["wall_s"] for r in rs])), 3) if rs else 0.0,
+            "decide": round(float(np.mean([r["decide_s"] / r["wall_s"] for r in rs])), 3) if rs else 0.0,
+        },
         "service_cpu_cores": round(cpu / wall, 2),
+        # CPU per decision (reports and refits included): 1000 / this is the most decisions/s
+        # one core can serve, an upper bound for one GIL-bound process.
+        "service_cpu_ms_per_decision": round(1e3 * cpu / max(decisions, 1), 3),
         "service_threads": threads,
         "engine_cpu_cores": round(sum(r["cpu_s"] for r in rs) / wall, 2),
         "requests": sum(r["requests"] for r in rs),
@@ -502,10 +571,14 @@ def run_phase(phase: Phase, base: EngineJob, workdir: Path, spy_dir: Path | None
         "loadavg_1m": os.getloadavg()[0],
     }
     out["slo_attainment"] = 1.0 - out["violated"] / max(out["requests"], 1)
+    # Engines that ask late most of the time set the pace themselves (machine CPU): the
+    # offered load then falls short of the nominal one and the service is not the limit.
+    out["engines_keep_pace"] = bool(out["late_fraction"] <= 0.05)
     out["meets_target"] = bool(out["service_ms"]["p99"] <= TARGET_P99_MS
                                and out["fallback_rate"] <= TARGET_FALLBACK and out["errors"] == 0)
     if spy:
         out["server_profile_gil"] = spy
+    out["_engines"] = rs  # raw per-engine results (samples included); not written to --out
     return out
 
 
@@ -611,6 +684,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             while s * 2 <= args.max_speedup:
                 s *= 2
                 res = go(Phase(n, s))
+                if not res["engines_keep_pace"] and res["meets_target"]:
+                    saturation = {"engines": n, "speedup": s, "decisions_per_s": res["decisions_per_s"],
+                                  "limited_by": "the engines: they could not keep real-time pace on this "
+                                                "machine, so the service was not the limit"}
+                    break
                 if not res["meets_target"]:
                     saturation = {"engines": n, "breaks_at_speedup": s, "decisions_per_s": res["decisions_per_s"],
                                   "last_ok": None if last_ok is None else
@@ -634,9 +712,16 @@ def main(argv: Sequence[str] | None = None) -> int:
           " rtt = client round trip; lag = how late engines asked vs real time; svc cpu = cores used by the"
           " service process)")
     for p in phases:
-        if p.get("server_profile_gil"):
-            share = ", ".join(f"{k} {100 * v:.0f}%" for k, v in p["server_profile_gil"].items())
-            print(f"service GIL time, N={p['engines']} x{p['speedup']:g}: {share}")
+        print(f"N={p['engines']} x{p['speedup']:g}: service CPU {p['service_cpu_ms_per_decision']:.2f} ms per "
+              f"decision (≤ {1e3 / max(p['service_cpu_ms_per_decision'], 1e-3):,.0f} decisions/s per core); "
+              f"engines' wall time: asleep {100 * p['engine_wall_split']['sleep']:.0f}%, in decide() "
+              f"{100 * p['engine_wall_split']['decide']:.0f}%; longest decide() {p['engine_max_decide_ms']:.0f} ms"
+              + ("" if p["engines_keep_pace"] else "; engines could NOT keep pace (late "
+                 f"{100 * p['late_fraction']:.0f}% of decisions)"))
+        prof = p.get("server_profile_gil")
+        if prof and "shares" in prof:
+            share = ", ".join(f"{k} {100 * v:.0f}%" for k, v in prof["shares"].items())
+            print(f"  service GIL held {100 * prof['gil_held_fraction']:.0f}% of the time; by: {share}")
         if p["fallbacks"] or p["errors"]:
             print(f"N={p['engines']} x{p['speedup']:g}: fallbacks {p['fallbacks']}, engine failures "
                   f"{len(p['engine_failures'])}, last errors {p['last_errors']}")
@@ -647,7 +732,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                           "requests_per_engine": requests},
                                               "target": {"service_p99_ms": TARGET_P99_MS,
                                                          "fallback_rate": TARGET_FALLBACK},
-                                              "phases": phases, "saturation": saturation,
+                                              "phases": [{k: v for k, v in p.items() if not k.startswith("_")}
+                                                         for p in phases],
+                                              "saturation": saturation,
                                               "cpus": os.cpu_count(), "base_job": asdict(base) | {
                                                   "predictor_json": "<offline fit>"}}, indent=2))
         print(f"wrote {args.out}")
