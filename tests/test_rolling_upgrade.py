@@ -25,8 +25,8 @@ def test_rolling_upgrade_loses_nothing_and_falls_back_briefly(tmp_path: Path) ->
         assert set(phases.get("after B", {})) | set(phases.get("upgraded", {})) <= {"v2"}, phases
         assert sum(phases.get("after B", {}).values()) + sum(phases.get("upgraded", {}).values()) > 50
         # each restart costs an engine a few native iterations (the failed call, one back-off)
-        assert sum(e["fallbacks"].values()) <= 10, e
-        assert e["longest_fallback_run"] <= 4, e
+        assert sum(e["fallbacks"].values()) <= 20, e
+        assert e["longest_fallback_run"] <= 8, e
         assert set(e["fallbacks"]) <= {"error", "circuit_open", "deadline"}, e
     # the engines moved between replicas: both restarts were seen by at least one engine
     assert res["fallback_iterations"] >= 1
