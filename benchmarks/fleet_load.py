@@ -149,6 +149,8 @@ def _make_paced_adapter(base: type, speedup: float, counters: Any, slot: int) ->
             self.max_decide_s = 0.0
             self.max_between_s = 0.0
             self._last_end: float | None = None
+            #: Messages of the remote failures counted as "error" (AdapterCore keeps only the last).
+            self.error_messages: collections.Counter[str] = collections.Counter()
 
         def decide(self, snapshot: Any) -> Any:
             if self._last_end is not None:
@@ -167,6 +169,8 @@ def _make_paced_adapter(base: type, speedup: float, counters: Any, slot: int) ->
             self._last_end = time.perf_counter()
             self.decide_s += self._last_end - t0
             self.max_decide_s = max(self.max_decide_s, self._last_end - t0)
+            if d.reason == "error":
+                self.error_messages[self.last_error[:160]] += 1
             if counters is not None:
                 counters[3 * slot] += 1
                 if d.source != "remote":
@@ -258,6 +262,7 @@ def run_engine(job: EngineJob, counters: Any = None, on_ready: Callable[[], None
         "remote": st["remote_decisions"],
         "fallbacks": st["fallbacks"],
         "last_error": st["last_error"],
+        "error_messages": dict(getattr(adapter, "error_messages", {})),
         "reports_sent": st["reports_sent"],
         "reports_dropped": st["reports_dropped"],
         "report_errors": st["report_errors"],
@@ -545,6 +550,8 @@ def run_phase(phase: Phase, base: EngineJob, workdir: Path, spy_dir: Path | None
         "errors": fb.get("error", 0) + len(failures),
         "engine_failures": failures,
         "last_errors": sorted({r["last_error"] for r in rs if r["last_error"]})[:3],
+        "error_messages": dict(sum((collections.Counter(r["error_messages"]) for r in rs),
+                                   collections.Counter()).most_common(5)),
         "lag_p99_ms": max((r["lag_p99_ms"] for r in rs), default=0.0),
         "late_fraction": float(np.mean([r["late_fraction"] for r in rs])) if rs else 0.0,
         # Where an engine's wall time went: pacing sleep, decide() (mostly the round trip), and
@@ -724,7 +731,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  service GIL held {100 * prof['gil_held_fraction']:.0f}% of the time; by: {share}")
         if p["fallbacks"] or p["errors"]:
             print(f"N={p['engines']} x{p['speedup']:g}: fallbacks {p['fallbacks']}, engine failures "
-                  f"{len(p['engine_failures'])}, last errors {p['last_errors']}")
+                  f"{len(p['engine_failures'])}, last errors {p['last_errors']}"
+                  + (f", errors {p['error_messages']}" if p["error_messages"] else ""))
     if args.saturate:
         print(f"saturation: {saturation or 'not reached up to speedup ' + format(args.max_speedup, 'g')}")
     if args.out:
