@@ -316,7 +316,9 @@ class AdapterCore:
                 self.backend.report(batch)
                 self.reports_sent += len(batch)
             except Exception:
+                # the batch is lost (reports are best-effort): count every report in it
                 self.report_errors += 1
+                self.reports_dropped += len(batch)
                 time.sleep(0.1)
             finally:
                 with self._cv:

@@ -20,7 +20,7 @@ import pytest
 
 from clients.bench.runner import profile_predictor, quiet_logs
 from clients.workloads import make_workload
-from engine_adapter.core import AdapterCore, AdapterSettings, InProcessBackend, IterationSample
+from engine_adapter.core import AdapterCore, AdapterSettings, GrpcBackend, InProcessBackend, IterationSample
 from engine_adapter.sim.engine import EngineConfig, SimResult, SimulatedEngine, Workload
 from engine_adapter.sim.groundtruth import DEFAULT_PROFILE, PROFILES, load_ground_truth
 from scheduler_service.core import Plan, Snapshot
@@ -177,3 +177,22 @@ def test_fallback_paths_complete_every_request(mode: str, reason: str) -> None:
     assert adapter.remote_decisions == backend.calls - backend.fail > 0
     assert res.paths.get("vllm-fcfs", 0) >= backend.fail  # the fallback policy's plans were executed
     assert adapter.remote_decisions + adapter.fallback_total == sum(res.paths.values())
+
+
+def test_reports_lost_to_a_dead_service_are_counted() -> None:
+    """Reports are best effort, but none vanishes uncounted: sent + dropped = reported."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    settings = AdapterSettings(deadline_ms=50, report_batch=4)
+    core = AdapterCore(GrpcBackend(f"127.0.0.1:{port}", settings), settings)
+    try:
+        for _ in range(10):
+            core.report(IterationSample(np.array([1, 8]), np.array([10, 0]), 5.0))
+        assert core.flush(10.0)
+        st = core.stats()
+    finally:
+        core.close()
+    assert st["reports_sent"] == 0 and st["reports_dropped"] == 10 and st["report_errors"] >= 1

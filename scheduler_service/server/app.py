@@ -201,6 +201,9 @@ class SchedulerServer:
             ttft_slo=np.array([1.0, 1.0]), tbt_slo=np.array([0.1, 0.1]), protected=np.array([False, False]),
         )
         policy.plan(snap, self.predictors.bootstrap)
+        # The first refit would import scikit-learn (about a second, mostly holding the GIL)
+        # in the middle of serving; pay it here, before the server reports SERVING.
+        import sklearn.linear_model  # noqa: F401
 
     def stop(self, grace: float | None = None) -> None:
         """Drain: NOT_SERVING, reject new calls, wait up to ``grace`` s for in-flight ones."""
