@@ -618,6 +618,11 @@ class ScheduleStream:
                 with self._cv:
                     if self._deadline is not None and self._deadline[0] == seq:
                         self._deadline = None  # no notify: the watchdog finds out when it wakes
+            if self._expired == seq:
+                # The reply came just as the deadline passed and the watchdog cancelled the
+                # stream anyway: the reply is good, the stream is not; reopen it next call
+                # (else that call would fail with CANCELLED and count as an error).
+                self._reset()
             if resp.request_id != req.request_id:  # cannot happen on an in-order stream
                 self._reset()
                 raise SchedulerError(grpc.StatusCode.INTERNAL,

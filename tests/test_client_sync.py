@@ -47,3 +47,24 @@ def test_policy_list_dict_matches_registry_describe() -> None:
         want = registry.describe(p["name"])
         assert [q["name"] for q in p["params"]] == [q["name"] for q in want["params"]]
         assert [q["default"] for q in p["params"]] == [q["default"] for q in want["params"]]
+
+
+def test_stream_reply_at_the_deadline_does_not_poison_the_next_call() -> None:
+    """A reply arriving just as the watchdog fires is returned or reported as a deadline miss,
+    and the next call works: never a CANCELLED error from a stream cancelled after the fact."""
+    from clients.client import SchedulerClient, SchedulerError
+    from tests.grpc_support import InjectedPolicy, inject, make_server, mixed_snapshot
+
+    snap = mixed_snapshot(0, n_decode=4, n_prefill=4)
+    codes: list[str] = []
+    with make_server() as srv, SchedulerClient(srv.target, timeout_s=5) as c:
+        inject(srv, InjectedPolicy(name="edge", delay_s=0.010))
+        with c.stream() as s:
+            for i in range(60):
+                try:
+                    s.schedule(snap, policy="edge", timeout_s=0.0105 + 0.0002 * (i % 10))
+                    codes.append("OK")
+                except SchedulerError as e:
+                    codes.append(e.code.name)
+            s.schedule(snap, policy="edge", timeout_s=5)  # and the stream still works
+    assert set(codes) <= {"OK", "DEADLINE_EXCEEDED"}, codes
