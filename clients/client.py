@@ -460,6 +460,10 @@ def _channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000),
+        # A target naming several replicas (``dns:///`` of a headless Service, ``ipv4:a,b``):
+        # each new call goes to the next ready replica, so engines' long-lived streams
+        # spread over the replicas while each stream stays on one for its life.
+        ("grpc.lb_policy_name", "round_robin"),
     ]
 
 

@@ -144,8 +144,10 @@ def test_engine_moves_to_another_replica_when_one_drains() -> None:
     snap = mixed_snapshot(n_decode=8, n_prefill=8)
     try:
         assert all(core.decide(snap).source == "remote" for _ in range(10))
-        assert (_decisions(a), _decisions(b)) == (10, 0), "pick_first: one replica per engine"
-        drain = threading.Thread(target=a.stop, kwargs={"grace": 1.0})
+        # round robin spreads streams at open; one engine's stream stays on one replica
+        used, other = (a, b) if _decisions(a) == 10 else (b, a)
+        assert (_decisions(used), _decisions(other)) == (10, 0), "one stream, one replica"
+        drain = threading.Thread(target=used.stop, kwargs={"grace": 1.0})
         drain.start()
         sources = []
         t_end = time.monotonic() + 3.0
@@ -157,8 +159,8 @@ def test_engine_moves_to_another_replica_when_one_drains() -> None:
         assert not drain.is_alive()
         fallbacks = sources.count("fallback")
         assert fallbacks <= 5, f"{fallbacks} native iterations during the drain: {sources}"
-        assert _decisions(a) > 10, "the draining replica kept serving its open stream"
-        assert _decisions(b) >= 20 and sources[-20:] == ["remote"] * 20
+        assert _decisions(used) > 10, "the draining replica kept serving its open stream"
+        assert _decisions(other) >= 20 and sources[-20:] == ["remote"] * 20
     finally:
         core.close()
         b.stop(0)

@@ -60,3 +60,25 @@ def test_engine_table_is_bounded_and_tracks_versions() -> None:
     assert t.sweep() == 3 and len(t) == 0
     t.seen("tenant-b", "x" * 1000, "")
     assert len(t.records()[0].engine_id) == 128  # caller-chosen ids are truncated
+
+
+def test_engine_streams_spread_over_replicas_and_stay_on_one() -> None:
+    """A target naming two replicas: streams are spread round-robin at open, and every
+    decision of one engine's stream lands on the same replica."""
+    a = make_server().start()
+    b = make_server(host="127.0.0.2").start()
+    try:
+        target = f"ipv4:127.0.0.1:{a.port},127.0.0.2:{b.port}"
+        for i in range(16):
+            with SchedulerClient(target, timeout_s=5, engine_id=f"e{i}") as c, c.stream() as s:
+                for k in range(4):
+                    s.schedule(mixed_snapshot(k))
+        assert a.servicer is not None and b.servicer is not None
+        on_a = {r.engine_id: r.decisions for r in a.servicer.engines.records()}
+        on_b = {r.engine_id: r.decisions for r in b.servicer.engines.records()}
+        assert on_a and on_b, (on_a, on_b)  # both replicas serve engines
+        assert not set(on_a) & set(on_b)  # no engine split across replicas
+        assert set(on_a.values()) | set(on_b.values()) == {4} and len(on_a) + len(on_b) == 16
+    finally:
+        a.stop(0)
+        b.stop(0)

@@ -128,6 +128,8 @@ def _channel_factory(s: VllmAdapterSettings) -> Any:
         ("grpc.initial_reconnect_backoff_ms", min(100, s.reconnect_max_ms)),
         ("grpc.min_reconnect_backoff_ms", min(100, s.reconnect_max_ms)),
         ("grpc.max_reconnect_backoff_ms", s.reconnect_max_ms),
+        # several replicas behind one name: streams spread over them (see clients/client.py)
+        ("grpc.lb_policy_name", "round_robin"),
     ]
 
     def make() -> Any:
