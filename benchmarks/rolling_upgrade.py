@@ -2,9 +2,9 @@
 
 Two service replicas (real ``slidingserve serve`` processes with a policy config, default
 ``v1``) serve N simulated engines (real trace lengths, ground-truth GPU, paced in wall time)
-through one gRPC target naming both replicas (``ipv4:127.0.0.1:P1,127.0.0.1:P2``,
-pick-first: every engine on one replica, the other as the failover, as with a headless
-Kubernetes Service).  While the engines run, the operator:
+through one gRPC target naming both replicas (``ipv4:127.0.0.1:P1,127.0.0.1:P2``, client-side
+round robin as the adapter configures it: engines' streams spread over both replicas, each
+stream on one, as with a headless Kubernetes Service).  While the engines run, the operator:
 
 1. changes the policy config's default ``v1 → v2`` (hot reload, no restart);
 2. restarts replica A (SIGTERM: drain for ``grace_s``, then a new process on the same port,
@@ -71,7 +71,7 @@ class EngineRun:
 def _channel(target: str) -> Any:
     # find a restarted or the other replica within ~0.2 s, as the vLLM adapter configures it
     opts = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.min_reconnect_backoff_ms", 50),
-            ("grpc.max_reconnect_backoff_ms", 200)]
+            ("grpc.max_reconnect_backoff_ms", 200), ("grpc.lb_policy_name", "round_robin")]
     return lambda: grpc.insecure_channel(target, options=opts)
 
 
