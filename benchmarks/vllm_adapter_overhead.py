@@ -10,12 +10,18 @@ GPU step runs) and without.  The GPU step is a sleep of ``--step-ms`` between
 ``schedule()`` and ``update_from_output()`` (the engine thread waits for the GPU
 workers there, holding no GIL).
 
-Columns: ``schedule()`` p50/p99 and its ratio to native; ``engine+`` is the
-engine thread's extra time per iteration vs native (``schedule()`` plus
-``update_from_output()``, p50 differences) — the part that is *not* overlapped
-with the GPU step in a synchronous engine; ``update+`` the ``update_from_output()``
-part of it (reports, waiting for a background snapshot); ``wait`` is the time ``schedule()``
-waited for a background decision; ``ahead`` the snapshot taken for it.
+The gRPC cases talk to a real ``slidingserve serve`` process on loopback (as in a
+deployment: the service's threads do not compete for the engine's GIL).
+
+Columns: ``schedule()`` p50/p99 and its ratio to native; ``engine+`` is the engine
+thread's extra time per iteration vs native (``schedule()`` plus
+``update_from_output()``, p50 differences; it includes vLLM doing different work for
+a policy's different batches), ``update+`` the ``update_from_output()`` part of it;
+``own`` is the adapter's own engine-thread time per iteration, measured inside the
+adapter (both calls minus vLLM's own ``schedule()``/``update_from_output()``) — the
+part that is *not* overlapped with the GPU step in a synchronous engine; ``decide``
+the time to get the plan in ``schedule()``, ``wait`` the part of it spent waiting for
+a background decision, ``ahead`` the hand-over to the next background decision.
 
 Run: ``VLLM_TARGET_DEVICE=cpu python -m benchmarks.vllm_adapter_overhead [--steps 300] [--step-ms 30]``
 (needs the ``vllm`` extra).
@@ -54,7 +60,7 @@ def run_case(cls: Any, mdir: str, steps: int, seed: int, warmup: int, step_ms: f
     for _ in range(1056):
         s.add_request(new_request())
     times: dict[str, list[float]] = {"total": [], "update": [], "snapshot": [], "decide": [], "wait": [],
-                                     "ahead": [], "running": [], "waiting": []}
+                                     "ahead": [], "own": [], "running": [], "waiting": []}
     snap_t: list[float] = []
     if hasattr(s, "_snapshot"):
         inner = s._snapshot
@@ -93,6 +99,7 @@ def run_case(cls: Any, mdir: str, steps: int, seed: int, warmup: int, step_ms: f
             times["decide"].append((c1["decide_us"] - c0.get("decide_us", 0)) / 1e3)
             times["wait"].append((c1["wait_us"] - c0.get("wait_us", 0)) / 1e3)
             times["ahead"].append((c1["ahead_us"] - c0.get("ahead_us", 0)) / 1e3)
+            times["own"].append((c1["own_us"] - c0.get("own_us", 0)) / 1e3)
             times["snapshot"].append(snap_t[-1] * 1e3 if len(snap_t) > n_snap else 0.0)
     if hasattr(s, "slidingserve_stats"):
         st = s.slidingserve_stats()
@@ -114,11 +121,12 @@ def main(argv: list[str] | None = None) -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from engine_adapter.vllm import RemoteSyncScheduler
-    from tests.grpc_support import make_server
+    from tests.faults import ServiceProcess
     from tests.vllm.support import model_dir, scheduler_class
 
-    mdir = model_dir(Path(tempfile.mkdtemp()))
-    srv = make_server().start()
+    tmp = Path(tempfile.mkdtemp())
+    mdir = model_dir(tmp)
+    srv = ServiceProcess(tmp).start()
     try:
         grpc = {"SLIDINGSERVE_ADDRESS": srv.target, "SLIDINGSERVE_DEADLINE_MS": "200"}
         cases: dict[str, Any] = {"native": Scheduler}
@@ -132,21 +140,23 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  running {name} ...", flush=True)
             res[name] = run_case(cls, mdir, args.steps, args.seed, args.warmup, args.step_ms)
     finally:
-        srv.stop(grace=0)
+        srv.stop()
     base50, base99 = _pct(res["native"]["total"])
     engine0 = _pct([a + b for a, b in zip(res["native"]["total"], res["native"]["update"], strict=True)])[0]
     update0 = _pct(res["native"]["update"])[0]
     print(f"schedule() with ~256 running + ~800 waiting, 2048-token budget, GPU step {args.step_ms:g} ms, "
           f"{args.steps} calls each (ms)")
-    print(f"{'case':32s} {'p50':>7s} {'p99':>7s} {'ratio50':>8s} {'ratio99':>8s} {'engine+':>8s} {'decide50':>9s} "
+    print(f"{'case':32s} {'p50':>7s} {'p99':>7s} {'ratio50':>8s} {'ratio99':>8s} {'engine+':>8s} {'update+':>8s} {'own50':>7s} {'own99':>7s} {'decide50':>9s} "
           f"{'wait50':>7s} {'ahead50':>8s} {'running':>8s} {'waiting':>8s}  planned/pipelined/native/deviating")
     for name, t in res.items():
         p50, p99 = _pct(t["total"])
         eng = _pct([a + b for a, b in zip(t["total"], t["update"], strict=True)])[0] - engine0
         if t["decide"]:
-            extra = f"{_pct(t['decide'])[0]:9.3f} {_pct(t['wait'])[0]:7.3f} {_pct(t['ahead'])[0]:8.3f}"
+            o50, o99 = _pct(t["own"])
+            extra = (f"{o50:7.3f} {o99:7.3f} {_pct(t['decide'])[0]:9.3f} {_pct(t['wait'])[0]:7.3f} "
+                     f"{_pct(t['ahead'])[0]:8.3f}")
         else:
-            extra = f"{'':9s} {'':7s} {'':8s}"
+            extra = f"{'':7s} {'':7s} {'':9s} {'':7s} {'':8s}"
         upd = _pct(t["update"])[0] - update0
         print(f"{name:32s} {p50:7.3f} {p99:7.3f} {p50 / base50:8.2f} {p99 / base99:8.2f} {eng:8.3f} {upd:8.3f} {extra} "
               f"{np.mean(t['running']):8.0f} {np.mean(t['waiting']):8.0f}  {t.get('_stats', '')}")

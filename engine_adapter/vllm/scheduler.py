@@ -223,6 +223,7 @@ class SlidingServeMixin:
         self._ss_arrivals: list[Any] = []
         self._ss_executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._ss_ahead_s = 0.0
+        self._ss_inner = 0.0  # seconds in vLLM's own schedule() during the last call
         self._ss_async = isinstance(self, AsyncScheduler)
         base = VllmAdapterSettings.from_env(self.slidingserve_env, apply_file=False)
         self._ss_watcher = SettingsWatcher(base)  # raises SettingsError on a bad file at start
@@ -581,11 +582,16 @@ class SlidingServeMixin:
             self._ss_counts["native"] += 1
             self._ss_ahead_s = 0.0
             out = super().schedule(*args, **kwargs)  # type: ignore[misc]
+            self._ss_inner = time.perf_counter() - t1
         else:
             out = self._execute(plan, args, kwargs)
         t2 = time.perf_counter()
         self._decide_ahead()
-        self._ss_counts["ahead_us"] += int((time.perf_counter() - t2) * 1e6)
+        t3 = time.perf_counter()
+        c = self._ss_counts
+        c["ahead_us"] += int((t3 - t2) * 1e6)
+        # the adapter's own time in this call: all of it but vLLM's schedule()
+        c["own_us"] += int((t3 - t0 - self._ss_inner) * 1e6)
         return out
 
     def _execute(self, plan: dict[str, int], args: Any, kwargs: Any) -> Any:
@@ -612,9 +618,11 @@ class SlidingServeMixin:
         self.waiting.extend(planned_waiting)
         self._ss_hidden = len(waiting0) - len(planned_waiting)
         self._plan = plan
+        t = time.perf_counter()
         try:
             out = super().schedule(*args, **kwargs)  # type: ignore[misc]
         finally:
+            self._ss_inner = time.perf_counter() - t
             self._plan = None
             self._ss_hidden = 0
             self._restore(running0, waiting0, planned_waiting)
@@ -685,6 +693,7 @@ class SlidingServeMixin:
         return super().finish_requests(*args, **kwargs)  # type: ignore[misc]
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        t_in = time.perf_counter()
         self._quiesce()
         t = self.slidingserve_clock()
         prev = self._ss_last_update
@@ -695,10 +704,13 @@ class SlidingServeMixin:
             except Exception as e:  # reporting must never break the engine loop
                 self._ss_counts["report_errors"] += 1
                 self._ss_last_reason = f"report: {type(e).__name__}: {e}"
+        t_v = time.perf_counter()
         result = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        t_v2 = time.perf_counter()
         if not (self.running or self.waiting or self.kv_holding_waiting):
             self._ss_last_update = None  # the next gap would include idle time
         self._ss_builder.prune(self.requests)
+        self._ss_counts["own_us"] += int((time.perf_counter() - t_v2 + t_v - t_in) * 1e6)
         return result
 
     def _report(self, so: Any, latency_ms: float) -> None:
@@ -733,6 +745,9 @@ class SlidingServeMixin:
             "pipelined": c["pipelined"],
             "mean_wait_us": c["wait_us"] / max(1, c["pipelined"]),
             "mean_ahead_us": c["ahead_us"] / max(1, c["iterations"]),
+            #: the adapter's own engine-thread time per iteration (schedule() and
+            #: update_from_output() minus vLLM's own work in them)
+            "mean_own_us": c["own_us"] / max(1, c["iterations"]),
             "snap_waits_us": c["snap_wait_us"],
             "resyncs": c["resyncs"],
             "last_reason": self._ss_last_reason,
