@@ -100,6 +100,8 @@ class _View:
     running_rows: int
     #: requests left out because they are blocked (remote KV, grammar, streaming input)
     blocked: set[str]
+    #: running requests whose next token needs a new KV block (see ``_kv_short``)
+    kv_need: int = 0
 
 
 @dataclass(slots=True)
@@ -312,7 +314,12 @@ class SlidingServeMixin:
             self.running, waiting, max_batch_tokens=self.max_num_scheduled_tokens,
             max_num_seqs=self.max_num_running_reqs, free_kv_tokens=free_tokens,
             now=time.time() + ahead_s, project=project)
-        return _View(snap, rows, builder.last_computed, builder.last_running_rows, blocked)
+        rr = builder.last_running_rows
+        comp = builder.last_computed[:rr]
+        left = snap.prompt_tokens[:rr] - snap.computed_tokens[:rr]
+        one = (left == 1) | ((left == 0) & (snap.output_tokens[:rr] >= 1))
+        kv_need = int(np.count_nonzero(one & (comp % self.block_size == 0)))
+        return _View(snap, rows, builder.last_computed, rr, blocked, kv_need)
 
     def _snapshot(self) -> tuple[Snapshot, list[Any], int]:
         """(snapshot, request objects per row, free KV blocks) of the queues now."""
@@ -403,15 +410,8 @@ class SlidingServeMixin:
         if self._ss_unsupported:
             self._fallback("unsupported", self._ss_unsupported)
             return None
-        if pending is not None:
-            core = pending.core
-        else:
-            core = self._core()
-        short = self._kv_short()
-        if short:
-            # vLLM must preempt to let every decode advance; a plan cannot preempt
-            self._fallback("kv_pressure", short)
-            return None
+        core = pending.core if pending is not None else self._core()
+        view: _View | None = None
         if pending is not None:
             t = time.perf_counter()
             try:
@@ -430,6 +430,17 @@ class SlidingServeMixin:
                     pending = None  # decide again, on the queues as they are now
                 else:
                     self._ss_counts["pipelined"] += 1
+        free_blocks = int(self.kv_cache_manager.block_pool.get_num_free_blocks())
+        if pending is not None and view is not None:
+            # counted on the snapshot, in the background (finished requests only free blocks)
+            short = f"{view.kv_need} decodes need a new KV block, {free_blocks} free" \
+                if view.kv_need > free_blocks else ""
+        else:
+            short = self._kv_short()
+        if short:
+            # vLLM must preempt to let every decode advance; a plan cannot preempt
+            self._fallback("kv_pressure", short)
+            return None
         self._ss_arrivals = []
         if pending is None:
             try:
@@ -448,7 +459,6 @@ class SlidingServeMixin:
         if not plan:
             self._fallback("empty_plan", f"policy path {decision.plan.path!r} schedules nothing")
             return None
-        free_blocks = int(self.kv_cache_manager.block_pool.get_num_free_blocks())
         why, trimmed = self._fit(view, plan, free_blocks, stale=pending is not None)
         if why:
             self._fallback("unallocatable", why)
@@ -517,7 +527,9 @@ class SlidingServeMixin:
                 snapped.set()
             if v is None or len(v.snap) == 0:
                 return None
-            return v, core.decide(v.snap)
+            decision = core.decide(v.snap)
+            v.snap.index_of  # noqa: B018 -- built here, not on the engine thread (the plan check needs it)
+            return v, decision
 
         if view is not None:
             snapped.set()
@@ -715,12 +727,24 @@ class SlidingServeMixin:
 
     def _report(self, so: Any, latency_ms: float) -> None:
         """c = tokens each request got, u = its tokens in KV before the step."""
-        computed: dict[str, int] = {nr.req_id: nr.num_computed_tokens for nr in so.scheduled_new_reqs}
+        # Only the multiset of (c, u) pairs matters: walk the cached and new request lists,
+        # which carry u, and look c up (no per-request dict to build).
+        nst = so.num_scheduled_tokens
         cached = so.scheduled_cached_reqs
-        computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
-        n = len(so.num_scheduled_tokens)
-        c = np.fromiter(so.num_scheduled_tokens.values(), np.int64, n)
-        u = np.fromiter((computed.get(rid, 0) for rid in so.num_scheduled_tokens), np.int64, n)
+        ids: list[str] = cached.req_ids
+        u_list: list[int] = cached.num_computed_tokens
+        new = so.scheduled_new_reqs
+        if new:
+            ids = [*ids, *(nr.req_id for nr in new)]
+            u_list = [*u_list, *(nr.num_computed_tokens for nr in new)]
+        n = len(nst)
+        if len(ids) == n:
+            c = np.fromiter(map(nst.__getitem__, ids), np.int64, n)
+            u = np.array(u_list, np.int64)
+        else:  # not expected: fall back to the general mapping (unknown u = 0)
+            computed = dict(zip(ids, u_list, strict=False))
+            c = np.fromiter(nst.values(), np.int64, n)
+            u = np.fromiter((computed.get(rid, 0) for rid in nst), np.int64, n)
         assert self._ss_core is not None
         self._ss_core.report(IterationSample(c, u, latency_ms))
         self._ss_counts["reports"] += 1
