@@ -352,16 +352,16 @@ class SlidingServeMixin:
         ``stale``: the view was taken before the last ``update_from_output``, so
         requests that finished since are dropped from the plan first."""
         snap, rows = view.snap, view.rows
+        if stale:
+            # vLLM collects the requests freed since the last schedule() (finished, aborted)
+            # in finished_req_ids, exactly the window since the view was taken
+            gone = getattr(self, "finished_req_ids", None)
+            if gone is None:  # not expected on vLLM 0.33: ask every planned request
+                gone = {k for k in plan if rows[snap.index_of[k]].status not in _SCHEDULABLE}
+            for rid in gone:
+                plan.pop(rid, None)
         keys = list(plan)
         idx = np.fromiter(map(snap.index_of.__getitem__, keys), np.int64, len(keys))
-        if stale:
-            alive = [rows[i].status in _SCHEDULABLE for i in idx.tolist()]
-            if not all(alive):
-                for k, ok in zip(keys, alive, strict=True):
-                    if not ok:
-                        del plan[k]
-                keys = list(plan)
-                idx = idx[np.array(alive, np.bool_)]
         n = np.fromiter(plan.values(), np.int64, len(keys))
         is_run = idx < view.running_rows
         b = self.block_size

@@ -199,3 +199,36 @@ def test_pipeline_off_decides_synchronously(base: type, async_: bool, mdir: str)
     assert sorted(res.finished.values()) == sorted(o for _, o in spec)
     assert st["pipelined"] == 0 and st["planned"] > 0.8 * st["iterations"] and st["deviating_iterations"] == 0
     s.slidingserve_close()
+
+
+@pytest.mark.parametrize("base,async_", CASES, ids=["sync", "async"])
+def test_requests_aborted_between_steps_leave_the_pending_plan(base: type, async_: bool, mdir: str) -> None:
+    """Aborts (like stop strings) end requests after the next plan was decided: they are
+    dropped from it, never scheduled again, and everything else completes exactly."""
+    from vllm.v1.request import RequestStatus
+
+    clock = FakeClock()
+    cls = scheduler_class(base, {"SLIDINGSERVE_POLICY": "slidingserve"}, clock)
+    s = build_scheduler(cls, mdir, async_scheduling=async_, num_blocks=400)
+    spec = workload(30, 9, max_out=30)
+    reqs = [make_request(p, o) for p, o in spec]
+    for r in reqs:
+        s.add_request(r)
+    aborted: list[str] = []
+
+    def abort_some(k: int, so: Any) -> None:
+        for rid in aborted:  # nothing scheduled for a request after its abort
+            assert rid not in so.num_scheduled_tokens
+        if k in (5, 9, 13) and s.running:
+            victim = s.running[len(s.running) // 2].request_id
+            s.finish_requests([victim], RequestStatus.FINISHED_ABORTED)
+            aborted.append(victim)
+
+    res = Driver(s, clock, async_scheduling=async_).run(on_step=abort_some)
+    st = s.slidingserve_stats()
+    assert len(aborted) == 3
+    for r, (_, o) in zip(reqs, spec, strict=True):
+        if r.request_id not in aborted:
+            assert res.finished[r.request_id] == o
+    assert not s.requests and st["deviating_iterations"] == 0 and st["pipelined"] > 0, st
+    s.slidingserve_close()
