@@ -41,8 +41,9 @@ MAX_BATCH_TOKENS = 1 << 20
 #: Largest magnitude of a time or SLO in seconds (~31,700 years).  Finite is not enough:
 #: sums like ``arrival + ttft_slo + k * tbt_slo`` must not overflow to inf downstream.
 MAX_SECONDS = 1e12
-#: Smallest ``prefill_throughput`` (tokens/s): policies divide remaining tokens by it.
-MIN_THROUGHPUT = 1e-3
+#: Bounds of ``prefill_throughput`` (tokens/s): policies divide remaining tokens by it
+#: times a slack (up to ~1e24 s with the bounds above), which must stay finite.
+MIN_THROUGHPUT, MAX_THROUGHPUT = 1e-3, 1e12
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,7 +210,7 @@ class Snapshot:
             "now", "max_batch_tokens", "max_num_seqs", "free_kv_tokens",
             "prefill_throughput", "requests", "profile",
         }
-        errs = [FieldViolation(k, "unknown field") for k in data if k not in known]
+        errs = [FieldViolation(_key(k), "unknown field") for k in data if k not in known]
         for k in ("now", "max_batch_tokens", "max_num_seqs", "requests"):
             if k not in data:
                 errs.append(FieldViolation(k, "is required"))
@@ -231,7 +232,7 @@ class Snapshot:
                 continue
             for k in r:
                 if k not in _REQUEST_FIELDS:
-                    errs.append(FieldViolation(f"requests[{i}].{k}", "unknown field"))
+                    errs.append(FieldViolation(f"requests[{i}].{_key(k)}", "unknown field"))
             for k, (default, required) in _REQUEST_FIELDS.items():
                 if k in r:
                     cols[k].append(r[k])
@@ -369,6 +370,13 @@ _REQUEST_FIELDS: dict[str, tuple[Any, bool]] = {
 }
 
 
+def _key(k: Any) -> str:
+    """An unknown JSON key as it may appear in a field path: printable, so that an error
+    stays one line (``"a\\nb"`` is shown as its repr)."""
+    k = str(k)
+    return k if k.isprintable() else repr(k)
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int | np.integer) and not isinstance(v, bool | np.bool_)
 
@@ -410,12 +418,12 @@ def _validate_scalars(
             FieldViolation("free_kv_tokens", f"must be an integer >= 0, got {free_kv_tokens!r}")
         )
     if prefill_throughput is not None and (
-        not _finite_within(prefill_throughput, math.inf) or prefill_throughput < MIN_THROUGHPUT
+        not _finite_within(prefill_throughput, MAX_THROUGHPUT) or prefill_throughput < MIN_THROUGHPUT
     ):
         errs.append(
             FieldViolation(
                 "prefill_throughput",
-                f"must be a finite number >= {MIN_THROUGHPUT:g} (tokens/s), got {prefill_throughput!r}",
+                f"must be a number in [{MIN_THROUGHPUT:g}, {MAX_THROUGHPUT:g}] (tokens/s), got {prefill_throughput!r}",
             )
         )
     return (
@@ -423,7 +431,7 @@ def _validate_scalars(
         int(max_batch_tokens) if _is_int(max_batch_tokens) else 1,
         int(max_num_seqs) if _is_int(max_num_seqs) else 1,
         None if free_kv_tokens is None or not _is_int(free_kv_tokens) else int(free_kv_tokens),
-        None if prefill_throughput is None or not _is_real(prefill_throughput) else float(prefill_throughput),
+        float(prefill_throughput) if _finite_within(prefill_throughput, MAX_THROUGHPUT) else None,
     )
 
 
