@@ -424,8 +424,7 @@ class SlidingServeMixin:
                 pending = None
             else:
                 view, decision = done
-                if (self._ss_arrivals and decision.plan is not None
-                        and self._room_for_arrivals(decision.plan, view.snap)):
+                if decision.plan is not None and self._stale(view, decision.plan):
                     self._ss_counts["resyncs"] += 1
                     pending = None  # decide again, on the queues as they are now
                 else:
@@ -470,6 +469,23 @@ class SlidingServeMixin:
             return None
         self._ss_ahead_s = decision.plan.predicted_latency_ms / 1e3
         return plan
+
+    def _stale(self, view: _View, plan: Plan) -> bool:
+        """Whether what happened since the view was taken could change the plan enough
+        to decide again: the projection broke (a running request changed state outside
+        ``schedule()``, e.g. a KV-connector failure or a test preempting by hand), KV
+        was tight and finished requests freed some, or arrivals could use room the plan
+        left.  Otherwise the plan stands (finished requests are dropped from it)."""
+        rr = view.running_rows
+        statuses = list(map(_status_of, view.rows[:rr]))
+        running = statuses.count(RequestStatus.RUNNING)
+        if running != rr and running + sum(map(RequestStatus.is_finished, statuses)) != rr:
+            return True
+        gone = getattr(self, "finished_req_ids", None)
+        free = view.snap.free_kv_tokens
+        if gone and free is not None and free < self.max_num_scheduled_tokens:
+            return True
+        return bool(self._ss_arrivals) and self._room_for_arrivals(plan, view.snap)
 
     def _room_for_arrivals(self, plan: Plan, snap: Snapshot) -> bool:
         """Whether requests that arrived after the plan's snapshot could have been
