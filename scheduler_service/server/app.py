@@ -30,7 +30,6 @@ from grpc_reflection.v1alpha import reflection
 
 from scheduler_service.core import BatchLatencyPredictor, Snapshot, ValidationError, default_predictor
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
-from scheduler_service.gen.slidingserve.v1 import scheduler_pb2_grpc as pb_grpc
 
 from .config import ServerConfig
 from .deployments import PolicyConfig, PolicyConfigWatcher, PolicySet, ShadowRunner
@@ -39,6 +38,7 @@ from .metrics import Metrics
 from .predictors import PredictorRegistry, RefitSettings
 from .security import CertificateReloader, SecurityInterceptor, build_interceptor, server_credentials
 from .servicer import PolicyCache, SchedulerServicer
+from .wire import add_servicer
 
 __all__ = ["SERVICE_NAME", "SchedulerServer", "serve"]
 
@@ -129,7 +129,7 @@ class SchedulerServer:
             ],
             interceptors=[self.security] if self.security is not None else None,
         )
-        pb_grpc.add_SchedulerServiceServicer_to_server(self.servicer, server)
+        add_servicer(self.servicer, server)  # never-raising request decoding (wire.py)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server

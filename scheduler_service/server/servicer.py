@@ -36,6 +36,7 @@ from .metrics import Metrics
 from .predictors import PredictorRegistry
 from .security import DEFAULT_TENANT, scoped_key, tenant_of
 from .status import invalid_argument
+from .wire import Undecodable
 
 __all__ = ["PolicyCache", "SchedulerServicer"]
 
@@ -87,6 +88,8 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
 
     # ------------------------------------------------------------ decisions
     def _decide(self, request: pb.ScheduleRequest, t0: int, tenant: str = DEFAULT_TENANT) -> pb.ScheduleResponse:
+        if isinstance(request, Undecodable):  # bytes that are no ScheduleRequest (wire.py)
+            raise request.error
         snap, profile = snapshot_from_pb(request.snapshot, max_requests=self._cfg.max_requests_per_snapshot)
         policy, version = self._versions.resolve(request.policy, request.params)
         predictor = self._predictors.current(scoped_key(tenant, profile.key))
@@ -172,6 +175,8 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         try:
             for i, msg in enumerate(request_iterator):
                 try:
+                    if isinstance(msg, Undecodable):
+                        raise msg.error
                     profile, x, scen, lat = report_from_pb(
                         msg, max_requests=self._cfg.max_requests_per_snapshot, field=f"report[{i}]"
                     )
@@ -196,6 +201,8 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
 
     # ------------------------------------------------------------ metadata
     def ListPolicies(self, request: pb.ListPoliciesRequest, context: grpc.ServicerContext) -> pb.ListPoliciesResponse:
+        if isinstance(request, Undecodable):
+            context.abort_with_status(invalid_argument(request.error))
         try:
             resp = pb.ListPoliciesResponse(default_policy=self._versions.default)
             resp.policies.extend(describe_to_pb(registry.describe(n)) for n in registry.names())
@@ -212,6 +219,8 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         raise AssertionError("unreachable")
 
     def GetPredictor(self, request: pb.GetPredictorRequest, context: grpc.ServicerContext) -> pb.GetPredictorResponse:
+        if isinstance(request, Undecodable):
+            context.abort_with_status(invalid_argument(request.error))
         try:
             profile = profile_from_pb(request.engine_profile, "engine_profile")
             key = scoped_key(tenant_of(context), profile.key)  # only the caller's tenant
