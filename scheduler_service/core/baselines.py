@@ -134,7 +134,8 @@ class QoServeParams:
         0.008, lo=0.0, hi=10.0, doc="seconds added to the deadline per remaining prompt token"
     )
     min_chunk: int = param(128, lo=1, hi=1 << 20, doc="first and fallback entry of the search space")
-    chunk_step: int = param(256, lo=1, hi=1 << 20, doc="step of the search space after min_chunk")
+    # >= 8: the search space is a list of budget/step candidates built every decision
+    chunk_step: int = param(256, lo=8, hi=1 << 20, doc="step of the search space after min_chunk")
     kv_decode_reserve: int = param(1, lo=0, hi=1024, doc="KV tokens kept free per running decode")
 
 

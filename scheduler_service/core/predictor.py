@@ -138,6 +138,8 @@ class BatchLatencyPredictor:
         Memoised: a predictor is immutable and this runs every decision."""
         rho = self._memo.get(tokens)
         if rho is None:
+            if len(self._memo) >= 256:  # engines send few distinct budgets; bound hostile ones
+                self._memo.clear()
             t = self.predict_batch_ms(np.array([tokens]), np.array([0]))
             rho = self._memo[tokens] = tokens / max(t, 1e-3) * 1e3
         return rho
