@@ -35,7 +35,7 @@ from .engines import EngineTable
 from .metrics import Metrics
 from .predictors import PredictorRegistry
 from .security import DEFAULT_TENANT, scoped_key, tenant_of
-from .status import invalid_argument
+from .status import MAX_FIELD_BYTES, MAX_MESSAGE_BYTES, clip, invalid_argument
 from .wire import Undecodable
 
 __all__ = ["PolicyCache", "SchedulerServicer"]
@@ -115,7 +115,9 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
 
     def _rejected(self, rpc: str, err: ValidationError, request_id: str = "") -> None:
         self._metrics.decision_errors.labels("INVALID_ARGUMENT").inc()
-        log.info("request_rejected", rpc=rpc, request_id=request_id, error=str(err))
+        # clipped like the status: a caller must not be able to write megabytes to the log
+        log.info("request_rejected", rpc=rpc, request_id=clip(request_id, MAX_FIELD_BYTES),
+                 error=clip(str(err), MAX_MESSAGE_BYTES))
 
     def _check_ready(self, context: grpc.ServicerContext) -> None:
         if not self.ready.is_set():
@@ -150,7 +152,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
                         request_id=request.request_id,
                         error=pb.ScheduleError(
                             code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
-                            message=str(e),
+                            message=clip(str(e), MAX_MESSAGE_BYTES),
                             field_violations=violations_to_pb(e),
                         ),
                     )
@@ -186,7 +188,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
                     summary.rejected += 1
                     m.reports.labels("rejected").inc()
                     if len(summary.rejection_reasons) < MAX_REASONS:
-                        summary.rejection_reasons.append(str(e))
+                        summary.rejection_reasons.append(clip(str(e), MAX_MESSAGE_BYTES))
                     continue
                 summary.accepted += 1
                 m.reports.labels("accepted").inc()
