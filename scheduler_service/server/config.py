@@ -19,7 +19,7 @@ from typing import Any
 
 from scheduler_service.core import FieldViolation, ValidationError
 
-__all__ = ["LOG_LEVELS", "ServerConfig"]
+__all__ = ["LOG_LEVELS", "ServerConfig", "read_document"]
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -168,25 +168,29 @@ class ServerConfig:
     @classmethod
     def from_file(cls, path: str | Path) -> ServerConfig:
         """Load ``.yaml``/``.yml``, ``.toml`` or ``.json``."""
-        p = Path(path)
-        try:
-            text = p.read_text()
-        except OSError as e:
-            raise ValidationError.single("config", f"cannot read {p}: {e.strerror or e}") from None
-        suffix = p.suffix.lower()
-        try:
-            if suffix in (".yaml", ".yml"):
-                import yaml
+        return cls.from_mapping(read_document(path, "config") or {})
 
-                data = yaml.safe_load(text) or {}
-            elif suffix == ".toml":
-                data = tomllib.loads(text)
-            elif suffix == ".json":
-                data = json.loads(text)
-            else:
-                raise ValidationError.single("config", f"unknown config format {suffix!r}; use .yaml, .toml or .json")
-        except ValidationError:
-            raise
-        except Exception as e:  # parser errors of three libraries
-            raise ValidationError.single("config", f"cannot parse {p}: {e}") from None
-        return cls.from_mapping(data)
+
+def read_document(path: str | Path, field: str, *, yaml_unless_json: bool = False) -> Any:
+    """The parsed content of a ``.yaml``/``.yml``, ``.toml`` or ``.json`` file (by suffix;
+    ``yaml_unless_json``: every suffix but ``.json`` is YAML).  Unreadable, unparsable or
+    unknown-format files are a :class:`ValidationError` on ``field``, so that every file the
+    server reads (its config, the policy config, the tokens) fails the same clear way."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValidationError.single(field, f"cannot read {p}: {getattr(e, 'strerror', None) or e}") from None
+    suffix = p.suffix.lower()
+    try:
+        if suffix == ".json":
+            return json.loads(text)
+        if suffix == ".toml" and not yaml_unless_json:
+            return tomllib.loads(text)
+        if suffix in (".yaml", ".yml") or yaml_unless_json:
+            import yaml
+
+            return yaml.safe_load(text)
+    except Exception as e:  # parser errors of three libraries
+        raise ValidationError.single(field, f"cannot parse {p}: {e}") from None
+    raise ValidationError.single(field, f"unknown format {suffix!r}; use .yaml, .toml or .json")

@@ -35,7 +35,6 @@ import queue
 import random
 import threading
 import time
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +52,7 @@ from scheduler_service.core import (
     registry,
 )
 
+from .config import read_document
 from .metrics import Metrics
 
 __all__ = ["PolicyConfig", "PolicyConfigWatcher", "PolicySet", "ShadowRunner", "VersionSpec"]
@@ -164,28 +164,7 @@ class PolicyConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> PolicyConfig:
-        p = Path(path)
-        try:
-            text = p.read_text()
-        except (OSError, UnicodeDecodeError) as e:
-            raise ValidationError.single("policy_config", f"cannot read {p}: {getattr(e, 'strerror', None) or e}") from None
-        suffix = p.suffix.lower()
-        try:
-            if suffix == ".toml":
-                data: Any = tomllib.loads(text)
-            elif suffix == ".json":
-                data = json.loads(text)
-            elif suffix in (".yaml", ".yml"):
-                import yaml
-
-                data = yaml.safe_load(text)
-            else:
-                raise ValidationError.single("policy_config", f"unknown format {suffix!r}; use .yaml, .toml or .json")
-        except ValidationError:
-            raise
-        except Exception as e:  # the parsers' own errors
-            raise ValidationError.single("policy_config", f"cannot parse {p}: {e}") from None
-        return cls.from_mapping(data, str(p))
+        return cls.from_mapping(read_document(path, "policy_config"), str(path))
 
 
 def _text(v: Any) -> str:

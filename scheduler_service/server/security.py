@@ -50,7 +50,7 @@ import structlog
 
 from scheduler_service.core import FieldViolation, ValidationError
 
-from .config import ServerConfig
+from .config import ServerConfig, read_document
 from .metrics import Metrics
 
 __all__ = [
@@ -202,19 +202,7 @@ def parse_tokens(data: Any, source: str) -> list[tuple[bytes, Principal]]:
 
 
 def _load_document(path: str) -> Any:
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise ValidationError.single("auth_tokens_file", f"cannot read {p}: {e.strerror or e}") from None
-    try:
-        if p.suffix.lower() == ".json":
-            return json.loads(text)
-        import yaml
-
-        return yaml.safe_load(text)
-    except Exception as e:  # parser errors of two libraries
-        raise ValidationError.single("auth_tokens_file", f"cannot parse {p}: {e}") from None
+    return read_document(path, "auth_tokens_file", yaml_unless_json=True)
 
 
 class TokenStore:
