@@ -10,9 +10,8 @@ unreleased, so that shutdown waits for it (``tests/test_fuzz_service.py``).
 Here the deserializer returns an :class:`Undecodable` marker instead of raising, and the
 servicer answers it like any other invalid request: INVALID_ARGUMENT with a field
 violation on unary calls, an error response on ``ScheduleStream`` (which stays open), a
-rejected report on ``ReportIterations``.  The method table mirrors the generated
-``add_SchedulerServiceServicer_to_server`` (same names and serializers), so the wire
-contract is unchanged.
+rejected report on ``ReportIterations``.  Names and serializers are those of the
+generated ``add_SchedulerServiceServicer_to_server``, so the wire contract is unchanged.
 """
 
 from __future__ import annotations
@@ -52,24 +51,25 @@ def _tolerant(cls: type[Message]) -> Callable[[bytes], Any]:
     return decode
 
 
+#: grpc's handler factory per (client streaming, server streaming)
+_FACTORIES = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
 def add_servicer(servicer: Any, server: grpc.Server) -> None:
-    """``add_SchedulerServiceServicer_to_server`` with never-raising request decoding."""
-    handlers = {
-        "Schedule": grpc.unary_unary_rpc_method_handler(
-            servicer.Schedule, request_deserializer=_tolerant(pb.ScheduleRequest),
-            response_serializer=pb.ScheduleResponse.SerializeToString),
-        "ScheduleStream": grpc.stream_stream_rpc_method_handler(
-            servicer.ScheduleStream, request_deserializer=_tolerant(pb.ScheduleRequest),
-            response_serializer=pb.ScheduleResponse.SerializeToString),
-        "ReportIterations": grpc.stream_unary_rpc_method_handler(
-            servicer.ReportIterations, request_deserializer=_tolerant(pb.IterationReport),
-            response_serializer=pb.ReportSummary.SerializeToString),
-        "ListPolicies": grpc.unary_unary_rpc_method_handler(
-            servicer.ListPolicies, request_deserializer=_tolerant(pb.ListPoliciesRequest),
-            response_serializer=pb.ListPoliciesResponse.SerializeToString),
-        "GetPredictor": grpc.unary_unary_rpc_method_handler(
-            servicer.GetPredictor, request_deserializer=_tolerant(pb.GetPredictorRequest),
-            response_serializer=pb.GetPredictorResponse.SerializeToString),
-    }
+    """``add_SchedulerServiceServicer_to_server`` with never-raising request decoding.  The
+    method table is derived from the service descriptor, so an RPC added to the proto is
+    served (by the servicer's method of that name) without touching this module."""
+    handlers = {}
+    for m in pb.DESCRIPTOR.services_by_name["SchedulerService"].methods:
+        request_cls = getattr(pb, m.input_type.name)
+        response_cls = getattr(pb, m.output_type.name)
+        handlers[m.name] = _FACTORIES[(m.client_streaming, m.server_streaming)](
+            getattr(servicer, m.name), request_deserializer=_tolerant(request_cls),
+            response_serializer=response_cls.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
