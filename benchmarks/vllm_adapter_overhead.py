@@ -59,25 +59,13 @@ def run_case(cls: Any, mdir: str, steps: int, seed: int, warmup: int, step_ms: f
 
     for _ in range(1056):
         s.add_request(new_request())
-    times: dict[str, list[float]] = {"total": [], "update": [], "snapshot": [], "decide": [], "wait": [],
+    times: dict[str, list[float]] = {"total": [], "update": [], "decide": [], "wait": [],
                                      "ahead": [], "own": [], "running": [], "waiting": []}
-    snap_t: list[float] = []
-    if hasattr(s, "_snapshot"):
-        inner = s._snapshot
-
-        def timed() -> Any:
-            t = time.perf_counter()
-            try:
-                return inner()
-            finally:
-                snap_t.append(time.perf_counter() - t)
-        s._snapshot = timed
     k = 0
     while len(times["total"]) < steps:
         while len(s.waiting) < 800:
             s.add_request(new_request())
         c0 = dict(s._ss_counts) if hasattr(s, "_ss_counts") else {}
-        n_snap = len(snap_t)
         t0 = time.perf_counter()
         so = s.schedule()
         dt = time.perf_counter() - t0
@@ -100,7 +88,6 @@ def run_case(cls: Any, mdir: str, steps: int, seed: int, warmup: int, step_ms: f
             times["wait"].append((c1["wait_us"] - c0.get("wait_us", 0)) / 1e3)
             times["ahead"].append((c1["ahead_us"] - c0.get("ahead_us", 0)) / 1e3)
             times["own"].append((c1["own_us"] - c0.get("own_us", 0)) / 1e3)
-            times["snapshot"].append(snap_t[-1] * 1e3 if len(snap_t) > n_snap else 0.0)
     if hasattr(s, "slidingserve_stats"):
         st = s.slidingserve_stats()
         times["_stats"] = [st["planned"], st["pipelined"], st["native"], st["deviating_iterations"]]

@@ -100,7 +100,8 @@ class _View:
     running_rows: int
     #: requests left out because they are blocked (remote KV, grammar, streaming input)
     blocked: set[str]
-    #: running requests whose next token needs a new KV block (see ``_kv_short``)
+    #: running requests whose next token needs a new KV block (see ``_kv_short``);
+    #: counted for projected views only
     kv_need: int = 0
 
 
@@ -233,7 +234,6 @@ class SlidingServeMixin:
         self._ss_profile = detect_profile(self.vllm_config, self._ss_settings)
         self._ss_builder = SnapshotBuilder(self._slo_defaults(self._ss_settings), self._ss_profile)
         self._ss_core: AdapterCore | None = None  # created on first schedule(): after vLLM forks
-        self._ss_lock = threading.Lock()
         self._ss_unsupported = ""
         if self.policy != SchedulingPolicy.FCFS:
             self._ss_unsupported = f"scheduling policy {self.policy.name} (only fcfs)"
@@ -315,10 +315,12 @@ class SlidingServeMixin:
             max_num_seqs=self.max_num_running_reqs, free_kv_tokens=free_tokens,
             now=time.time() + ahead_s, project=project)
         rr = builder.last_running_rows
-        comp = builder.last_computed[:rr]
-        left = snap.prompt_tokens[:rr] - snap.computed_tokens[:rr]
-        one = (left == 1) | ((left == 0) & (snap.output_tokens[:rr] >= 1))
-        kv_need = int(np.count_nonzero(one & (comp % self.block_size == 0)))
+        kv_need = 0
+        if project:  # a view taken now is checked with _kv_short instead, before it is taken
+            comp = builder.last_computed[:rr]
+            left = snap.prompt_tokens[:rr] - snap.computed_tokens[:rr]
+            one = (left == 1) | ((left == 0) & (snap.output_tokens[:rr] >= 1))
+            kv_need = int(np.count_nonzero(one & (comp % self.block_size == 0)))
         return _View(snap, rows, builder.last_computed, rr, blocked, kv_need)
 
     def _snapshot(self) -> tuple[Snapshot, list[Any], int]:
@@ -510,9 +512,7 @@ class SlidingServeMixin:
         that read (about a millisecond, far shorter than a step) before changing
         them: the engine thread pays only for the hand-over."""
         self._ss_arrivals = []
-        if not self._ss_settings.pipeline or self._ss_unsupported:
-            return
-        if not (self.running or self.waiting or self.kv_holding_waiting):
+        if self._ss_unsupported or not (self.running or self.waiting or self.kv_holding_waiting):
             return
         core = self._core()  # nothing is in flight: a settings swap is safe here
         if not self._ss_settings.pipeline:
@@ -543,9 +543,7 @@ class SlidingServeMixin:
                 snapped.set()
             if v is None or len(v.snap) == 0:
                 return None
-            decision = core.decide(v.snap)
-            v.snap.index_of  # noqa: B018 -- built here, not on the engine thread (the plan check needs it)
-            return v, decision
+            return v, core.decide(v.snap)  # its plan check builds v.snap.index_of, here
 
         if view is not None:
             snapped.set()
@@ -585,14 +583,8 @@ class SlidingServeMixin:
             *args, **kwargs)
 
     def _reserve_prefill_lookahead(self, request: Any, num_computed_tokens: int, num_new_tokens: int) -> int:
-        plan = self._plan
-        if plan is not None:  # called for every request vLLM schedules: _cap, inlined
-            want = plan.get(request.request_id)
-            if want is None:
-                if request.request_id not in self._ss_blocked:
-                    num_new_tokens = 0
-            elif want < num_new_tokens and num_computed_tokens < request.num_tokens - 1:
-                num_new_tokens = want
+        if self._plan is not None:  # called for every request vLLM schedules: keep it lean
+            num_new_tokens = self._cap(request, num_new_tokens, num_computed_tokens)
         return super()._reserve_prefill_lookahead(  # type: ignore[misc]
             request, num_computed_tokens, num_new_tokens)
 
