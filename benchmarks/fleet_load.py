@@ -74,6 +74,8 @@ from typing import Any
 
 import numpy as np
 
+from engine_adapter.sim.pacing import WallClockPacer
+
 ROOT = Path(__file__).resolve().parent.parent
 #: N = 8 must meet these (service p99, fallback fraction).
 TARGET_P99_MS = 5.0
@@ -138,8 +140,7 @@ def _make_paced_adapter(base: type, speedup: float, counters: Any, slot: int) ->
     class Paced(base):  # type: ignore[valid-type,misc]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            self._sim0: float | None = None
-            self._wall0 = 0.0
+            self._pacer = WallClockPacer(speedup) if speedup > 0 else None
             #: Seconds each decision was asked later than its real-time schedule.
             self.lag_s: list[float] = []
             #: Wall seconds spent pacing (asleep) and in decide() (round trip, plan check).
@@ -155,13 +156,9 @@ def _make_paced_adapter(base: type, speedup: float, counters: Any, slot: int) ->
         def decide(self, snapshot: Any) -> Any:
             if self._last_end is not None:
                 self.max_between_s = max(self.max_between_s, time.perf_counter() - self._last_end)
-            if speedup > 0:
-                if self._sim0 is None:
-                    self._sim0, self._wall0 = snapshot.now, time.perf_counter()
-                due = self._wall0 + (snapshot.now - self._sim0) / speedup
-                left = due - time.perf_counter()
+            if self._pacer is not None:
+                left = self._pacer.wait(snapshot.now)
                 if left > 0:
-                    time.sleep(left)
                     self.sleep_s += left
                 self.lag_s.append(max(0.0, -left))
             t0 = time.perf_counter()

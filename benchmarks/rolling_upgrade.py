@@ -38,6 +38,7 @@ from clients.workloads import make_workload
 from engine_adapter.core import AdapterCore, AdapterSettings, GrpcBackend
 from engine_adapter.sim.engine import SimulatedEngine, Workload
 from engine_adapter.sim.groundtruth import DEFAULT_PROFILE, PROFILES, load_ground_truth
+from engine_adapter.sim.pacing import WallClockPacer
 from tests.faults import ServiceProcess
 
 PROFILE = PROFILES[DEFAULT_PROFILE]
@@ -82,12 +83,11 @@ def _run_engine(run: EngineRun, target: str, speedup: float, phase: list[str], d
                           profile_predictor(DEFAULT_PROFILE))
     engine = SimulatedEngine(run.workload, load_ground_truth(DEFAULT_PROFILE), PROFILE, adapter)
     run.engine, run.adapter = engine, adapter
-    sim0: float | None = None
-    wall0 = 0.0
+    pacer = WallClockPacer(speedup)
     streak = 0
 
     def hook(eng: SimulatedEngine, snap: Any, decision: Any) -> None:
-        nonlocal sim0, wall0, streak
+        nonlocal streak
         run.iterations += 1
         if decision is not None and decision.source == "remote":
             v = decision.plan.deployment or decision.plan.policy
@@ -98,11 +98,7 @@ def _run_engine(run: EngineRun, target: str, speedup: float, phase: list[str], d
             run.fallbacks[decision.reason] += 1
             streak += 1
             run.longest_fallback_run = max(run.longest_fallback_run, streak)
-        if sim0 is None:
-            sim0, wall0 = snap.now, time.perf_counter()
-        left = wall0 + (snap.now - sim0) / speedup - time.perf_counter()
-        if left > 0:
-            time.sleep(left)
+        pacer.wait(snap.now)
 
     engine.on_iteration = hook
     try:

@@ -17,7 +17,6 @@ circuit back-off has wall time to play out in, as on a GPU.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from clients.workloads import make_workload
 from engine_adapter.core import AdapterCore, AdapterSettings, GrpcBackend
 from engine_adapter.sim.engine import SimResult, SimulatedEngine, Workload
 from engine_adapter.sim.groundtruth import DEFAULT_PROFILE, PROFILES, load_ground_truth
+from engine_adapter.sim.pacing import WallClockPacer
 from scheduler_service.server import SchedulerServer
 from tests.faults import FaultyPolicy, ServiceProcess, TcpProxy
 from tests.grpc_support import inject, make_server
@@ -91,22 +91,17 @@ def run_engine(target: str, actions: dict[int, tuple[str, Callable[[], object]]]
     engine = SimulatedEngine(w, load_ground_truth(DEFAULT_PROFILE), PROFILE, adapter)
     marks: dict[str, dict[str, Any]] = {}
     k = 0
-    sim0: float | None = None
-    wall0 = 0.0
+    pacer = WallClockPacer(SPEEDUP)
 
     def hook(eng: SimulatedEngine, snap: Any, _decision: Any) -> None:
-        nonlocal k, sim0, wall0
+        nonlocal k
         k += 1
         if k in actions:
             label, fn = actions[k]
             fn()
             marks[label] = adapter.stats()
-            sim0 = None  # an action may block: pace from here on
-        if sim0 is None:
-            sim0, wall0 = snap.now, time.perf_counter()
-        left = wall0 + (snap.now - sim0) / SPEEDUP - time.perf_counter()
-        if left > 0:
-            time.sleep(left)
+            pacer.restart()  # an action may block: pace from here on
+        pacer.wait(snap.now)
 
     engine.on_iteration = hook
     try:
