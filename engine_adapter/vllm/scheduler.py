@@ -206,6 +206,8 @@ class SlidingServeMixin:
     max_num_running_reqs: int
     max_num_active_reqs: int
     num_lookahead_tokens: int
+    #: requests freed since the last schedule() (vLLM resets it at the end of schedule())
+    finished_req_ids: set[str]
     policy: Any
     vllm_config: Any
 
@@ -357,10 +359,7 @@ class SlidingServeMixin:
         if stale:
             # vLLM collects the requests freed since the last schedule() (finished, aborted)
             # in finished_req_ids, exactly the window since the view was taken
-            gone = getattr(self, "finished_req_ids", None)
-            if gone is None:  # not expected on vLLM 0.33: ask every planned request
-                gone = {k for k in plan if rows[snap.index_of[k]].status not in _SCHEDULABLE}
-            for rid in gone:
+            for rid in self.finished_req_ids:
                 plan.pop(rid, None)
         keys = list(plan)
         idx = np.fromiter(map(snap.index_of.__getitem__, keys), np.int64, len(keys))
@@ -483,9 +482,8 @@ class SlidingServeMixin:
         running = statuses.count(RequestStatus.RUNNING)
         if running != rr and running + sum(map(RequestStatus.is_finished, statuses)) != rr:
             return True
-        gone = getattr(self, "finished_req_ids", None)
         free = view.snap.free_kv_tokens
-        if gone and free is not None and free < self.max_num_scheduled_tokens:
+        if self.finished_req_ids and free is not None and free < self.max_num_scheduled_tokens:
             return True
         return bool(self._ss_arrivals) and self._room_for_arrivals(plan, view.snap)
 
