@@ -1,19 +1,18 @@
-"""Request-length traces from the shared Vidur/Sarathi data (see its README).
+"""Request-length traces (ShareGPT, arXiv-Summarization) from Vidur / Sarathi-Serve.
 
-The data lives outside the repository; ``SLIDINGSERVE_DATA`` points at the
-folder that holds ``processed_traces/`` and ``profiling/``.  Without it, the
-first ``shared/data/vidur/data`` found next to the checkout or next to one of
-its parent folders is used (``../shared/data/vidur/data`` in the usual layout).
+They ship gzipped with the package (:mod:`clients.data`, see ``clients/data/vidur/PROVENANCE.md``);
+``SLIDINGSERVE_DATA`` names another folder holding ``processed_traces/`` to read instead.
 """
 
 from __future__ import annotations
 
 import csv
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from .data import data_dir, find, open_text
 
 __all__ = ["TRACES", "Trace", "data_dir", "load_trace"]
 
@@ -21,20 +20,6 @@ TRACES = {
     "sharegpt": "processed_traces/sharegpt_8k_filtered_stats_llama2_tokenizer.csv",
     "arxiv": "processed_traces/arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv",
 }
-
-
-_SHARED = Path("shared") / "data" / "vidur" / "data"
-
-
-def data_dir() -> Path:
-    env = os.environ.get("SLIDINGSERVE_DATA")
-    if env:
-        return Path(env)
-    repo = Path(__file__).resolve().parents[1]
-    for folder in repo.parents:
-        if (folder / _SHARED).is_dir():
-            return folder / _SHARED
-    return repo.parent / _SHARED  # not found: errors name the usual place
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,24 +43,19 @@ _CACHE: dict[str, Trace] = {}
 
 
 def load_trace(name_or_path: str) -> Trace:
-    """A named trace (``sharegpt``, ``arxiv``) or any CSV with columns
+    """A named trace (``sharegpt``, ``arxiv``) or any CSV (plain or ``.gz``) with columns
     ``num_prefill_tokens,num_decode_tokens[,arrived_at]``."""
     if name_or_path in _CACHE:
         return _CACHE[name_or_path]
     if name_or_path in TRACES:
-        path = data_dir() / TRACES[name_or_path]
-        if not path.exists():
-            raise FileNotFoundError(
-                f"trace {name_or_path!r} not found at {path}; set SLIDINGSERVE_DATA to the folder "
-                "holding processed_traces/"
-            )
+        path = find(TRACES[name_or_path], f"trace {name_or_path!r}")
     else:
         path = Path(name_or_path)
         if not path.exists():
             raise FileNotFoundError(f"no trace named {name_or_path!r} (known: {', '.join(TRACES)}) "
                                     f"and no such file")
     pre, dec, arr = [], [], []
-    with open(path, newline="") as fh:
+    with open_text(path) as fh:
         reader = csv.DictReader(fh)
         cols = reader.fieldnames or []
         for need in ("num_prefill_tokens", "num_decode_tokens"):

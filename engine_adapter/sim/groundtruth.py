@@ -29,8 +29,8 @@ with N = Σ c_i tokens, R requests and L layers.
 * Medians jitter by a few µs between neighbouring token counts, so each table
   is made monotone non-decreasing by isotonic regression at load: more work
   never finishes sooner in the ground truth.
-* ``attn``: the profiled ``attention.csv`` files are not available (data
-  README), so attention is a roofline over FLOPs and KV bytes, per layer and
+* ``attn``: the profiled ``attention.csv`` files are not available (see
+  ``clients/data/vidur/PROVENANCE.md``), so attention is a roofline over FLOPs and KV bytes, per layer and
   per GPU (heads are split over TP)::
 
       prefill chunk (c > 1):  F = 4 · n_head·d · c · (u + c/2) / TP      (causal QKᵀ and PV)
@@ -253,19 +253,20 @@ class _Curve:
         return _Curve(self.x, self.y * k, self.tail_slope * k)
 
 
-def _read_csv(path: Path) -> list[dict[str, str]]:
-    if not path.exists():
-        raise FileNotFoundError(
-            f"profile {path} not found; set SLIDINGSERVE_DATA to the folder holding profiling/"
-        )
-    with open(path, newline="") as fh:
-        return list(csv.DictReader(fh))
+def _read_csv(root: Path, rel: str, what: str) -> tuple[Path, list[dict[str, str]]]:
+    """The rows of ``root/rel`` (plain or ``.gz``); see :mod:`clients.data`."""
+    from clients.data import find, open_text
+
+    path = find(rel, what, root)
+    with open_text(path) as fh:
+        return path, list(csv.DictReader(fh))
 
 
 def _linear_curves(profile: GPUProfile, root: Path) -> tuple[_Curve, _Curve]:
     """(per-layer linear ops, embedding) for the profile's TP degree, by tokens."""
-    path = root / "profiling" / "compute" / profile.gpu / "meta-llama" / profile.model / "mlp.csv"
-    rows = [r for r in _read_csv(path) if int(r["num_tensor_parallel_workers"]) == profile.tp]
+    rel = f"profiling/compute/{profile.gpu}/meta-llama/{profile.model}/mlp.csv"
+    path, table = _read_csv(root, rel, f"compute profile of {profile.key!r}")
+    rows = [r for r in table if int(r["num_tensor_parallel_workers"]) == profile.tp]
     if not rows:
         raise ValueError(f"{path}: no rows for TP={profile.tp}")
     r0 = rows[0]
@@ -282,9 +283,10 @@ def _allreduce_curve(profile: GPUProfile, root: Path) -> _Curve:
     """One all-reduce of the hidden states, by tokens (zero for TP = 1)."""
     if profile.tp == 1:
         return _Curve(np.array([0.0, 1.0]), np.zeros(2), 0.0)
-    path = root / "profiling" / "network" / profile.spec.network_node / "all_reduce.csv"
+    rel = f"profiling/network/{profile.spec.network_node}/all_reduce.csv"
+    path, table = _read_csv(root, rel, f"all-reduce profile of {profile.key!r}")
     by_size: dict[float, list[float]] = defaultdict(list)
-    for r in _read_csv(path):
+    for r in table:
         if int(r["num_workers"]) == profile.tp:
             by_size[float(r["size"])].append(float(r["time_stats.all_reduce.median"]))
     if not by_size:
@@ -421,11 +423,11 @@ def _load(key: str, root: str) -> GroundTruth:
 
 def load_ground_truth(key: str = DEFAULT_PROFILE, data_root: Path | str | None = None) -> GroundTruth:
     """The (cached) ground truth of a profile; ``data_root`` defaults to
-    :func:`clients.traces.data_dir` (``SLIDINGSERVE_DATA`` or the shared folder)."""
+    :func:`clients.data.data_dir` (``SLIDINGSERVE_DATA``, else the bundled data)."""
     if key not in PROFILES:
         raise UnknownProfileError(f"unknown GPU profile {key!r}; valid: {', '.join(sorted(PROFILES))}")
     if data_root is None:
-        from clients.traces import data_dir
+        from clients.data import data_dir
 
         data_root = data_dir()
     return _load(key, str(Path(data_root).resolve()))
