@@ -65,3 +65,8 @@ demo: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+
+.PHONY: default-predictor
+default-predictor: $(STAMP) ## regenerate the bundled default predictor from the simulated A100 TP2 Llama-2-7B
+	$(VENV)/bin/slidingserve predictor sweep --profile a100-tp2-llama2-7b --samples 3000 --seed 0 \
+	  --out scheduler_service/core/data/default_predictor.json

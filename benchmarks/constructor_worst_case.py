@@ -52,7 +52,8 @@ def main() -> None:
         t_full = float(curve.times[cq.first_cap])
         risky_counts.append(int((snap.slack * 1e3 < t_full).sum()))
         t = time.perf_counter()
-        res = construct_batch(snap, pre, curve, 0, t_full, cq.iter_cap, 1024, args.candidates)
+        res = construct_batch(snap, pre, curve, 0, t_full, cq.iter_cap, 1024, args.candidates,
+                              predictor=pred, decodes=np.array([], dtype=np.int64))
         dp_times.append(time.perf_counter() - t)
         assert res is not None
         t = time.perf_counter()

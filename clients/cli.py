@@ -157,6 +157,32 @@ def cmd_predictor_fit(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_predictor_sweep(args: argparse.Namespace) -> int:
+    """Fit from a seeded profiling sweep of a simulated engine profile (the
+    command that regenerates the bundled default predictor)."""
+    from engine_adapter.sim.groundtruth import PROFILES
+    from engine_adapter.sim.profiling import profile_predictor_with_holdout
+
+    if args.profile not in PROFILES:
+        raise CliError(f"unknown profile {args.profile!r}; known: {', '.join(sorted(PROFILES))}")
+    if args.samples < 30:
+        raise CliError(f"--samples must be at least 30, got {args.samples}")
+    pred, metrics = profile_predictor_with_holdout(args.profile, n=args.samples, seed=args.seed)
+    for name, m in metrics.items():
+        print(
+            f"held-out {name:7s} n={m['n']:6d}  MAE {m['mae_ms']:.3f} ms  "
+            f"RMSE {m['rmse_ms']:.3f} ms  R² {m['r2']:.4f}",
+            file=sys.stderr,
+        )
+    text = pred.to_json()
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+        print(f"wrote predictor {pred.version} to {args.out}", file=sys.stderr)
+    else:
+        print(text)
+    return 0
+
+
 def _read_samples_csv(path: str):  # type: ignore[no-untyped-def]
     """Columns x1..x7 and latency_ms (any order, extra columns ignored)."""
     import csv
@@ -301,6 +327,12 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--holdout", type=float, default=0.2, help="fraction held out for the printed errors")
     f.add_argument("--seed", type=int, default=0)
     f.set_defaults(func=cmd_predictor_fit)
+    sw = psub.add_parser("sweep", help="fit from a seeded profiling sweep of a simulated engine profile")
+    sw.add_argument("--profile", default="a100-tp2-llama2-7b", help="simulated engine profile")
+    sw.add_argument("--samples", type=int, default=3000, help="batches timed for the fit")
+    sw.add_argument("--seed", type=int, default=0, help="seed of the fit sweep (the held-out one uses seed + 1)")
+    sw.add_argument("--out", help="write the predictor JSON here (default: stdout)")
+    sw.set_defaults(func=cmd_predictor_sweep)
     sh = psub.add_parser("show", help="print a predictor")
     sh.add_argument("--file", help="predictor JSON (default: the built-in one)")
     sh.add_argument("--server", metavar="HOST:PORT")

@@ -18,8 +18,15 @@ from scheduler_service.core import (
     evaluate,
     fit_predictor,
 )
-from scheduler_service.core.predictor import DECODE, MIXED, PREFILL, SCENARIOS, scenario_codes
-from tests.factories import brute_batch_features, linear_model, make_predictor, random_predictor
+from scheduler_service.core.predictor import (
+    DECODE,
+    MIXED,
+    PREFILL,
+    SCENARIOS,
+    monotonicity_violations,
+    scenario_codes,
+)
+from tests.factories import brute_batch_features, linear_model, make_predictor, predict_cu, random_predictor
 from tests.strategies import predictors
 
 
@@ -124,11 +131,17 @@ def test_vectorised_predict_equals_per_batch(p: BatchLatencyPredictor, seed: int
 TRUE = {
     "decode": LinearModel(4.0, (0.0, 0.0, 0.0, 0.08, 2e-4, 0.0, 0.0)),
     "prefill": LinearModel(3.0, (1e-6, 2e-6, 5e-5, 0.0, 0.0, 0.09, 0.003)),
-    "mixed": LinearModel(6.0, (2e-6, 1e-6, 3e-5, 0.05, 1e-4, 0.08, 0.002)),
+    # monotone (monotonicity_violations is empty): at least the prefill model on x1, x2, x3,
+    # x6, x7 and the decode model on x4 and x3 + x5, and a larger intercept
+    "mixed": LinearModel(6.0, (2e-6, 3e-6, 6e-5, 0.08, 2.5e-4, 0.09, 0.004)),
 }
+#: A truth the monotone fit cannot represent: a prefill joining decodes lowers the time
+#: (mixed's per-decode cost and intercept are below decode-only's).
+NON_MONOTONE = {**TRUE, "mixed": LinearModel(2.0, (2e-6, 1e-6, 3e-5, 0.05, 1e-4, 0.08, 0.002))}
 
 
-def synthetic(seed: int, n_per: dict[str, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def synthetic(seed: int, n_per: dict[str, int], truth: dict[str, LinearModel] = TRUE
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
     X, S = [], []
     for name, n in n_per.items():
@@ -142,7 +155,7 @@ def synthetic(seed: int, n_per: dict[str, int]) -> tuple[np.ndarray, np.ndarray,
             X.append(x)
             S.append(s)
     X_, S_ = np.array(X), np.array(S)
-    y = np.array([TRUE[SCENARIOS[s]].intercept_ms + np.dot(TRUE[SCENARIOS[s]].weights, x)
+    y = np.array([truth[SCENARIOS[s]].intercept_ms + np.dot(truth[SCENARIOS[s]].weights, x)
                   for x, s in zip(X_, S_, strict=True)])
     return X_, S_, y
 
@@ -175,7 +188,7 @@ def test_fit_recovers_known_coefficients() -> None:
 
 def test_fit_falls_back_to_global_when_a_scenario_is_thin() -> None:
     X, S, y = synthetic(3, {"decode": 100, "prefill": 5, "mixed": 100})
-    p = fit_predictor(X, S, y, min_samples=30)
+    p = fit_predictor(X, S, y, min_samples=30, positive=False)
     assert p.scenarios["prefill"] is None
     assert p.scenarios["decode"] is not None and p.scenarios["mixed"] is not None
     assert p.meta["samples"]["prefill"] == 5
@@ -186,18 +199,109 @@ def test_fit_falls_back_to_global_when_a_scenario_is_thin() -> None:
     assert "prefill" not in p.to_dict()["scenarios"]
 
 
+def test_monotone_fit_borrows_all_samples_for_a_thin_scenario() -> None:
+    X, S, y = synthetic(3, {"decode": 100, "prefill": 5, "mixed": 100})
+    p = fit_predictor(X, S, y, min_samples=30)
+    assert p.meta["borrowed"] == ["prefill"]
+    assert all(p.scenarios[k] is not None for k in SCENARIOS)
+    assert monotonicity_violations(p) == []
+    # the mixed model on the prefill features
+    m, pre = p.scenarios["mixed"], p.scenarios["prefill"]
+    assert m is not None and pre is not None and pre.intercept_ms == m.intercept_ms
+    assert pre.weights == (*m.weights[:3], 0.0, 0.0, *m.weights[5:])
+
+
 def test_fit_min_samples_boundary() -> None:
     X, S, y = synthetic(4, {"decode": 30, "prefill": 29, "mixed": 40})
-    p = fit_predictor(X, S, y, min_samples=30)
+    p = fit_predictor(X, S, y, min_samples=30, positive=False)
     assert p.scenarios["decode"] is not None and p.scenarios["prefill"] is None
+    assert fit_predictor(X, S, y, min_samples=30).meta["borrowed"] == ["prefill"]
+    assert "borrowed" not in fit_predictor(X, S, y, min_samples=29).meta
 
 
 def test_fit_positive_keeps_weights_non_negative() -> None:
     X, S, y = synthetic(5, {"decode": 60, "prefill": 60, "mixed": 60})
     y = y - 0.001 * X[:, 5]  # make the unconstrained fit want some smaller weights
+    assert min(min(m.weights) for m in fit_predictor(X, S, y, positive=False).scenarios.values()
+               if m is not None) < 0.0
     p = fit_predictor(X, S, y, positive=True)
     for m in [*p.scenarios.values(), p.global_model]:
-        assert m is not None and min(m.weights) >= 0.0
+        assert m is not None and min(m.weights) >= 0.0 and m.intercept_ms >= 0.0
+
+
+def test_monotone_fit_of_a_non_monotone_truth() -> None:
+    """The unconstrained fit recovers the non-monotone truth and is flagged; the default
+    fit is monotone and stays close where it can."""
+    X, S, y = synthetic(6, {"decode": 200, "prefill": 200, "mixed": 300}, NON_MONOTONE)
+    free = fit_predictor(X, S, y, positive=False)
+    np.testing.assert_allclose(free.scenarios["mixed"].weights, NON_MONOTONE["mixed"].weights,  # type: ignore[union-attr]
+                               rtol=1e-4, atol=1e-9)
+    broken = monotonicity_violations(free, free.meta.get("monotone_domain") or {"max_decodes": 39,
+                                                                                "max_context": 3000})
+    assert any("lowers the prediction" in b for b in broken)
+    mono = fit_predictor(X, S, y)
+    assert monotonicity_violations(mono) == []
+    assert mono.meta["monotone_domain"]["max_decodes"] == X[:, 3].max()
+    # decode-only and prefill-only are unconstrained by the rule: still exact
+    ev = evaluate(mono, X, S, y)
+    assert ev["decode"]["mae_ms"] < 1e-3 and ev["prefill"]["mae_ms"] < 1e-3
+
+
+def _cu_batches(draw: st.DrawFn) -> list[tuple[int, int]]:
+    return draw(st.lists(st.tuples(st.sampled_from([1, 1, 2, 3, 17, 300]), st.integers(0, 3000)), max_size=10))
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, database=None)
+@given(st.data(), st.integers(0, 2**31 - 1))
+def test_monotone_fits_never_predict_less_for_more_work(data: st.DataObject, seed: int) -> None:
+    """Adding a decode or a prefill chunk, growing a chunk of ≥ 2 tokens or adding cached
+    tokens never lowers the prediction of a monotone fit (here fitted on noisy samples of
+    random truths, often non-monotone ones), within the domain it was fitted on."""
+    rng = np.random.default_rng(seed)
+    truth = {k: LinearModel(float(rng.uniform(0, 8)), tuple(float(w) for w in
+             np.array(m.weights) * rng.uniform(0, 2, 7))) for k, m in NON_MONOTONE.items()}
+    X, S, y = synthetic(seed % 1000, {"decode": 60, "prefill": 60, "mixed": 80}, truth)
+    y = y * rng.uniform(0.9, 1.1, len(y))
+    p = fit_predictor(X, S, y)
+    assert monotonicity_violations(p) == []
+    cu = _cu_batches(data.draw)
+    n_dec = sum(c == 1 for c, _ in cu)
+    if n_dec >= p.meta["monotone_domain"]["max_decodes"] or any(
+            c == 1 and u > p.meta["monotone_domain"]["max_context"] for c, u in cu):
+        return
+
+    def t(batch: list[tuple[int, int]]) -> float:
+        return predict_cu(p, batch) if batch else 0.0
+
+    before = t(cu)
+    eps = 1e-9 * max(1.0, before)
+    u_new = data.draw(st.integers(0, int(p.meta["monotone_domain"]["max_context"])))
+    assert t([*cu, (1, u_new)]) >= before - eps                            # a decode joins
+    assert t([*cu, (data.draw(st.integers(2, 400)), u_new)]) >= before - eps  # a prefill chunk joins
+    if cu:
+        j = data.draw(st.integers(0, len(cu) - 1))
+        c, u = cu[j]
+        more_u = [*cu[:j], (c, u + data.draw(st.integers(1, 500))), *cu[j + 1:]]
+        if not (c == 1 and more_u[j][1] > p.meta["monotone_domain"]["max_context"]):
+            assert t(more_u) >= before - eps                               # more cached tokens
+        if c >= 2:
+            grown = [*cu[:j], (c + data.draw(st.integers(1, 300)), u), *cu[j + 1:]]
+            assert t(grown) >= before - eps                                # a chunk grows
+
+
+def test_bundled_default_is_monotone_and_regenerates() -> None:
+    """The default predictor is what `make default-predictor` writes (the profiling sweep of
+    the simulated A100 TP2 Llama-2-7B), it is monotone, and its held-out errors are stated."""
+    from engine_adapter.sim.profiling import profile_predictor_with_holdout
+
+    bundled = default_predictor()
+    assert monotonicity_violations(bundled) == []
+    meta = bundled.meta
+    fresh, metrics = profile_predictor_with_holdout(meta["profile"], n=meta["n"], seed=meta["seed"])
+    # the same coefficients (to solver round-off: BLAS builds differ in the last bits)
+    np.testing.assert_allclose(fresh._coef, bundled._coef, rtol=1e-6, atol=1e-12)
+    assert meta["holdout"]["all"]["r2"] == pytest.approx(metrics["all"]["r2"], abs=1e-4)
+    assert metrics["all"]["r2"] > 0.99 and metrics["all"]["mae_ms"] < 3.0
 
 
 @pytest.mark.parametrize(

@@ -23,14 +23,21 @@ total prefill tokens of a batch are capped at 4096, like a vLLM/Sarathi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from scheduler_service.core import BatchLatencyPredictor, batch_features, fit_predictor
+from scheduler_service.core import BatchLatencyPredictor, batch_features, evaluate, fit_predictor
 
 from .groundtruth import DEFAULT_PROFILE, GroundTruth, load_ground_truth
 
-__all__ = ["ProfilingData", "fit_profile_predictor", "profiling_sweep", "random_batches"]
+__all__ = [
+    "ProfilingData",
+    "fit_profile_predictor",
+    "profile_predictor_with_holdout",
+    "profiling_sweep",
+    "random_batches",
+]
 
 MAX_DECODES = 256
 MAX_CONTEXT = 4096
@@ -107,3 +114,26 @@ def fit_profile_predictor(key: str = DEFAULT_PROFILE, n: int = 3000, seed: int =
         data.features, data.scenario, data.latency_ms,
         meta={"source": "profiling-sweep", "profile": key, "n": n, "seed": seed},
     )
+
+
+def profile_predictor_with_holdout(
+    key: str = DEFAULT_PROFILE, n: int = 3000, seed: int = 0
+) -> tuple[BatchLatencyPredictor, dict[str, dict[str, float]]]:
+    """:func:`fit_profile_predictor` plus its errors on a second sweep (seed + 1)
+    of the same size; the errors are recorded in the predictor's ``meta``."""
+    pred = fit_profile_predictor(key, n=n, seed=seed)
+    held = profiling_sweep(key, n=n, seed=seed + 1)
+    metrics = evaluate(pred, held.features, held.scenario, held.latency_ms)
+    meta: dict[str, Any] = {
+        **pred.meta,
+        "source": (
+            f"profiling sweep of the simulated {key} engine (engine_adapter/sim/groundtruth.py over the "
+            f"Vidur A100 profiles): {n} random batches, seed {seed}, monotone fit; regenerate with "
+            f"`slidingserve predictor sweep --profile {key} --samples {n} --seed {seed}` (make default-predictor)"
+        ),
+        "holdout": {
+            "seed": seed + 1,
+            **{k: {"mae_ms": round(v["mae_ms"], 3), "r2": round(v["r2"], 4)} for k, v in metrics.items()},
+        },
+    }
+    return BatchLatencyPredictor(scenarios=pred.scenarios, global_model=pred.global_model, meta=meta), metrics

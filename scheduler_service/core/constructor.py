@@ -22,6 +22,18 @@ Decisions where the paper is silent or the naive form is too slow:
   every anchor; the rest cannot be worth more to any knapsack than the kept
   ones of similar weight, and the DP cost stays bounded under overload.
 * Expired requests are never anchors nor candidates (ARCHITECTURE §4).
+* Final check and repair.  C_a comes from the fill curve of the *sorted*
+  queue, but the knapsack takes other requests, whose cached tokens (x1, x3)
+  and chunk sizes (x2, x7) can cost more than the queue's head.  So, as in the
+  paper's worked example, the chosen batch is predicted exactly and kept only
+  if margin · T̂(D ∪ Y) ≤ s_a (the least slack it completes, in ms).  When it
+  is over, the non-anchor item with the least value per predicted millisecond
+  (v_j / (T̂(Y) − T̂(Y ∖ {j}))) is dropped until it fits; if even the anchor
+  alone does not fit, that anchor is infeasible.  Anchors are tried in the
+  order of their knapsack key (21) and the best repaired selection wins (a
+  repair only lowers a key, so the search stops once the next anchor's
+  unrepaired key cannot beat it).  No feasible anchor → the SlidingChunker
+  path.
 """
 
 from __future__ import annotations
@@ -31,6 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .batch import BudgetCurve
+from .predictor import BatchLatencyPredictor, scenario_codes
 from .snapshot import Snapshot
 from .sorter import ordered
 
@@ -59,12 +72,18 @@ def construct_batch(
     seq_cap: int,
     max_candidates: int = 64,
     margin: float = 1.0,
+    *,
+    predictor: BatchLatencyPredictor,
+    decodes: np.ndarray,
 ) -> ConstructorResult | None:
     """Return the best anchored selection, or None (no risky or no feasible anchor).
 
     ``token_cap`` bounds the prefill tokens (budget after decodes and KV
     headroom); ``seq_cap`` the number of chosen requests.  Predicted times
-    count ``margin`` times over against every slack.
+    count ``margin`` times over against every slack.  ``predictor`` and the
+    scheduled ``decodes`` (``n_dec`` of them) are what the final check
+    predicts the chosen batch with: every returned selection Y satisfies
+    margin · T̂(decodes ∪ Y) ≤ min slack of Y.
     """
     if len(live) == 0 or seq_cap <= 0:
         return None
@@ -102,14 +121,13 @@ def construct_batch(
     # one array update per item instead of two.
     cw = np.zeros(cmax + 1, dtype=np.int64)
     take = np.zeros((len(pool), cmax + 1), dtype=bool)
-    best: tuple[tuple[int, float, int], int, int] | None = None  # (key, anchor pos, cap)
+    anchors: list[tuple[tuple[int, float, int], int, int]] = []  # (key (21), anchor pos, cap)
     for p, i in enumerate(pool.tolist()):
         if i in cap_of:
             c = cap_of[i]
             packed = int(cw[c])
             key = ((packed >> 32) + 1, float(dp[c]) + value[i], (packed & 0xFFFFFFFF) + int(w[p]))
-            if best is None or key > best[0]:
-                best = (key, p, c)
+            anchors.append((key, p, c))
         wp = int(w[p])
         if wp > cmax:
             continue
@@ -119,17 +137,90 @@ def construct_batch(
         np.greater(cand, dp[wp:], out=better)
         np.copyto(dp[wp:], cand, where=better)
         np.copyto(cw[wp:], cw[:head] + ((1 << 32) + wp), where=better)
-    assert best is not None
-    (_, total_v, _), pa, c = best
-    chosen = [int(pool[pa])]
-    for p in range(pa - 1, -1, -1):
-        if take[p, c]:
-            chosen.append(int(pool[p]))
-            c -= int(w[p])
-    if len(chosen) > seq_cap:
-        # Rare: more prefills than sequence slots.  Keep the anchor and the
-        # most valuable others.
-        rest = sorted(chosen[1:], key=lambda i: (-value[i], snap.ids[i]))
-        chosen = [chosen[0], *rest[: seq_cap - 1]]
-        total_v = sum(value[i] for i in chosen)
+    assert anchors
+    slack_ms = snap.slack * 1e3
+    base = _decode_features(snap, decodes)
+    anchors.sort(key=lambda e: e[0], reverse=True)
+    best: tuple[tuple[int, float, int], list[int]] | None = None
+    for key, pa, c in anchors:
+        if best is not None and key <= best[0]:
+            break  # repairs only lower keys: nothing left can win
+        chosen = [int(pool[pa])]
+        for p in range(pa - 1, -1, -1):
+            if take[p, c]:
+                chosen.append(int(pool[p]))
+                c -= int(w[p])
+        if len(chosen) > seq_cap:
+            # Rare: more prefills than sequence slots.  Keep the anchor and the
+            # most valuable others.
+            rest = sorted(chosen[1:], key=lambda i: (-value[i], snap.ids[i]))
+            chosen = [chosen[0], *rest[: seq_cap - 1]]
+        fit = _repair(snap, predictor, base, chosen, value, float(slack_ms[chosen].min()), margin)
+        if fit is None:
+            continue
+        rkey = (len(fit), sum(value[i] for i in fit), int(sum(int(snap.remaining_prefill[i]) for i in fit)))
+        if best is None or rkey > best[0]:
+            best = (rkey, fit)
+    if best is None:
+        return None
+    (_, total_v, _), chosen = best
     return ConstructorResult(anchor=chosen[0], chosen=tuple(chosen), value=float(total_v))
+
+
+def _decode_features(snap: Snapshot, decodes: np.ndarray) -> np.ndarray:
+    """x1..x7 of the scheduled decodes alone (one token each)."""
+    u = float(snap.kv_tokens[decodes].sum()) if len(decodes) else 0.0
+    n = float(len(decodes))
+    return np.array([0.0, 0.0, u, n, u, 0.0, 0.0])
+
+
+def _item_features(snap: Snapshot, idx: np.ndarray) -> np.ndarray:
+    """(len(idx), 7): each prefill's features when it runs all its remaining tokens."""
+    c = snap.remaining_prefill[idx].astype(np.float64)
+    u = snap.computed_tokens[idx].astype(np.float64)
+    big = c > 1
+    f = np.zeros((len(idx), 7))
+    f[:, 0] = np.where(big, c * (u + c), 0.0)
+    f[:, 1] = np.where(big, c * c, 0.0)
+    f[:, 2] = u
+    f[:, 3] = ~big
+    f[:, 4] = np.where(big, 0.0, u)
+    f[:, 5] = np.where(big, c, 0.0)
+    f[:, 6] = np.where(big, c, 0.0)
+    return f
+
+
+def _predict_sets(predictor: BatchLatencyPredictor, base: np.ndarray, f: np.ndarray,
+                  member: np.ndarray) -> np.ndarray:
+    """Predicted ms of "decodes + the items of each row of ``member``" (bool
+    (m, n)); features are sums except x7, a max."""
+    x = base[None, :] + member.astype(np.float64) @ f
+    x[:, 6] = np.max(np.where(member, f[None, :, 6], 0.0), axis=1, initial=0.0)
+    return predictor.predict_ms(x, scenario_codes(x[:, 3], x[:, 5]))
+
+
+def _repair(snap: Snapshot, predictor: BatchLatencyPredictor, base: np.ndarray, chosen: list[int],
+            value: dict[int, float], slack_ms: float, margin: float) -> list[int] | None:
+    """``chosen`` (anchor first) if margin · T̂ ≤ slack_ms, else with the
+    items of least value per predicted ms dropped until it fits; None when
+    the anchor alone does not fit."""
+    idx = np.array(chosen, dtype=np.int64)
+    f = _item_features(snap, idx)
+    keep = np.ones(len(idx), dtype=bool)
+    while True:
+        t = float(_predict_sets(predictor, base, f, keep[None, :])[0])
+        if t * margin <= slack_ms:
+            return [chosen[j] for j in np.flatnonzero(keep)]
+        others = np.flatnonzero(keep)[1:]
+        if len(others) == 0:
+            return None
+        without = np.repeat(keep[None, :], len(others), axis=0)
+        without[np.arange(len(others)), others] = False
+        delta = t - _predict_sets(predictor, base, f, without)
+        ok = delta > 0
+        if not ok.any():
+            # No single drop saves time (a non-monotone predictor): the anchor alone or nothing.
+            keep[others] = False
+            continue
+        ratio = np.where(ok, np.array([value[chosen[j]] for j in others]) / np.where(ok, delta, 1.0), np.inf)
+        keep[others[int(np.argmin(ratio))]] = False

@@ -44,6 +44,7 @@ __all__ = [
     "batch_features",
     "evaluate",
     "fit_predictor",
+    "monotonicity_violations",
     "scenario_codes",
 ]
 
@@ -229,16 +230,157 @@ class BatchLatencyPredictor:
         return "p-" + hashlib.sha256(body.encode()).hexdigest()[:12]
 
 
+#: Features that can be non-zero in a batch of each scenario (0-based, x1 = 0).
+#: In a decode-only batch x3 = Σu equals x5 = Σ_D u, so the decode model uses
+#: x5 alone; a prefill-only batch has no decodes (x4 = x5 = 0).
+SCENARIO_FEATURES = {DECODE: (3, 4), PREFILL: (0, 1, 2, 5, 6), MIXED: tuple(range(N_FEATURES))}
+
+
+def _fit_bounded(
+    x: np.ndarray,
+    y: np.ndarray,
+    cols: tuple[int, ...],
+    lower: np.ndarray,
+    g: np.ndarray | None = None,
+    h: np.ndarray | None = None,
+) -> LinearModel:
+    """Least squares over θ = (intercept, w1..w7) with θ ≥ ``lower`` and, when
+    given, the linear constraints ``g @ θ ≥ h``, on the features ``cols`` (the
+    other weights are 0).  Without ``g`` this is bounded-variable least squares
+    (``scipy.optimize.lsq_linear``, the generalisation of scikit-learn's
+    ``LinearRegression(positive=True)`` and of ``nnls`` to lower bounds, the
+    intercept included); with ``g`` a small quadratic programme solved by
+    SLSQP from that solution."""
+    from scipy.optimize import lsq_linear, minimize
+
+    idx = [0, *(1 + j for j in cols)]
+    a = np.column_stack([np.ones(len(x)), x[:, list(cols)]])
+    lb = lower[idx]
+    assert g is None or np.all(g[:, 0] == 1.0), "every constraint row must include the intercept"
+    # Scale columns so that the solver sees comparable magnitudes (x1 is ~1e7,
+    # x4 ~1e2); the bounds and constraints scale with them.
+    scale = np.abs(a).max(axis=0)
+    scale[scale == 0] = 1.0
+    an, lbn = a / scale, lb * scale
+    res = lsq_linear(an, y, bounds=(lbn, np.full(len(lb), np.inf)), method="bvls")
+    z = res.x
+    if g is not None and h is not None and np.any(g[:, idx] @ (z / scale) < h):
+        gn = g[:, idx] / scale
+        q, c = an.T @ an, an.T @ y
+        out = minimize(
+            lambda t: 0.5 * t @ q @ t - c @ t, z, jac=lambda t: q @ t - c, method="SLSQP",
+            bounds=[(lo, None) for lo in lbn],
+            constraints=[{"type": "ineq", "fun": lambda t: gn @ t - h, "jac": lambda t: gn}],
+            options={"maxiter": 500, "ftol": 1e-12},
+        )
+        z = out.x
+    theta = np.maximum(z / scale, lb)  # round-off below a bound goes back to it
+    if g is not None and h is not None:
+        # SLSQP meets constraints to its tolerance; every constraint row has
+        # intercept coefficient 1, so raising the intercept by the largest
+        # shortfall makes them hold exactly.
+        short = h - g[:, idx] @ theta
+        if short.max() > 0:
+            theta[0] += float(short.max()) * (1 + 1e-12) + 1e-12
+    w = np.zeros(N_FEATURES)
+    w[list(cols)] = theta[1:]
+    return LinearModel(float(theta[0]), tuple(float(v) for v in w))
+
+
 def _fit_linear(x: np.ndarray, y: np.ndarray, positive: bool) -> LinearModel:
     from sklearn.linear_model import LinearRegression
 
-    # Scale columns so that the solver sees comparable magnitudes (x1 is ~1e7,
-    # x4 ~1e2); unscale the weights afterwards.
     scale = np.abs(x).max(axis=0)
     scale[scale == 0] = 1.0
     reg = LinearRegression(positive=positive).fit(x / scale, y)
     w = reg.coef_ / scale
     return LinearModel(float(reg.intercept_), tuple(float(v) for v in w))
+
+
+#: The smallest prefill chunk (c = 2 on an empty cache): its features x1..x7.
+_MIN_CHUNK = np.array([4.0, 4.0, 0.0, 0.0, 0.0, 2.0, 2.0])
+#: Monotonicity is guaranteed over batches of up to this many decodes of up
+#: to this context each, unless the predictor's ``meta["monotone_domain"]``
+#: (set by :func:`fit_predictor` from its samples) says otherwise.
+DEFAULT_DOMAIN = {"max_decodes": 1024, "max_context": 32768}
+
+
+def _domain(predictor: BatchLatencyPredictor | None, domain: Mapping[str, Any] | None) -> tuple[float, float]:
+    d = domain or (predictor.meta.get("monotone_domain") if predictor is not None else None)
+    if not isinstance(d, Mapping):
+        d = DEFAULT_DOMAIN
+    try:
+        return max(1.0, float(d["max_decodes"])), max(0.0, float(d["max_context"]))
+    except (KeyError, TypeError, ValueError):
+        return float(DEFAULT_DOMAIN["max_decodes"]), float(DEFAULT_DOMAIN["max_context"])
+
+
+def _cross_rows(n_max: float, ctx: float) -> np.ndarray:
+    """Features of "the smallest chunk + n decodes of total context U" at the
+    vertices of 1 ≤ n ≤ n_max, 0 ≤ U ≤ n·ctx, with a leading 1 (intercept),
+    and the decode-only part of each (same rows without the chunk)."""
+    verts = [(1.0, 0.0), (1.0, ctx), (n_max, 0.0), (n_max, n_max * ctx)]
+    rows = []
+    for n, u in verts:
+        f = _MIN_CHUNK.copy()
+        f[2] += u
+        f[3] += n
+        f[4] += u
+        rows.append(np.concatenate([[1.0], f]))
+    return np.array(rows)
+
+
+def monotonicity_violations(
+    predictor: BatchLatencyPredictor, domain: Mapping[str, Any] | None = None, tol: float = 1e-9
+) -> list[str]:
+    """Why ``predictor`` is not monotone in work, or [] when it is.
+
+    Monotone means: adding a decode, adding a prefill chunk (c ≥ 2), growing a
+    chunk of ≥ 2 tokens, or adding cached tokens to any request never lowers a
+    prediction, across scenarios too (a prefill joining decodes, a decode
+    joining prefills).  For linear scenario models on non-negative features
+    that holds when
+
+    * every intercept and weight is ≥ 0 (within a scenario);
+    * the mixed model is at least the prefill model on x1, x2, x3, x6, x7, and
+      its intercept plus one decode (x4 weight) at least the prefill intercept
+      (a decode joining prefills);
+    * the smallest chunk joining n decodes of total context U is predicted at
+      least the decodes alone, for 1 ≤ n ≤ ``max_decodes`` and U ≤
+      n·``max_context`` (a linear condition, checked at the four vertices).
+
+    The last rule needs a domain because a mixed batch's per-decode cost is
+    lower than a decode-only batch's on real GPUs (the weights are read once
+    for both); ``domain`` (default the predictor's ``meta["monotone_domain"]``,
+    else :data:`DEFAULT_DOMAIN`) bounds it.  A one-token piece of a prompt
+    counts as a decode (formula (5)); its growth to two tokens changes class and
+    is outside the rule.  The effective models are checked: a missing scenario
+    uses the global model."""
+    c = predictor._coef
+    out = []
+    for k, name in enumerate(SCENARIOS):
+        if c[k, 0] < -tol:
+            out.append(f"{name}: intercept {c[k, 0]:.6g} < 0")
+        for j in SCENARIO_FEATURES[k]:
+            if c[k, 1 + j] < -tol:
+                out.append(f"{name}: weight x{j + 1} {c[k, 1 + j]:.6g} < 0")
+    d, p, m = c[DECODE], c[PREFILL], c[MIXED]
+    for j in (0, 1, 2, 5, 6):
+        if m[1 + j] < p[1 + j] - tol * max(1.0, abs(p[1 + j])):
+            out.append(f"mixed x{j + 1} {m[1 + j]:.6g} < prefill {p[1 + j]:.6g}")
+    if m[0] + m[4] < p[0] - tol * max(1.0, abs(p[0])):
+        out.append(f"mixed intercept + x4 {m[0] + m[4]:.6g} < prefill intercept {p[0]:.6g}")
+    n_max, ctx = _domain(predictor, domain)
+    rows = _cross_rows(n_max, ctx)
+    dec = rows.copy()
+    dec[:, 1:] -= _MIN_CHUNK[None, :]
+    # decode-only part: x3 = x5 = U counts once in the decode model's x3 + x5
+    t_mix, t_dec = rows @ m, dec @ d
+    for (n, u), tm, td in zip(((r[4], r[5]) for r in rows), t_mix, t_dec, strict=True):
+        if tm < td - tol * max(1.0, abs(td)):
+            out.append(f"a 2-token chunk joining {n:g} decodes of context {u:g} lowers the prediction "
+                       f"({td:.6g} → {tm:.6g} ms)")
+    return out
 
 
 def fit_predictor(
@@ -252,9 +394,18 @@ def fit_predictor(
 ) -> BatchLatencyPredictor:
     """Fit scenario models and the global fallback.
 
-    ``positive`` keeps every weight ≥ 0: each feature measures work, so a
-    negative weight is an artefact of collinearity and makes the predicted
-    time non-monotone in the budget.
+    ``positive`` (the default) fits a predictor that is monotone in work
+    (:func:`monotonicity_violations` is empty over the samples' domain, stored
+    in ``meta["monotone_domain"]``): every weight and intercept is ≥ 0 — each
+    feature measures work, so a negative weight is an artefact of
+    collinearity — and the mixed model is fitted under the cross-scenario
+    constraints of :func:`monotonicity_violations`, with the decode-only and
+    prefill-only models fitted first.  A scenario with fewer than
+    ``min_samples`` samples is listed in ``meta["borrowed"]``: a thin decode
+    or prefill scenario takes the mixed model on its own features; a thin
+    mixed scenario is fitted on all samples.  ``positive=False`` is the
+    unconstrained per-scenario least-squares fit, missing scenarios falling
+    back to the global model.
     """
     x = np.asarray(features, dtype=np.float64)
     s = np.asarray(scenario, dtype=np.int64)
@@ -265,16 +416,69 @@ def fit_predictor(
         )
     if len(y) < 2 or not np.all(np.isfinite(x)) or not np.all(np.isfinite(y)):
         raise ValidationError.single("samples", "need at least 2 finite samples")
+    counts = {name: int((s == k).sum()) for k, name in enumerate(SCENARIOS)}
+    info: dict[str, Any] = {"samples": counts}
     models: dict[str, LinearModel | None] = {}
-    counts = {}
-    for k, name in enumerate(SCENARIOS):
-        mask = s == k
-        counts[name] = int(mask.sum())
-        models[name] = _fit_linear(x[mask], y[mask], positive) if mask.sum() >= min_samples else None
-    g = _fit_linear(x, y, positive)
-    info = {"samples": counts}
+    if not positive:
+        for k, name in enumerate(SCENARIOS):
+            mask = s == k
+            models[name] = _fit_linear(x[mask], y[mask], False) if mask.sum() >= min_samples else None
+        info.update(meta or {})
+        return BatchLatencyPredictor(scenarios=models, global_model=_fit_linear(x, y, False), meta=info)
+    thin = {k for k in (DECODE, PREFILL, MIXED) if (s == k).sum() < min_samples}
+    everything = np.ones(len(y), dtype=bool)
+    zero = np.zeros(N_FEATURES + 1)
+    fitted: dict[int, LinearModel] = {}
+    for k in (DECODE, PREFILL):
+        # A thin decode/prefill scenario is derived from the mixed model below
+        # (unless that one is thin too: then everything is fitted on all samples).
+        if k not in thin or MIXED in thin:
+            mask = s == k if k not in thin else everything
+            fitted[k] = _fit_bounded(x[mask], y[mask], SCENARIO_FEATURES[k], zero)
+    # The domain the cross-scenario rule covers: the samples' decode counts and
+    # mean decode contexts.
+    has_d = x[:, 3] > 0
+    n_max = float(x[has_d, 3].max()) if has_d.any() else 1.0
+    ctx = float((x[has_d, 4] / x[has_d, 3]).max()) if has_d.any() else 0.0
+    domain = {"max_decodes": n_max, "max_context": ctx}
+    lower = np.zeros(N_FEATURES + 1)
+    rows_g, rows_h = [], []
+    if PREFILL in fitted:
+        p = fitted[PREFILL]
+        for j in (0, 1, 2, 5, 6):
+            lower[1 + j] = p.weights[j]
+        rows_g.append(np.eye(N_FEATURES + 1)[0] + np.eye(N_FEATURES + 1)[4])
+        rows_h.append(p.intercept_ms)
+    if DECODE in fitted:
+        d = fitted[DECODE]
+        cross = _cross_rows(n_max, ctx)
+        dec_part = cross.copy()
+        dec_part[:, 1:] -= _MIN_CHUNK[None, :]
+        rows_g.extend(cross)
+        rows_h.extend(dec_part @ np.array([d.intercept_ms, *d.weights]))
+    g = np.array(rows_g) if rows_g else None
+    h = np.array(rows_h) if rows_h else None
+    mask = s == MIXED if MIXED not in thin else everything
+    m = fitted[MIXED] = _fit_bounded(x[mask], y[mask], SCENARIO_FEATURES[MIXED], lower, g, h)
+    for k in (DECODE, PREFILL):
+        if k not in fitted:
+            # the mixed model on the features this scenario has (x3 = x5 in a
+            # decode-only batch, so their weights merge): never above mixed
+            w = np.zeros(N_FEATURES)
+            for j in SCENARIO_FEATURES[k]:
+                w[j] = m.weights[j]
+            if k == DECODE:
+                w[4] += m.weights[2]
+            fitted[k] = LinearModel(m.intercept_ms, tuple(float(v) for v in w))
+    borrowed = [SCENARIOS[k] for k in sorted(thin)]
+    models = {name: fitted[k] for k, name in enumerate(SCENARIOS)}
+    info["monotone_domain"] = domain
+    if borrowed:
+        info["borrowed"] = borrowed
     info.update(meta or {})
-    return BatchLatencyPredictor(scenarios=models, global_model=g, meta=info)
+    # Every scenario has its own model, so the global one never predicts; it
+    # is the mixed model, the largest of the three.
+    return BatchLatencyPredictor(scenarios=models, global_model=fitted[MIXED], meta=info)
 
 
 def evaluate(

@@ -105,6 +105,8 @@ class SlidingServePolicy:
                 seq_cap=max(0, snap.max_num_seqs - n_dec),
                 max_candidates=p.max_candidates,
                 margin=p.margin,
+                predictor=predictor,
+                decodes=decodes,
             )
             t3 = time.perf_counter_ns()
 

@@ -31,6 +31,7 @@ import numpy as np
 import structlog
 
 from scheduler_service.core import BatchLatencyPredictor, ValidationError, fit_predictor
+from scheduler_service.core.predictor import monotonicity_violations
 
 from .metrics import Metrics
 
@@ -212,6 +213,13 @@ class PredictorRegistry:
             "current_version": current.version, "candidate_version": cand.version,
         }
         if not np.isfinite(mae_new) or mae_new > mae_cur:
+            return "rejected", info
+        # Never publish a model under which more work is predicted faster: the
+        # chunker and the BatchConstructor rely on it (the fit enforces it; this
+        # is the last line of defence).
+        broken = monotonicity_violations(cand)
+        if broken:
+            info["not_monotone"] = broken[:3]
             return "rejected", info
         if cand.version == current.version:
             return "unchanged", info
