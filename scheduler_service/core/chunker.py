@@ -13,8 +13,9 @@ are upper bounds on cumulative time, the least cumulative time that reaches
 position X after l steps dominates every other way of getting there; a DP
 over (step, position) is therefore exact, O(k·G²) for G grid positions,
 instead of enumerating the G^k splits.  Positions are multiples of
-``granularity`` tokens plus the request boundaries of the stream and the
-first-iteration cap, so a chunk can always end exactly where a prompt ends.
+``granularity`` tokens plus the first request boundaries of the stream, the
+first-iteration cap and the exact TimeToBudget(W_1) point, so a chunk can
+end exactly where a prompt ends and b_1 can always be the greedy answer.
 
 Drain rule (our addition): when the whole queue fits in this iteration and
 the batch plus decode-only iterations after it fit every window, take it all.
@@ -61,7 +62,9 @@ def grid_positions(
     g = max(1, granularity)
     if per_iter > g * max_points:
         g *= -(-per_iter // (g * max_points))
-    pts = [np.arange(0, xmax + 1, g, dtype=np.int64), cq.R[: MAX_BOUNDARIES + 1], [cq.first_cap, xmax]]
+    # per_iter is TimeToBudget(W_1) when the caller passes it: the exact
+    # greedy answer is always a candidate b_1, whatever the step.
+    pts = [np.arange(0, xmax + 1, g, dtype=np.int64), cq.R[: MAX_BOUNDARIES + 1], [cq.first_cap, per_iter, xmax]]
     grid = np.unique(np.concatenate([np.asarray(p, dtype=np.int64) for p in pts]))
     return grid[grid <= xmax]
 
