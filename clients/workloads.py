@@ -1,9 +1,13 @@
 """Workloads for the simulated engine: real request lengths, synthetic arrivals, SLOs.
 
-Named workloads (ARCHITECTURE §5): ``sharegpt``, ``arxiv`` (the v2 trace
-here), ``mixed-v1`` (ShareGPT:arXiv 3:1), ``mixed-v2`` (5:1); any other name
-is read as a CSV path with ``num_prefill_tokens,num_decode_tokens`` and an
-optional ``arrived_at`` column.
+Named workloads: ``sharegpt``, ``arxiv`` (the v2 trace here), ``mixed-v1``
+(ShareGPT:arXiv 3:1), ``mixed-v2`` (5:1), and ``code``: a code-completion-like
+shape (long prompts, short answers) made of the *real* (prompt, output) pairs
+of both traces whose prompt has 1,024–4,096 tokens and whose output has at
+most 64 (2,391 pairs: prompt median ≈ 2.6k, output median ≈ 47 tokens; no
+length is synthetic, only the selection).  Any other name is read as a CSV
+path with ``num_prefill_tokens,num_decode_tokens`` and an optional
+``arrived_at`` column.
 
 SLOs (formula (1)).  Every request gets
 
@@ -48,8 +52,30 @@ MIXES: dict[str, dict[str, float]] = {
 }
 
 
+#: Named selections of real requests: the pairs of these traces whose prompt
+#: length lies in ``prompt`` (inclusive) and whose output is at most ``max_output``.
+SHAPES: dict[str, dict[str, object]] = {
+    "code": {"traces": ("sharegpt", "arxiv"), "prompt": (1024, 4096), "max_output": 64},
+}
+MIXES.update({name: {} for name in SHAPES})  # listed with the mixes; sampled by _shape
+
+
 def workload_names() -> list[str]:
     return list(MIXES)
+
+
+def _shape(name: str, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    spec = SHAPES[name]
+    lo, hi = spec["prompt"]  # type: ignore[misc]
+    ps, ds = [], []
+    for tname in spec["traces"]:  # type: ignore[attr-defined]
+        t = load_trace(tname)
+        keep = (t.prefill >= lo) & (t.prefill <= hi) & (t.decode <= spec["max_output"])  # type: ignore[operator]
+        ps.append(t.prefill[keep])
+        ds.append(t.decode[keep])
+    prompt, output = np.concatenate(ps), np.concatenate(ds)
+    idx = np.random.default_rng(seed * 7919).integers(0, len(prompt), n)
+    return prompt[idx], output[idx]
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +134,10 @@ def make_workload(
     rng = np.random.default_rng(seed)
     mix = MIXES.get(name)
     arrival: np.ndarray
-    if mix is None:  # a CSV path
+    if name in SHAPES:
+        prompt, output = _shape(name, n, seed)
+        arrival = _arrivals(n, rate, rng, burst)
+    elif mix is None:  # a CSV path
         trace = load_trace(name)
         idx = rng.integers(0, len(trace), n) if not use_trace_arrivals else np.arange(min(n, len(trace)))
         prompt, output = trace.prefill[idx], trace.decode[idx]

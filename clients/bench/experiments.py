@@ -4,7 +4,8 @@ Phase 1 — goodput searches, one job per (variant, seed):
 
 * ``goodput``  the policies given (default: the four main ones);
 * ``window``   ``slidingserve`` with SlidingChunker window k = 1..4;
-* ``ablation`` Table 4: ``sarathi-edf`` → ``+sc`` → ``+sc+mlps`` → ``slidingserve``.
+* ``ablation`` Table 4: ``sarathi-edf`` → ``+sc`` → ``+sc+mlps`` → ``slidingserve``;
+* ``margin``   ``slidingserve`` with margin 1.0, 1.05, 1.1 (default), 1.2.
 
 Variants that are the same (policy, parameters) — ``slidingserve`` and
 ``slidingserve[window=2]`` — share one search.
@@ -20,9 +21,12 @@ Phase 2 — fixed-rate runs to completion (no early stop), one job per
   absolute load for all);
 * ``burst``   base rate 0.8× the reference rate with a 3× burst of 10 s
   starting a quarter of the way into the arrivals (a transient overload a
-  provisioned deployment sees).
+  provisioned deployment sees);
+* ``load``    1.5× the reference rate, so that violations and recompute
+  preemptions per 1,000 requests can be read at 1×, 1.5× and 2× the
+  reference rate for every policy (implies ``overload``).
 
-``overload`` and ``burst`` need phase 1's main goodput, so they imply ``goodput``.
+``overload``, ``burst`` and ``load`` need phase 1's main goodput, so they imply ``goodput``.
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ from .runner import MAIN_POLICIES, RunSpec
 __all__ = [
     "ABLATION",
     "EXPERIMENTS",
+    "LOAD_FACTORS",
+    "MARGINS",
     "WINDOWS",
     "BenchConfig",
     "Variant",
@@ -54,9 +60,12 @@ __all__ = [
     "run_bench",
 ]
 
-EXPERIMENTS = ("goodput", "overload", "burst", "window", "ablation")
+EXPERIMENTS = ("goodput", "overload", "burst", "load", "window", "ablation", "margin")
 ABLATION = ("sarathi-edf", "sarathi-edf+sc", "sarathi-edf+sc+mlps", "slidingserve")
 WINDOWS = (1, 2, 3, 4)
+MARGINS = ("1.0", "1.05", "1.1", "1.2")
+#: Multiples of the reference rate at which ``load`` reports preemptions.
+LOAD_FACTORS = (1.0, 1.5, 2.0)
 OURS = "slidingserve"
 
 
@@ -114,18 +123,22 @@ def _canon(policy: str, params: Mapping[str, str]) -> tuple[tuple[str, str], ...
 def plan_variants(cfg: BenchConfig) -> dict[str, list[Variant]]:
     """The variants each goodput-type experiment compares, by experiment."""
     exps = set(cfg.experiments)
+    if "load" in exps:
+        exps.add("overload")
 
     def variant(policy: str, label: str = "", **extra: str) -> Variant:
         params = {**cfg.params.get(policy, {}), **extra}
         return Variant(label or policy, policy, _canon(policy, params))
 
     out: dict[str, list[Variant]] = {}
-    if exps & {"goodput", "overload", "burst"}:
+    if exps & {"goodput", "overload", "burst", "load"}:
         out["goodput"] = [variant(p) for p in cfg.policies]
     if "window" in exps:
         out["window"] = [variant(OURS, f"{OURS}[window={k}]", window=str(k)) for k in WINDOWS]
     if "ablation" in exps:
         out["ablation"] = [variant(p) for p in ABLATION]
+    if "margin" in exps:
+        out["margin"] = [variant(OURS, f"{OURS}[margin={m}]", margin=m) for m in MARGINS]
     return out
 
 
@@ -208,6 +221,8 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str, int], Callable[[Job, di
 
     main = out.get("goodput", [])
     exps = set(cfg.experiments)
+    if "load" in exps:
+        exps |= {"goodput", "overload"}
     if main:
         out.update(_phase2(cfg, main, exps, progress))
     out["wall_s"] = time.perf_counter() - t0
@@ -248,6 +263,8 @@ def _phase2(cfg: BenchConfig, main: list[dict[str, Any]], exps: set[str],
             if r["goodput_rps"] > 0:
                 add("overload_own", v, cfg.overload_factor * r["goodput_rps"])
             add("overload_common", v, cfg.overload_factor * ref)
+        if "load" in exps:
+            add("load", v, 1.5 * ref)
         if "burst" in exps:
             base = cfg.burst_base_fraction * ref
             burst = Burst(start_s=0.25 * cfg.n_requests / base, duration_s=cfg.burst_duration_s,
@@ -285,6 +302,21 @@ def _phase2(cfg: BenchConfig, main: list[dict[str, Any]], exps: set[str],
                      f"{cfg.burst_multiplier:g}x burst for {cfg.burst_duration_s:g} s from "
                      f"{0.25 * cfg.n_requests / base:.1f} s"),
             "rows": rows("burst"),
+        }
+    if "load" in exps:
+        by_factor = {1.0: grouped["reference"], 1.5: grouped["load"], cfg.overload_factor: grouped["overload_common"]}
+        out["load"] = {
+            "note": f"runs to completion at 1x, 1.5x and {cfg.overload_factor:g}x the reference rate {ref:.3f} rps "
+                    f"= {basis}; preemptions and violated requests per 1,000 requests, mean over seeds",
+            "rows": [
+                {"policy": p, **{f"{f:g}x": {
+                    "rate_rps": f * ref,
+                    "violations_per_1000": 1000 * float(np.mean([r["violation_rate"] for r in by_factor[f][p]])),
+                    "preemptions_per_1000": 1000 * float(np.mean([r["preemptions"] / r["requests"]
+                                                                  for r in by_factor[f][p]])),
+                } for f in sorted(by_factor) if by_factor[f].get(p)}}
+                for p in order
+            ],
         }
     out["runs"] = [{k: v for k, v in r.items() if not k.endswith("_samples_s")} | {"experiment": t}
                    for t, r in zip(tags, results, strict=True)]

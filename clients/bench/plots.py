@@ -5,7 +5,7 @@
   that is known is attainment < 99%), plus fixed-rate runs to completion;
 * ``latency_cdf.png``     TTFT and TBT CDFs per policy at the common reference rate;
 * ``goodput.png``         goodput bars (mean over seeds) with min–max whiskers;
-  ``window.png`` and ``ablation.png`` the same for those experiments.
+  ``window.png``, ``ablation.png`` and ``margin.png`` the same for those experiments.
 """
 
 from __future__ import annotations
@@ -140,7 +140,8 @@ def write_plots(res: dict[str, Any], out_dir: Path) -> list[Path]:
     if res.get("latency_samples"):
         _cdfs(res, out_dir / "latency_cdf.png")
         written.append(out_dir / "latency_cdf.png")
-    for key, title in (("window", "SlidingChunker window k"), ("ablation", "Ablation (Table 4)")):
+    for key, title in (("window", "SlidingChunker window k"), ("ablation", "Ablation (Table 4)"),
+                       ("margin", "SlidingServe margin")):
         if res.get(key):
             _bars(res[key], f"{title} — {where}", out_dir / f"{key}.png")
             written.append(out_dir / f"{key}.png")

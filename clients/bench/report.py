@@ -8,7 +8,7 @@ Files (``--out DIR``):
   ``"window"`` and ``"ablation"`` lists have the same shape;
 * ``goodput.csv``   those rows flat, with an ``experiment`` column;
 * ``probes.csv``    every probe of every search (rate, violation rate, passed…);
-* ``runs.csv``      every fixed-rate run (reference, overload, burst);
+* ``runs.csv``      every fixed-rate run (reference, overload, burst, load);
 * ``latency_samples.json``  TTFT/TBT order statistics at the reference rate.
 
 NaN (a percentile of no samples) is written as JSON ``null``.
@@ -63,7 +63,7 @@ def goodput_table(rows: list[dict[str, Any]]) -> str:
     ours = next((r for r in rows if r["policy"] == OURS), None)
     header = ["policy", "goodput rps", "per seed", "std", "min-max"]
     if ours is not None:
-        header.append(f"{OURS} vs it")
+        header += [f"{OURS} vs it", "per-seed ratio mean (min)"]
     out = []
     for r in rows:
         cells = [
@@ -75,13 +75,32 @@ def goodput_table(rows: list[dict[str, Any]]) -> str:
         ]
         if ours is not None:
             if r is ours:
-                cells.append("")
+                cells += ["", ""]
             elif r["goodput_rps"] > 0:
                 cells.append(f"{100 * (ours['goodput_rps'] / r['goodput_rps'] - 1):+.1f}%")
+                ratio = seed_ratios(ours, r)
+                cells.append(f"{sum(ratio) / len(ratio):.3f} ({min(ratio):.3f})" if ratio else "n/a")
             else:
-                cells.append("n/a")
+                cells += ["n/a", "n/a"]
         out.append(cells)
     return _table(header, out)
+
+
+def seed_ratios(ours: dict[str, Any], other: dict[str, Any]) -> list[float]:
+    """Goodput ratio ours / other seed by seed (same seed = same arrivals); seeds where
+    the other policy passed at no rate are left out."""
+    a = dict(zip(ours.get("seeds", []), ours["goodput_rps_by_seed"], strict=False))
+    b = dict(zip(other.get("seeds", []), other["goodput_rps_by_seed"], strict=False))
+    return [a[s] / b[s] for s in sorted(set(a) & set(b)) if b[s] > 0]
+
+
+def _load_table(rows: list[dict[str, Any]]) -> str:
+    factors = sorted({k for r in rows for k in r if k != "policy"}, key=lambda k: float(k[:-1]))
+    header = ["policy"] + [f"{f} viol/1k" for f in factors] + [f"{f} preempt/1k" for f in factors]
+    return _table(header, [[r["policy"]]
+                           + [f"{r[f]['violations_per_1000']:.0f}" if f in r else "-" for f in factors]
+                           + [f"{r[f]['preemptions_per_1000']:.0f}" if f in r else "-" for f in factors]
+                           for r in rows])
 
 
 def _runs_table(rows: list[dict[str, Any]]) -> str:
@@ -105,7 +124,7 @@ def format_report(res: dict[str, Any]) -> str:
         f"{1 + res['tolerance']:g}])",
     ]
     titles = {"goodput": "Goodput", "window": "SlidingChunker window k",
-              "ablation": "Ablation (Table 4)"}
+              "ablation": "Ablation (Table 4)", "margin": "Margin (predicted times count this many times over)"}
     for key, title in titles.items():
         if res.get(key):
             parts += ["", f"{title}:", goodput_table(res[key])]
@@ -126,6 +145,8 @@ def format_report(res: dict[str, Any]) -> str:
         parts += ["", f"Overload: {o['note']}.", "own:", _runs_table(o["own"]), "common:", _runs_table(o["common"])]
     if res.get("burst"):
         parts += ["", f"Burst: {res['burst']['note']}.", _runs_table(res["burst"]["rows"])]
+    if res.get("load"):
+        parts += ["", f"Load: {res['load']['note']}.", _load_table(res["load"]["rows"])]
     parts += ["", f"wall time {res['wall_s']:.1f} s"]
     return "\n".join(parts)
 
@@ -151,7 +172,8 @@ def write_outputs(res: dict[str, Any], out_dir: Path) -> list[Path]:
         p = out_dir / "latency_samples.json"
         p.write_text(json.dumps(_clean(res["latency_samples"])) + "\n")
         written.append(p)
-    rows = [r | {"experiment": exp} for exp in ("goodput", "window", "ablation") for r in res.get(exp, [])]
+    rows = [r | {"experiment": exp} for exp in ("goodput", "window", "ablation", "margin")
+            for r in res.get(exp, [])]
     p = out_dir / "goodput.csv"
     _write_csv(p, rows, ["experiment", "policy", "base_policy", "params", "workload", "profile", "transport",
                          "n_requests", "goodput_rps", "goodput_rps_std", "goodput_rps_min", "goodput_rps_max",

@@ -14,6 +14,12 @@ Limits: the first iteration's fill is capped by the token budget left after
 decodes, by ``max_num_seqs`` (number of requests) and by the KV headroom:
 prefill tokens ≤ free_kv_tokens − scheduled decodes − ``kv_decode_reserve``
 × all decodes (room for the decodes' next tokens, which the paper ignores).
+Admitting a *new* request (nothing computed yet) must also leave
+``kv_growth_reserve`` tokens free (a KV-growth watermark: the requests already
+holding KV grow by a token per iteration, and a cache filled by admissions
+forces the engine to preempt and recompute them).  Requests already partly
+prefilled are not held back by it: their KV is allocated and they only
+finish.
 """
 
 from __future__ import annotations
@@ -73,7 +79,8 @@ class CandidateQueue:
     first_cap: int
     #: Prefill tokens any later look-ahead iteration may take.
     iter_cap: int
-    #: Prefill tokens the KV headroom allows this iteration.
+    #: Prefill tokens the KV headroom allows this iteration when new requests
+    #: are admitted (after the growth watermark).
     kv_cap: int
     # prefix sums of full-request contributions (index j covers queue[:j])
     _p1: np.ndarray
@@ -104,10 +111,12 @@ class CandidateQueue:
         *,
         n_all_decodes: int,
         kv_decode_reserve: int = 1,
+        kv_growth_reserve: int = 0,
         budget: int | None = None,
     ) -> CandidateQueue:
         """``budget`` (total tokens, default ``max_batch_tokens``) bounds every
-        iteration; fixed-budget baselines pass their chunk size."""
+        iteration; fixed-budget baselines pass their chunk size.
+        ``kv_growth_reserve``: KV tokens a new admission must leave free."""
         budget = snap.max_batch_tokens if budget is None else min(budget, snap.max_batch_tokens)
         n_dec = len(decodes)
         r = snap.remaining_prefill[queue].astype(np.int64)
@@ -116,8 +125,15 @@ class CandidateQueue:
         np.cumsum(r, out=R[1:])
         seq_left = max(0, snap.max_num_seqs - n_dec)
         iter_cap = max(0, budget - n_dec)
-        kv_cap = kv_prefill_cap(snap, n_dec, n_all_decodes, kv_decode_reserve)
-        first_cap = min(iter_cap, int(R[min(seq_left, len(queue))]), kv_cap)
+        kv_cont = kv_prefill_cap(snap, n_dec, n_all_decodes, kv_decode_reserve)
+        kv_cap = max(0, kv_cont - kv_growth_reserve)
+        kv_first = kv_cont
+        if kv_cap < kv_cont:
+            new = np.flatnonzero(u0 == 0)
+            # The stream may run up to its first new request on the partial
+            # prefills' headroom; past it, only up to the watermark.
+            kv_first = min(kv_cont, max(kv_cap, int(R[new[0]]))) if len(new) else kv_cont
+        first_cap = min(iter_cap, int(R[min(seq_left, len(queue))]), kv_first)
         rf = r.astype(np.float64)
         uf = u0.astype(np.float64)
         big = r > 1

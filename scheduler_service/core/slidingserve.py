@@ -59,6 +59,15 @@ class SlidingServeParams:
     kv_decode_reserve: int = param(
         1, lo=0, hi=1024, doc="KV tokens kept free per running decode for its next tokens"
     )
+    kv_growth_iters: int = param(
+        64, lo=0, hi=4096,
+        doc="admit a new request only if every request holding KV can still grow this many tokens",
+    )
+    hopeless_factor: float = param(
+        1.0, lo=0.0, hi=100.0,
+        doc="a prefill whose remaining tokens at the full-budget prefill rate take more than this "
+            "many times its slack is served like an expired one (0 = off)",
+    )
     order: str = param("mlps", choices=("mlps", "edf"), doc="prefill queue order")
     batch_constructor: bool = param(True, doc="route risky batches to BatchConstructor")
 
@@ -77,15 +86,21 @@ class SlidingServePolicy:
         decodes = select_decodes(snap, dec_all)
         n_dec = len(decodes)
         pre = prefill_indices(snap)
+        hopeless = np.zeros(len(pre), dtype=bool)
+        if p.hopeless_factor > 0 and len(pre):
+            # Optimistic: the request alone with the whole budget, at the predictor's rate.
+            rho_max = predictor.prefill_throughput(snap.max_batch_tokens)
+            hopeless = snap.remaining_prefill[pre] > rho_max * snap.slack[pre] * p.hopeless_factor
         if p.order == "mlps":
             rho = snap.prefill_throughput or predictor.prefill_throughput(snap.max_batch_tokens)
-            queue = mlps_order(snap, pre, rho, p.alpha, p.epsilon_s)
+            queue = mlps_order(snap, pre, rho, p.alpha, p.epsilon_s, lost=hopeless)
         else:
             queue = edf_order(snap, pre, expired_last=False)
         t1 = time.perf_counter_ns()
         cq = CandidateQueue.build(
             snap, predictor, decodes, queue,
             n_all_decodes=len(dec_all), kv_decode_reserve=p.kv_decode_reserve,
+            kv_growth_reserve=p.kv_growth_iters * int(np.count_nonzero(snap.computed_tokens > 0)),
         )
         curve = BudgetCurve(cq.fill_curve_ms(), n_dec)
         W = window_limits_ms(snap, decodes, p.window)
@@ -98,7 +113,7 @@ class SlidingServePolicy:
         if p.batch_constructor and cq.first_cap > 0:
             cand = cq.first_cap if W is None else max(curve.prefill_tokens_within(W[0], cq.first_cap), 0)
             t_full = float(curve.times[cand])
-            live = pre[snap.slack[pre] > 0]
+            live = pre[(snap.slack[pre] > 0) & ~hopeless]
             chosen = construct_batch(
                 snap, live, curve, n_dec, t_full,
                 token_cap=min(cq.iter_cap, cq.kv_cap),

@@ -61,17 +61,22 @@ def mlps_order(
     alpha: float,
     eps: float,
     expired_last: bool = True,
+    lost: np.ndarray | None = None,
 ) -> np.ndarray:
     """Formula (16): LexSort by (1 − g, 1 − e, r), ascending.
 
     With ``expired_last`` requests whose TTFT deadline has passed go after all
     live ones (same key among themselves): they can no longer meet their SLO,
-    so they get only budget that live requests leave.
+    so they get only budget that live requests leave.  ``lost`` (a mask over
+    ``idx``) marks more requests to treat the same way.
     """
     if len(idx) == 0:
         return idx
     g, e, r = mlps_keys(snap, idx, throughput, alpha, eps)
-    expired = (snap.slack[idx] <= 0).astype(np.int8) if expired_last else np.zeros(len(idx), np.int8)
+    late = snap.slack[idx] <= 0 if expired_last else np.zeros(len(idx), dtype=bool)
+    if lost is not None:
+        late = late | lost
+    expired = late.astype(np.int8)
     return ordered(snap, idx, expired, g, e, r)
 
 
