@@ -11,6 +11,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from clients.bench.goodput import GoodputSpec, Probe, goodput_job, initial_guess, search_goodput
@@ -137,3 +138,30 @@ def test_ray_executor_missing_is_one_line(monkeypatch: pytest.MonkeyPatch,
                  "--policies", "vllm-fcfs"]) == 2
     err = capsys.readouterr().err.strip()
     assert "needs the 'ray' package" in err and "\n" not in err
+
+
+def test_bench_load_and_margin_experiments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "res"
+    rc = main(["bench", "--workload", "code", "--policies", "qoserve,slidingserve", "--requests", "40",
+               "--seeds", "2", "--tolerance", "0.4", "--jobs", "1", "--quiet", "--experiments", "load,margin",
+               "--out", str(out)])
+    assert rc == 0
+    data = json.loads((out / "goodput.json").read_text())
+    assert [r["policy"] for r in data["margin"]] == [f"slidingserve[margin={m}]" for m in ("1.0", "1.05", "1.1", "1.2")]
+    # margin 1.1 is the default: it shares the main search
+    assert data["margin"][2]["goodput_rps_by_seed"] == data["goodput"][1]["goodput_rps_by_seed"]
+    ref = data["reference"]["rate_rps"]
+    load = {r["policy"]: r for r in data["load"]["rows"]}
+    assert set(load) == {"qoserve", "slidingserve"}
+    runs = [r for r in data["runs"] if r["policy"] == "slidingserve"]
+    for factor, tag in (("1x", "reference"), ("1.5x", "load"), ("2x", "overload_common")):
+        row = load["slidingserve"][factor]
+        assert row["rate_rps"] == pytest.approx(float(factor[:-1]) * ref)
+        mine = [r for r in runs if r["experiment"] == tag]
+        assert len(mine) == 2
+        assert row["preemptions_per_1000"] == pytest.approx(
+            1000 * np.mean([r["preemptions"] / r["requests"] for r in mine]))
+        assert row["violations_per_1000"] == pytest.approx(1000 * np.mean([r["violation_rate"] for r in mine]))
+    text = capsys.readouterr().out
+    assert "preempt/1k" in text and "per-seed ratio mean (min)" in text and "Margin" in text
+    assert (out / "margin.png").stat().st_size > 0

@@ -323,3 +323,35 @@ def test_plan_json_round_trip() -> None:
         assert back.allocations == plan.allocations and back.path == plan.path
         assert back.decision_key()[:5] == plan.decision_key()[:5]
         assert np.isclose(back.predicted_latency_ms, plan.predicted_latency_ms)
+
+
+# ------------------------------------------- KV growth and hopeless prefills
+def test_new_admissions_leave_the_kv_growth_watermark() -> None:
+    """Running requests (2 decodes, 1 partial prefill) hold KV; a new request is admitted
+    only while kv_growth_iters tokens per running request stay free; the partial prefill
+    is not held back by the watermark."""
+    reqs = [decoding("d1", 50, 3, arrival=1.0, ttft=5.0), decoding("d2", 50, 3, arrival=1.0, ttft=5.0),
+            prefilling("p", 300, 100, arrival=2.0, ttft=5.0), waiting("w", 900, arrival=3.0, ttft=5.0)]
+    snap = make_snapshot(reqs, now=4.0, max_batch_tokens=4096, free_kv_tokens=1000)
+    # free 1000 − 2 decodes − 1 token reserved per decode = 996 for prefills;
+    # watermark 3 running × 64 = 192 → new admissions up to 804 tokens in all
+    got = alloc(registry.create("slidingserve", {"window": 1}).plan(snap, PRED))
+    assert got == {"d1": 1, "d2": 1, "p": 200, "w": 604}
+    got = alloc(registry.create("slidingserve", {"window": 1, "kv_growth_iters": 0}).plan(snap, PRED))
+    assert got == {"d1": 1, "d2": 1, "p": 200, "w": 796}
+    tight = make_snapshot(reqs, now=4.0, max_batch_tokens=4096, free_kv_tokens=250)
+    # 246 for prefills; the watermark (192) leaves 54 < the partial prefill's 200: it still
+    # gets what the headroom allows, the new request nothing
+    got = alloc(registry.create("slidingserve", {"window": 1}).plan(tight, PRED))
+    assert got == {"d1": 1, "d2": 1, "p": 200}
+
+
+def test_hopeless_prefills_are_served_after_the_live_ones() -> None:
+    """w1 needs 3000 tokens in 10 ms (PRED prefills ~100k tokens/s at full budget: hopeless);
+    w2 can still make it.  MLPS alone puts the urgent w1 first; with hopeless_factor it goes last."""
+    reqs = [waiting("w1", 3000, arrival=9.0, ttft=1.01), waiting("w2", 800, arrival=9.5, ttft=1.0)]
+    snap = make_snapshot(reqs, now=10.0, max_batch_tokens=1000)
+    first = registry.create("slidingserve", {"hopeless_factor": 0}).plan(snap, PRED).allocations[0].id
+    assert first == "w1"
+    plan = registry.create("slidingserve").plan(snap, PRED)
+    assert plan.allocations[0].id == "w2" and alloc(plan) == {"w2": 800, "w1": 200}

@@ -89,3 +89,24 @@ def test_default_slos_are_met_at_low_load(policy: str) -> None:
         adapter.close()
     assert res.completed == len(w)
     assert res.violation_rate <= 0.0125, res.summary()
+
+
+def test_code_workload_is_real_long_prompt_short_answer_pairs() -> None:
+    share, arxiv = load_trace("sharegpt"), load_trace("arxiv")
+    real = set(zip(share.prefill.tolist(), share.decode.tolist(), strict=True)) | set(
+        zip(arxiv.prefill.tolist(), arxiv.decode.tolist(), strict=True))
+    w = make_workload("code", 3000, 3.0, seed=1)
+    pairs = list(zip(w.prompt_tokens.tolist(), w.output_tokens.tolist(), strict=True))
+    assert all(p in real for p in pairs)
+    assert w.prompt_tokens.min() >= 1024 and w.prompt_tokens.max() <= 4096
+    assert w.output_tokens.max() <= 64
+    assert 2000 <= float(np.median(w.prompt_tokens)) <= 3000 and 20 <= float(np.median(w.output_tokens)) <= 60
+    # both traces contribute, and the draw is seeded
+    in_share = set(zip(share.prefill.tolist(), share.decode.tolist(), strict=True))
+    in_arxiv = set(zip(arxiv.prefill.tolist(), arxiv.decode.tolist(), strict=True))
+    assert any(p in in_share and p not in in_arxiv for p in pairs)
+    assert any(p in in_arxiv and p not in in_share for p in pairs)
+    np.testing.assert_array_equal(make_workload("code", 50, 3.0, seed=1).prompt_tokens,
+                                  make_workload("code", 50, 3.0, seed=1).prompt_tokens)
+    assert not np.array_equal(make_workload("code", 50, 3.0, seed=2).prompt_tokens,
+                              make_workload("code", 50, 3.0, seed=1).prompt_tokens)

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from clients.workloads import Burst, make_workload
+from clients.workloads import Burst, SLOConfig, make_workload
 from engine_adapter.core import AdapterCore, AdapterSettings, GrpcBackend, InProcessBackend, SchedulerBackend
 from engine_adapter.sim.engine import EngineConfig, SimulatedEngine
 from engine_adapter.sim.groundtruth import DEFAULT_PROFILE, PROFILES, load_ground_truth
@@ -89,6 +89,8 @@ class RunSpec:
     label: str = ""
     #: Per-iteration deadline of the scheduler call (matters for gRPC: a miss falls back).
     deadline_ms: float = 20.0  # AdapterSettings default
+    #: SLOs of the workload (None: the defaults of :class:`~clients.workloads.SLOConfig`).
+    slo: SLOConfig | None = None
 
     @property
     def name(self) -> str:
@@ -189,7 +191,8 @@ def run(spec: RunSpec) -> dict[str, Any]:
         raise ValueError(f"unknown transport {spec.transport!r}; valid: {', '.join(TRANSPORTS)}")
     truth = load_ground_truth(spec.profile)
     predictor = profile_predictor(spec.profile)
-    workload = make_workload(spec.workload, spec.n_requests, spec.rate, seed=spec.seed, burst=spec.burst)
+    workload = make_workload(spec.workload, spec.n_requests, spec.rate, seed=spec.seed, burst=spec.burst,
+                             slo=spec.slo)
     profile = PROFILES[spec.profile]
     key = profile.key
     backend: SchedulerBackend
