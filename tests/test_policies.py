@@ -335,14 +335,15 @@ def test_new_admissions_leave_the_kv_growth_watermark() -> None:
     snap = make_snapshot(reqs, now=4.0, max_batch_tokens=4096, free_kv_tokens=1000)
     # free 1000 − 2 decodes − 1 token reserved per decode = 996 for prefills;
     # watermark 3 running × 64 = 192 → new admissions up to 804 tokens in all
-    got = alloc(registry.create("slidingserve", {"window": 1}).plan(snap, PRED))
+    got = alloc(registry.create("slidingserve", {"window": 1, "decode_skip_tbts": 0}).plan(snap, PRED))
     assert got == {"d1": 1, "d2": 1, "p": 200, "w": 604}
-    got = alloc(registry.create("slidingserve", {"window": 1, "kv_growth_iters": 0}).plan(snap, PRED))
+    got = alloc(registry.create("slidingserve", {"window": 1, "kv_growth_iters": 0, "decode_skip_tbts": 0}
+                                ).plan(snap, PRED))
     assert got == {"d1": 1, "d2": 1, "p": 200, "w": 796}
     tight = make_snapshot(reqs, now=4.0, max_batch_tokens=4096, free_kv_tokens=250)
     # 246 for prefills; the watermark (192) leaves 54 < the partial prefill's 200: it still
     # gets what the headroom allows, the new request nothing
-    got = alloc(registry.create("slidingserve", {"window": 1}).plan(tight, PRED))
+    got = alloc(registry.create("slidingserve", {"window": 1, "decode_skip_tbts": 0}).plan(tight, PRED))
     assert got == {"d1": 1, "d2": 1, "p": 200}
 
 
@@ -355,3 +356,21 @@ def test_hopeless_prefills_are_served_after_the_live_ones() -> None:
     assert first == "w1"
     plan = registry.create("slidingserve").plan(snap, PRED)
     assert plan.allocations[0].id == "w2" and alloc(plan) == {"w2": 800, "w1": 200}
+
+
+def test_decodes_far_ahead_sit_out_while_prefills_wait() -> None:
+    """TBT deadlines are cumulative (formula (1)): a decode 6+ TBTs ahead of its next
+    token's deadline can skip an iteration.  It does so only while a live prefill waits."""
+    # now 10; next-token deadline = arrival + ttft + output·tbt
+    ahead = decoding("ahead", 50, 2, arrival=9.0, ttft=1.5, tbt=0.05)    # slack 0.6 s = 12 TBT
+    close = decoding("close", 50, 2, arrival=9.0, ttft=1.05, tbt=0.05)   # slack 0.15 s = 3 TBT
+    w = waiting("w", 100, arrival=9.9, ttft=1.0)
+    pol = registry.create("slidingserve")
+    assert alloc(pol.plan(make_snapshot([ahead, close, w], now=10.0), PRED)) == {"close": 1, "w": 100}
+    # no prefill waiting: everyone decodes
+    assert alloc(pol.plan(make_snapshot([ahead, close], now=10.0), PRED)) == {"ahead": 1, "close": 1}
+    # the only prefill is expired: nothing to gain, everyone decodes
+    late = waiting("late", 100, arrival=8.0, ttft=1.0)
+    assert alloc(pol.plan(make_snapshot([ahead, close, late], now=10.0), PRED))["ahead"] == 1
+    off = registry.create("slidingserve", {"decode_skip_tbts": 0})
+    assert alloc(off.plan(make_snapshot([ahead, close, w], now=10.0), PRED)) == {"ahead": 1, "close": 1, "w": 100}

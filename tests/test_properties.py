@@ -28,6 +28,7 @@ VARIANTS: list[tuple[str, dict[str, Any]]] = [(n, {}) for n in sorted(registry.n
     ("slidingserve", {"window": 3}),
     ("slidingserve", {"window": 4, "granularity": 1}),
     ("slidingserve", {"order": "edf", "max_candidates": 2}),
+    ("slidingserve", {"decode_skip_tbts": 0, "hopeless_factor": 0, "kv_growth_iters": 0}),
     ("sarathi", {"chunk_size": 8}),
     ("qoserve", {"min_chunk": 4, "chunk_step": 8}),
 ]
@@ -39,7 +40,7 @@ any_predictor = st.one_of(st.just(default_predictor()), predictors(), predictors
 
 
 def check_invariants(name: str, chunk: int | None, snap: Snapshot, pred: BatchLatencyPredictor,
-                     plan: Plan) -> None:
+                     plan: Plan, skip_tbts: float = 0.0) -> None:
     assert plan_violations(snap, plan) == []
     idx = {rid: i for i, rid in enumerate(snap.ids)}
     ids = [a.id for a in plan.allocations]
@@ -62,7 +63,14 @@ def check_invariants(name: str, chunk: int | None, snap: Snapshot, pred: BatchLa
         # every decode gets its token unless a limit (or a fixed chunk) forces fewer
         cap = min(n_dec, snap.max_batch_tokens, snap.max_num_seqs, chunk or n_dec,
                   snap.free_kv_tokens if snap.free_kv_tokens is not None else n_dec)
-        assert got_dec == cap
+        live_prefill = bool(((~snap.is_decoding) & (snap.slack > 0)).any())
+        if skip_tbts > 0 and live_prefill:
+            # decodes far enough ahead of their deadline may sit out while prefills wait
+            ahead = snap.is_decoding & (snap.slack > skip_tbts * snap.tbt_slo)
+            assert min(cap, n_dec - int(ahead.sum())) <= got_dec <= cap
+            assert all(not ahead[idx[r]] for r in ids if snap.is_decoding[idx[r]]), "a skippable decode ran"
+        else:
+            assert got_dec == cap
     assert plan.policy == name
     assert plan.predictor_version == pred.version
     if name in SLIDING:
@@ -82,7 +90,8 @@ def test_policy_invariants_and_determinism(name: str, overrides: dict[str, Any],
                                            pred: BatchLatencyPredictor) -> None:
     pol = registry.create(name, overrides)
     plan = pol.plan(snap, pred)
-    check_invariants(name, getattr(pol.params, "chunk_size", None), snap, pred, plan)
+    check_invariants(name, getattr(pol.params, "chunk_size", None), snap, pred, plan,
+                     getattr(pol.params, "decode_skip_tbts", 0.0))
     assert pol.plan(snap, pred).decision_key() == plan.decision_key()
     copy = Snapshot.from_json(snap.to_json())
     pred_copy = BatchLatencyPredictor.from_json(pred.to_json())

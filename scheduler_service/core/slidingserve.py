@@ -68,6 +68,11 @@ class SlidingServeParams:
         doc="a prefill whose remaining tokens at the full-budget prefill rate take more than this "
             "many times its slack is served like an expired one (0 = off)",
     )
+    decode_skip_tbts: float = param(
+        6.0, lo=0.0, hi=1000.0,
+        doc="while live prefills wait, a decode more than this many TBTs ahead of its next token's "
+            "deadline sits out the iteration (0 = every decode runs every iteration)",
+    )
     order: str = param("mlps", choices=("mlps", "edf"), doc="prefill queue order")
     batch_constructor: bool = param(True, doc="route risky batches to BatchConstructor")
 
@@ -83,9 +88,15 @@ class SlidingServePolicy:
         snap = snapshot
         t0 = time.perf_counter_ns()
         dec_all = np.flatnonzero(snap.is_decoding)
-        decodes = select_decodes(snap, dec_all)
-        n_dec = len(decodes)
         pre = prefill_indices(snap)
+        runnable = dec_all
+        if p.decode_skip_tbts > 0 and len(dec_all) and bool((snap.slack[pre] > 0).any()):
+            # Decodes far ahead of their next deadline sit out while live prefills wait:
+            # their tokens' time goes to the prefills (deadlines are cumulative, formula (1)).
+            ahead = snap.slack[dec_all] > p.decode_skip_tbts * snap.tbt_slo[dec_all]
+            runnable = dec_all[~ahead]
+        decodes = select_decodes(snap, runnable)
+        n_dec = len(decodes)
         hopeless = np.zeros(len(pre), dtype=bool)
         if p.hopeless_factor > 0 and len(pre):
             # Optimistic: the request alone with the whole budget, at the predictor's rate.
