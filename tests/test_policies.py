@@ -374,3 +374,12 @@ def test_decodes_far_ahead_sit_out_while_prefills_wait() -> None:
     assert alloc(pol.plan(make_snapshot([ahead, close, late], now=10.0), PRED))["ahead"] == 1
     off = registry.create("slidingserve", {"decode_skip_tbts": 0})
     assert alloc(off.plan(make_snapshot([ahead, close, w], now=10.0), PRED)) == {"ahead": 1, "close": 1, "w": 100}
+
+
+def test_decodes_do_not_sit_out_when_no_prefill_can_run() -> None:
+    """Skipping is only worth it when the prefills can use the time: with the KV cache too
+    tight to admit the waiting request, the ahead decode runs (no empty plan)."""
+    ahead = decoding("ahead", 50, 2, arrival=9.0, ttft=1.5, tbt=0.05)
+    w = waiting("w", 100, arrival=9.9, ttft=1.0)
+    snap = make_snapshot([ahead, w], now=10.0, free_kv_tokens=2)
+    assert alloc(registry.create("slidingserve").plan(snap, PRED)) == {"ahead": 1}

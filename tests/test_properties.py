@@ -64,9 +64,10 @@ def check_invariants(name: str, chunk: int | None, snap: Snapshot, pred: BatchLa
         cap = min(n_dec, snap.max_batch_tokens, snap.max_num_seqs, chunk or n_dec,
                   snap.free_kv_tokens if snap.free_kv_tokens is not None else n_dec)
         live_prefill = bool(((~snap.is_decoding) & (snap.slack > 0)).any())
-        if skip_tbts > 0 and live_prefill:
-            # decodes far enough ahead of their deadline may sit out while prefills wait
-            ahead = snap.is_decoding & (snap.slack > skip_tbts * snap.tbt_slo)
+        ahead = snap.is_decoding & (snap.slack > skip_tbts * snap.tbt_slo)
+        prefilled = any(not snap.is_decoding[idx[r]] for r in ids)
+        if skip_tbts > 0 and live_prefill and prefilled and ahead.any():
+            # decodes far enough ahead of their deadline sit out while prefills run
             assert min(cap, n_dec - int(ahead.sum())) <= got_dec <= cap
             assert all(not ahead[idx[r]] for r in ids if snap.is_decoding[idx[r]]), "a skippable decode ran"
         else:
@@ -111,19 +112,27 @@ def test_sarathi_decodes_fill_the_chunk_first(snap: Snapshot, chunk: int) -> Non
 
 
 @PROPS
-@given(snap=snapshots(max_n=12))
-def test_slidingserve_serves_expired_only_after_live_prefills_fit(snap: Snapshot) -> None:
-    """Expired prefills sort last: one is served only when every live prefill is served in
-    full, or the batch-constructor path picked whole live requests (it never takes expired)."""
-    plan = registry.create("slidingserve").plan(snap, default_predictor())
+@given(snap=snapshots(max_n=12), factor=st.sampled_from([0.0, 1.0, 3.0]))
+def test_slidingserve_serves_lost_prefills_only_after_live_ones_fit(snap: Snapshot, factor: float) -> None:
+    """Lost prefills — expired, or hopeless: more remaining tokens than the predictor's
+    full-budget prefill rate × slack × hopeless_factor — sort last: one is served only when
+    every live prefill is served in full, or the batch-constructor path picked whole live
+    requests (it never takes lost ones)."""
+    pred = default_predictor()
+    plan = registry.create("slidingserve", {"hopeless_factor": factor}).plan(snap, pred)
     a = plan.as_dict()
     idx = {rid: i for i, rid in enumerate(snap.ids)}
-    expired = [r for r in a if not snap.is_decoding[idx[r]] and snap.slack[idx[r]] <= 0]
+    rho_max = pred.prefill_throughput(snap.max_batch_tokens)
+
+    def lost(i: int) -> bool:
+        return bool(snap.slack[i] <= 0 or (factor > 0 and snap.remaining_prefill[i] > rho_max * snap.slack[i] * factor))
+
+    served_lost = [r for r in a if not snap.is_decoding[idx[r]] and lost(idx[r])]
     if plan.path == "batch_constructor":
-        assert not expired
+        assert not served_lost
         assert all(a[r] == int(snap.remaining_prefill[idx[r]]) for r in a if not snap.is_decoding[idx[r]])
-    elif expired:
-        live = [i for i in range(len(snap)) if not snap.is_decoding[i] and snap.slack[i] > 0]
+    elif served_lost:
+        live = [i for i in range(len(snap)) if not snap.is_decoding[i] and not lost(i)]
         assert all(a.get(snap.ids[i], 0) == int(snap.remaining_prefill[i]) for i in live)
     assert np.all(np.isfinite([plan.predicted_latency_ms]))
 

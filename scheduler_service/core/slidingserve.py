@@ -89,12 +89,20 @@ class SlidingServePolicy:
         t0 = time.perf_counter_ns()
         dec_all = np.flatnonzero(snap.is_decoding)
         pre = prefill_indices(snap)
-        runnable = dec_all
         if p.decode_skip_tbts > 0 and len(dec_all) and bool((snap.slack[pre] > 0).any()):
             # Decodes far ahead of their next deadline sit out while live prefills wait:
             # their tokens' time goes to the prefills (deadlines are cumulative, formula (1)).
             ahead = snap.slack[dec_all] > p.decode_skip_tbts * snap.tbt_slo[dec_all]
-            runnable = dec_all[~ahead]
+            if ahead.any():
+                plan = self._plan(snap, predictor, t0, dec_all, dec_all[~ahead], pre)
+                if any(not snap.is_decoding[snap.index_of[a.id]] for a in plan.allocations):
+                    return plan
+                # No prefill could use the room (KV, limits): skipping would only idle decodes.
+        return self._plan(snap, predictor, t0, dec_all, dec_all, pre)
+
+    def _plan(self, snap: Snapshot, predictor: BatchLatencyPredictor, t0: int, dec_all: np.ndarray,
+              runnable: np.ndarray, pre: np.ndarray) -> Plan:
+        p = self.params
         decodes = select_decodes(snap, runnable)
         n_dec = len(decodes)
         hopeless = np.zeros(len(pre), dtype=bool)
