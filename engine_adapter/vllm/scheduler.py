@@ -1,4 +1,4 @@
-"""vLLM 0.33 scheduler classes that execute the scheduling service's plans.
+"""vLLM scheduler classes (0.32 and 0.33, see :mod:`.compat`) that execute the scheduling service's plans.
 
 How a plan is executed: vLLM's own ``schedule()`` still does all the work
 (KV slot allocation, preemption, prefix caching, encoder inputs, the
@@ -58,12 +58,22 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-from vllm.v1.core.sched.request_queue import FCFSRequestQueue, SchedulingPolicy
-from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.request import RequestStatus
+import vllm
 
-from engine_adapter.core import (
+from .compat import check_vllm_version
+from .observe import MetricsEndpoint, attach_log_handler
+
+# Before vLLM's internals are imported: on a version the adapter does not support they
+# may not import, or import and break later; fail here with one line naming the versions.
+attach_log_handler(fallback=False)  # vLLM's handlers if it has configured logging already
+check_vllm_version(vllm.__version__)
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
+from vllm.v1.core.sched.request_queue import FCFSRequestQueue, SchedulingPolicy  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+from engine_adapter.core import (  # noqa: E402
     AdapterCore,
     AdapterSettings,
     Decision,
@@ -71,10 +81,16 @@ from engine_adapter.core import (
     InProcessBackend,
     IterationSample,
 )
-from scheduler_service.core import Plan, Snapshot
+from scheduler_service.core import Plan, Snapshot  # noqa: E402
 
-from .settings import FOLLOW_DEFAULT, SettingsWatcher, VllmAdapterSettings, default_engine_id
-from .snapshot import SloDefaults, SnapshotBuilder
+from .settings import (  # noqa: E402
+    FOLLOW_DEFAULT,
+    SettingsError,
+    SettingsWatcher,
+    VllmAdapterSettings,
+    default_engine_id,
+)
+from .snapshot import SloDefaults, SnapshotBuilder  # noqa: E402
 
 __all__ = ["RemoteScheduler", "RemoteSyncScheduler", "SlidingServeMixin", "build_core"]
 
@@ -217,6 +233,8 @@ class SlidingServeMixin:
     slidingserve_clock: Any = staticmethod(time.perf_counter)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        attach_log_handler()  # vLLM configures only its own logger: ours would print nothing
+        check_vllm_version(vllm.__version__, self.slidingserve_env)  # raises VllmVersionError
         super().__init__(*args, **kwargs)
         self._plan: dict[str, int] | None = None
         self._ss_run_order: list[Any] = []  # set by _fit: planned running requests, plan order
@@ -251,9 +269,33 @@ class SlidingServeMixin:
         self._ss_retired: list[dict[str, Any]] = []
         # reporting
         self._ss_last_update: float | None = None
-        log.info("slidingserve: scheduler %s, address=%s policy=%s deadline_ms=%g profile=%s",
-                 type(self).__name__, self._ss_settings.address, self._ss_settings.policy,
-                 self._ss_settings.deadline_ms, self._ss_profile)
+        self._ss_metrics: MetricsEndpoint | None = None
+        if self._ss_settings.metrics_port:
+            self._ss_metrics = self._serve_metrics(self._ss_settings)
+        log.info("slidingserve: scheduler %s (vLLM %s), address=%s policy=%s deadline_ms=%g profile=%s%s",
+                 type(self).__name__, vllm.__version__, self._ss_settings.address, self._ss_settings.policy,
+                 self._ss_settings.deadline_ms, self._ss_profile,
+                 f" metrics=http://{self._ss_settings.metrics_host}:{self._ss_metrics.port}/metrics"
+                 if self._ss_metrics is not None else "")
+
+    def _serve_metrics(self, s: VllmAdapterSettings) -> MetricsEndpoint:
+        """The Prometheus endpoint on ``metrics_port`` + this engine's data-parallel rank
+        (several engine cores of one ``vllm serve`` each get their own port)."""
+        rank = int(getattr(self.vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+        port = s.metrics_port + rank
+        engine_id = s.engine_id or default_engine_id()
+        cls, version = type(self).__name__, str(vllm.__version__)
+
+        def info() -> dict[str, str]:
+            cur = self._ss_settings
+            return {"scheduler": cls, "vllm_version": version, "engine_id": engine_id,
+                    "address": cur.address, "policy": cur.policy, "profile": self._ss_profile}
+
+        try:
+            return MetricsEndpoint(self.slidingserve_stats, info, s.metrics_host, port)
+        except OSError as e:
+            raise SettingsError(f"SLIDINGSERVE_METRICS_PORT: cannot listen on {s.metrics_host}:{port}: "
+                                f"{e.strerror or e}") from None
 
     @staticmethod
     def _slo_defaults(s: VllmAdapterSettings) -> SloDefaults:
@@ -759,6 +801,11 @@ class SlidingServeMixin:
     def slidingserve_stats(self) -> dict[str, Any]:
         """Counters for operators and tests (cheap; safe to call from any thread)."""
         core = self._ss_core.stats() if self._ss_core is not None else {}
+        # the counters of cores retired by settings reloads plus the current one's
+        totals: dict[str, int] = {}
+        for st in [*self._ss_retired, core]:
+            for k in ("remote_decisions", "reports_sent", "reports_dropped", "report_errors"):
+                totals[k] = totals.get(k, 0) + int(st.get(k, 0))
         c = self._ss_counts
         return {
             "iterations": c["iterations"],
@@ -778,6 +825,8 @@ class SlidingServeMixin:
             #: the adapter's own engine-thread time per iteration (schedule() and
             #: update_from_output() minus vLLM's own work in them)
             "mean_own_us": c["own_us"] / max(1, c["iterations"]),
+            "own_us": c["own_us"],
+            "decide_us": c["decide_us"],
             "snap_waits_us": c["snap_wait_us"],
             "resyncs": c["resyncs"],
             "last_reason": self._ss_last_reason,
@@ -787,10 +836,14 @@ class SlidingServeMixin:
             "address": self._ss_settings.address,
             "profile": self._ss_profile,
             "core": core,
+            "core_totals": totals,
         }
 
     def slidingserve_close(self) -> None:
         self._ss_pending = None
+        if self._ss_metrics is not None:
+            self._ss_metrics.close()
+            self._ss_metrics = None
         if self._ss_executor is not None:
             self._ss_executor.shutdown(wait=True, cancel_futures=True)
             self._ss_executor = None

@@ -108,6 +108,10 @@ class VllmAdapterSettings:
     #: the GPU (from the queues as they will be after it), so that the decision's
     #: time is hidden; "false" decides synchronously inside ``schedule()``.
     pipeline: bool = True
+    #: Prometheus endpoint of the adapter's statistics, served from the engine-core
+    #: process (port + the engine's data-parallel rank); 0 = off.  Read at start.
+    metrics_port: int = 0
+    metrics_host: str = "0.0.0.0"
 
     # ------------------------------------------------------------ validation
     def __post_init__(self) -> None:
@@ -138,6 +142,8 @@ class VllmAdapterSettings:
                 raise SettingsError(f"SLIDINGSERVE_{name.upper()} must not contain '|'")
         if self.default_ttft_ms < 0 or self.default_tbt_ms <= 0:
             raise SettingsError("SLIDINGSERVE_DEFAULT_TTFT_MS must be >= 0 and SLIDINGSERVE_DEFAULT_TBT_MS > 0")
+        if not 0 <= self.metrics_port < 65536:
+            raise SettingsError(f"SLIDINGSERVE_METRICS_PORT must be in [0, 65535], got {self.metrics_port}")
         for name in ("log_every", "reconnect_max_ms", "max_backoff_decisions", "report_batch"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"SLIDINGSERVE_{name.upper()} must be >= 1")
@@ -198,7 +204,7 @@ class VllmAdapterSettings:
         return out
 
 
-_INT = {"profile_tp", "log_every", "reconnect_max_ms", "max_backoff_decisions", "report_batch"}
+_INT = {"profile_tp", "log_every", "reconnect_max_ms", "max_backoff_decisions", "report_batch", "metrics_port"}
 _FLOAT = {"deadline_ms", "default_ttft_ms", "default_tbt_ms"}
 _BOOL = {"pipeline"}
 _TRUE = ("1", "true", "yes", "on")

@@ -1,0 +1,124 @@
+"""The adapter seen from outside the engine process: its Prometheus endpoint and its log handler."""
+
+from __future__ import annotations
+
+import logging
+import re
+import socket
+import sys
+import urllib.error
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine_adapter.vllm import RemoteSyncScheduler, SettingsError
+from engine_adapter.vllm.observe import attach_log_handler
+
+from .support import Driver, FakeClock, build_scheduler, make_request, scheduler_class, workload
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_metrics_endpoint_serves_the_stats(mdir: str) -> None:
+    port = _free_port()
+    env = {"SLIDINGSERVE_POLICY": "vllm-fcfs", "SLIDINGSERVE_METRICS_PORT": str(port),
+           "SLIDINGSERVE_METRICS_HOST": "127.0.0.1", "SLIDINGSERVE_ENGINE_ID": "unit"}
+    clock = FakeClock()
+    s = build_scheduler(scheduler_class(RemoteSyncScheduler, env, clock), mdir, async_scheduling=False)
+    try:
+        for p, o in workload(30, 3):
+            s.add_request(make_request(p, o))
+        Driver(s, clock, async_scheduling=False).run()
+        st = s.slidingserve_stats()
+        m = _scrape(port)
+    finally:
+        s.slidingserve_close()
+    p = "slidingserve_adapter_"
+    assert st["planned"] > 0 and st["reports"] > 0
+    assert m[(p + "iterations_total", ())] == st["iterations"]
+    assert m[(p + "planned_total", ())] == st["planned"]
+    assert m[(p + "native_total", ())] == st["native"]
+    assert m[(p + "reports_total", ())] == st["reports"]
+    assert m[(p + "deviating_iterations_total", ())] == st["deviating_iterations"] == 0
+    assert m[(p + "report_errors_total", (("stage", "collect"),))] == st["report_errors"]
+    for reason, n in st["fallbacks"].items():
+        assert m[(p + "fallbacks_total", (("reason", reason),))] == n
+    assert m[(p + "own_seconds_total", ())] == pytest.approx(st["own_us"] / 1e6)
+    assert m[(p + "own_seconds_per_iteration", ())] == pytest.approx(st["mean_own_us"] / 1e6)
+    assert m[(p + "remote_decisions_total", ())] == st["core"]["remote_decisions"] > 0
+    info = [dict(k[1]) for k in m if k[0] == p + "info_info"]
+    assert info == [{"address": "inproc", "engine_id": "unit", "policy": "vllm-fcfs",
+                     "profile": st["profile"], "scheduler": "RemoteSyncSchedulerUnderTest",
+                     "vllm_version": info[0]["vllm_version"]}]
+    # closed with the scheduler
+    with pytest.raises(urllib.error.URLError):
+        _scrape(port)
+
+
+def test_metrics_port_in_use_fails_at_start(mdir: str) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        env = {"SLIDINGSERVE_METRICS_PORT": str(port), "SLIDINGSERVE_METRICS_HOST": "127.0.0.1"}
+        with pytest.raises(SettingsError, match=f"SLIDINGSERVE_METRICS_PORT: cannot listen on 127.0.0.1:{port}"):
+            build_scheduler(scheduler_class(RemoteSyncScheduler, env), mdir, async_scheduling=False)
+
+
+@pytest.mark.parametrize("value", ["-1", "65536", "http"])
+def test_bad_metrics_port(value: str) -> None:
+    from engine_adapter.vllm import VllmAdapterSettings
+
+    with pytest.raises(SettingsError, match="SLIDINGSERVE_METRICS_PORT"):
+        VllmAdapterSettings.from_env({"SLIDINGSERVE_METRICS_PORT": value})
+
+
+def test_log_handler_is_vllms_when_nothing_is_configured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM configures only its own logger; the adapter's logger gets vLLM's handlers (same
+    stream and format) unless logging was configured by someone."""
+    root = logging.getLogger()
+    name = "engine_adapter_test_observe"
+    logger = logging.getLogger(name)
+    vllm_handler = logging.StreamHandler()
+    monkeypatch.setattr(logging.getLogger("vllm"), "handlers", [vllm_handler])
+    # pytest captures through the root logger's handlers: a configured root is left alone
+    assert root.handlers and not attach_log_handler(name) and not logger.handlers
+    monkeypatch.setattr(root, "handlers", [])
+    try:
+        assert attach_log_handler(name)
+        assert logger.handlers == [vllm_handler] and logger.getEffectiveLevel() <= logging.INFO
+        assert not attach_log_handler(name)  # once
+    finally:
+        logger.handlers.clear()
+        logger.setLevel(logging.NOTSET)
+
+
+def test_log_handler_without_vllms(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's logging not configured: stderr in vLLM's layout, only when asked (``fallback``)."""
+    name = "engine_adapter_test_observe2"
+    logger = logging.getLogger(name)
+    monkeypatch.setattr(logging.getLogger("vllm"), "handlers", [])
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    try:
+        assert not attach_log_handler(name, fallback=False) and not logger.handlers
+        assert attach_log_handler(name)
+        (h,) = logger.handlers
+        assert isinstance(h, logging.StreamHandler) and h.stream is sys.stderr
+        rec = logging.LogRecord(name, logging.INFO, "/x/scheduler.py", 7, "slidingserve: hello", None, None)
+        assert re.fullmatch(r"INFO \d\d-\d\d \d\d:\d\d:\d\d \[scheduler\.py:7\] slidingserve: hello",
+                            h.format(rec))
+    finally:
+        logger.handlers.clear()
+        logger.setLevel(logging.NOTSET)
