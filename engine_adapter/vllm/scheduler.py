@@ -391,8 +391,8 @@ class SlidingServeMixin:
     def _fit(self, view: _View, plan: dict[str, int], free_blocks: int, *, stale: bool = False) -> tuple[str, int]:
         """Mirror vLLM's KV rules on the plan: ("why it cannot run", 0) when its
         running requests need more blocks than are free (vLLM would preempt), else
-        ("", trimmed) after dropping, from ``plan``, the admissions vLLM's own
-        admission control would refuse (free sequence slots; the whole prompt must
+        ("", trimmed) after shrinking running prefill chunks that the free blocks cannot
+        hold and dropping, from ``plan``, the admissions vLLM's own admission control would refuse (free sequence slots; the whole prompt must
         fit, ``scheduler_reserve_full_isl``; the watermark).  Running requests are
         placed first, as vLLM does; prefix-cache hits are ignored (conservative).
         ``stale``: the view was taken before the last ``update_from_output``, so
@@ -411,16 +411,43 @@ class SlidingServeMixin:
         la = self.num_lookahead_tokens
         run_idx = idx[is_run]
         comp = view.computed[run_idx]
-        free = free_blocks - int(np.maximum(0, -(-(comp + n[is_run] + la) // b) + (-comp // b)).sum())
+        n_run = n[is_run]
+        need_run = np.maximum(0, -(-(comp + n_run + la) // b) + (-comp // b))
+        free = free_blocks - int(need_run.sum())
+        trimmed = 0
         if free < 0:
-            return f"running requests need {free_blocks - free} KV blocks, {free_blocks} free", 0
+            # The headroom counts the free tail of every running request's last block, which
+            # only that request can use; a plan that leaves some running decodes out (they are
+            # ahead of their deadlines) can ask for more.  Shrink the running prefill chunks,
+            # last planned first, by the missing blocks before giving up on the plan.
+            run_keys = [k for k, r in zip(keys, is_run.tolist(), strict=True) if r]
+            for j in range(len(run_keys) - 1, -1, -1):
+                if free >= 0:
+                    break
+                if n_run[j] <= 1:
+                    continue  # a decode
+                held = -(-int(comp[j]) // b)
+                keep = max(0, int(need_run[j]) + free)  # blocks this chunk may still take
+                n_new = min(int(n_run[j]), (held + keep) * b - int(comp[j]) - la)
+                free += int(need_run[j]) - keep
+                if n_new <= 0:
+                    del plan[run_keys[j]]
+                else:
+                    plan[run_keys[j]] = n_new
+                trimmed += 1
+            if free < 0:
+                return f"running requests need {free_blocks - free} KV blocks, {free_blocks} free", 0
+            keys = list(plan)
+            idx = np.fromiter(map(snap.index_of.__getitem__, keys), np.int64, len(keys))
+            n = np.fromiter(plan.values(), np.int64, len(keys))
+            is_run = idx < view.running_rows
+            run_idx = idx[is_run]
         self._ss_run_order = list(map(rows.__getitem__, run_idx.tolist()))
         admitted: list[Any] = []
         self._ss_admit = admitted
         slots = min(self.max_num_running_reqs, self.max_num_active_reqs) - len(self.running)
         watermark = int(getattr(self.kv_cache_manager, "watermark_blocks", 0)) if self.running else 0
         full_isl = bool(getattr(self, "scheduler_reserve_full_isl", False))
-        trimmed = 0
         for j in np.flatnonzero(~is_run).tolist():
             rid = keys[j]
             r = rows[idx[j]]
@@ -436,6 +463,19 @@ class SlidingServeMixin:
             slots -= 1
             free -= need
             admitted.append(r)
+        if not plan and trimmed:
+            # Only admissions were planned (running decodes ahead of their deadlines sat out
+            # for them) and vLLM refuses them all: run those decodes rather than nothing.
+            self._ss_run_order = []
+            for row, r in enumerate(rows[:view.running_rows]):
+                comp_r = int(view.computed[row])
+                if comp_r < r.num_tokens - 1:
+                    continue  # still prefilling
+                need = max(0, -(-(comp_r + 1 + la) // b) + (-comp_r // b))
+                if need <= free:
+                    free -= need
+                    plan[r.request_id] = 1
+                    self._ss_run_order.append(r)
         return "", trimmed
 
     # ----------------------------------------------------------------- decision
