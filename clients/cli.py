@@ -141,17 +141,22 @@ def cmd_predictor_fit(args: argparse.Namespace) -> int:
         features[train], scen[train], latency[train], min_samples=args.min_samples,
         meta={"source": f"slidingserve predictor fit {Path(args.csv).name}"},
     )
-    if n_test >= 2:
-        for name, m in evaluate(pred, features[test], scen[test], latency[test]).items():
-            print(
-                f"held-out {name:7s} n={m['n']:6d}  MAE {m['mae_ms']:.3f} ms  "
-                f"RMSE {m['rmse_ms']:.3f} ms  R² {m['r2']:.4f}",
-                file=sys.stderr,
-            )
+    metrics = evaluate(pred, features[test], scen[test], latency[test]) if n_test >= 2 else {}
+    return _emit_predictor(pred, metrics, args.out)
+
+
+def _emit_predictor(pred: Any, metrics: dict[str, dict[str, float]], out: str | None) -> int:
+    """Print the held-out errors on stderr and the predictor JSON to ``out`` (or stdout)."""
+    for name, m in metrics.items():
+        print(
+            f"held-out {name:7s} n={m['n']:6d}  MAE {m['mae_ms']:.3f} ms  "
+            f"RMSE {m['rmse_ms']:.3f} ms  R² {m['r2']:.4f}",
+            file=sys.stderr,
+        )
     text = pred.to_json()
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-        print(f"wrote predictor {pred.version} to {args.out}", file=sys.stderr)
+    if out:
+        Path(out).write_text(text + "\n")
+        print(f"wrote predictor {pred.version} to {out}", file=sys.stderr)
     else:
         print(text)
     return 0
@@ -168,19 +173,7 @@ def cmd_predictor_sweep(args: argparse.Namespace) -> int:
     if args.samples < 30:
         raise CliError(f"--samples must be at least 30, got {args.samples}")
     pred, metrics = profile_predictor_with_holdout(args.profile, n=args.samples, seed=args.seed)
-    for name, m in metrics.items():
-        print(
-            f"held-out {name:7s} n={m['n']:6d}  MAE {m['mae_ms']:.3f} ms  "
-            f"RMSE {m['rmse_ms']:.3f} ms  R² {m['r2']:.4f}",
-            file=sys.stderr,
-        )
-    text = pred.to_json()
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-        print(f"wrote predictor {pred.version} to {args.out}", file=sys.stderr)
-    else:
-        print(text)
-    return 0
+    return _emit_predictor(pred, metrics, args.out)
 
 
 def _read_samples_csv(path: str):  # type: ignore[no-untyped-def]
