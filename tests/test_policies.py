@@ -352,7 +352,8 @@ def test_hopeless_prefills_are_served_after_the_live_ones() -> None:
     w2 can still make it.  MLPS alone puts the urgent w1 first; with hopeless_factor it goes last."""
     reqs = [waiting("w1", 3000, arrival=9.0, ttft=1.01), waiting("w2", 800, arrival=9.5, ttft=1.0)]
     snap = make_snapshot(reqs, now=10.0, max_batch_tokens=1000)
-    first = registry.create("slidingserve", {"hopeless_factor": 0}).plan(snap, PRED).allocations[0].id
+    first = registry.create("slidingserve", {"hopeless_factor": 0, "lost_rule": "alone"}).plan(snap, PRED)
+    first = first.allocations[0].id
     assert first == "w1"
     plan = registry.create("slidingserve").plan(snap, PRED)
     assert plan.allocations[0].id == "w2" and alloc(plan) == {"w2": 800, "w1": 200}
@@ -374,6 +375,32 @@ def test_decodes_far_ahead_sit_out_while_prefills_wait() -> None:
     assert alloc(pol.plan(make_snapshot([ahead, close, late], now=10.0), PRED))["ahead"] == 1
     off = registry.create("slidingserve", {"decode_skip_tbts": 0})
     assert alloc(off.plan(make_snapshot([ahead, close, w], now=10.0), PRED)) == {"ahead": 1, "close": 1, "w": 100}
+
+
+def test_moore_gives_up_the_prefill_that_would_sink_another() -> None:
+    """At the observed 1,000 tokens/s, L (600 tokens, 0.9 s of slack) and a, b (250 each,
+    0.95 s and 1.0 s) cannot all make it: Moore-Hodgson gives up the longest of them, L,
+    which then goes after M (700 tokens, 5 s), which can still make it."""
+    reqs = [waiting("L", 600, arrival=9.0, ttft=1.9), waiting("a", 250, arrival=9.5, ttft=1.45),
+            waiting("b", 250, arrival=9.5, ttft=1.5), waiting("M", 700, arrival=9.0, ttft=6.0)]
+    snap = make_snapshot(reqs, now=10.0, max_batch_tokens=1200, prefill_throughput=1000.0)
+    alone = registry.create("slidingserve", {"lost_rule": "alone"}).plan(snap, PRED)
+    assert alloc(alone) == {"a": 250, "b": 250, "L": 600, "M": 100}
+    moore = registry.create("slidingserve").plan(snap, PRED)
+    assert alloc(moore) == {"a": 250, "b": 250, "M": 700}
+
+
+def test_late_decodes_sit_out_while_prefills_that_can_make_it_wait() -> None:
+    """A decode past its next token's deadline has missed its SLO: its token waits while a
+    live prefill runs, and runs as soon as none waits."""
+    late = decoding("late", 50, 2, arrival=9.0, ttft=0.5, tbt=0.05)      # slack -0.4 s
+    close = decoding("close", 50, 2, arrival=9.0, ttft=1.05, tbt=0.05)   # slack 0.15 s
+    w = waiting("w", 100, arrival=9.9, ttft=1.0)
+    pol = registry.create("slidingserve")
+    assert alloc(pol.plan(make_snapshot([late, close, w], now=10.0), PRED)) == {"close": 1, "w": 100}
+    assert alloc(pol.plan(make_snapshot([late, close], now=10.0), PRED)) == {"late": 1, "close": 1}
+    off = registry.create("slidingserve", {"skip_late_decodes": False})
+    assert alloc(off.plan(make_snapshot([late, close, w], now=10.0), PRED)) == {"late": 1, "close": 1, "w": 100}
 
 
 def test_decodes_do_not_sit_out_when_no_prefill_can_run() -> None:

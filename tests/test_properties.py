@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,7 @@ from scheduler_service.core import (
     registry,
 )
 from scheduler_service.core.plan import PATHS
+from scheduler_service.core.sorter import late_set
 from tests.factories import predict_cu
 from tests.strategies import NOW, predictors, snapshots
 
@@ -29,6 +31,8 @@ VARIANTS: list[tuple[str, dict[str, Any]]] = [(n, {}) for n in sorted(registry.n
     ("slidingserve", {"window": 4, "granularity": 1}),
     ("slidingserve", {"order": "edf", "max_candidates": 2}),
     ("slidingserve", {"decode_skip_tbts": 0, "hopeless_factor": 0, "kv_growth_iters": 0}),
+    ("slidingserve", {"lost_rule": "alone", "skip_late_decodes": False}),
+    ("slidingserve", {"hopeless_factor": 0, "decode_skip_tbts": 1}),
     ("sarathi", {"chunk_size": 8}),
     ("qoserve", {"min_chunk": 4, "chunk_step": 8}),
 ]
@@ -39,8 +43,25 @@ PROPS = settings(max_examples=80, deadline=None, derandomize=True, database=None
 any_predictor = st.one_of(st.just(default_predictor()), predictors(), predictors(negative=True))
 
 
+def lost_prefills(snap: Snapshot, pred: BatchLatencyPredictor, params: Any) -> np.ndarray:
+    """Mask over all requests: live prefills SlidingServe gives up on, from the definitions
+    (hopeless alone at the full-budget rate; Moore–Hodgson's late set at the observed rate)."""
+    pre = np.flatnonzero(~snap.is_decoding)
+    out = np.zeros(len(snap), dtype=bool)
+    if len(pre) == 0:
+        return out
+    lost = np.zeros(len(pre), dtype=bool)
+    if params.hopeless_factor > 0:
+        rho_max = pred.prefill_throughput(snap.max_batch_tokens)
+        lost |= snap.remaining_prefill[pre] > rho_max * snap.slack[pre] * params.hopeless_factor
+    if params.lost_rule == "moore":
+        lost |= late_set(snap, pre, snap.prefill_throughput or pred.prefill_throughput(snap.max_batch_tokens))
+    out[pre] = lost & (snap.slack[pre] > 0)
+    return out
+
+
 def check_invariants(name: str, chunk: int | None, snap: Snapshot, pred: BatchLatencyPredictor,
-                     plan: Plan, skip_tbts: float = 0.0) -> None:
+                     plan: Plan, params: Any = None) -> None:
     assert plan_violations(snap, plan) == []
     idx = {rid: i for i, rid in enumerate(snap.ids)}
     ids = [a.id for a in plan.allocations]
@@ -63,15 +84,28 @@ def check_invariants(name: str, chunk: int | None, snap: Snapshot, pred: BatchLa
         # every decode gets its token unless a limit (or a fixed chunk) forces fewer
         cap = min(n_dec, snap.max_batch_tokens, snap.max_num_seqs, chunk or n_dec,
                   snap.free_kv_tokens if snap.free_kv_tokens is not None else n_dec)
-        live_prefill = bool(((~snap.is_decoding) & (snap.slack > 0)).any())
-        ahead = snap.is_decoding & (snap.slack > skip_tbts * snap.tbt_slo)
+        sit = np.zeros(len(snap), dtype=bool)
+        waits = False
+        if params is not None and hasattr(params, "decode_skip_tbts"):
+            waits = bool(((~snap.is_decoding) & (snap.slack > 0) & ~lost_prefills(snap, pred, params)).any())
+            if params.decode_skip_tbts > 0:
+                sit |= snap.is_decoding & (snap.slack > params.decode_skip_tbts * snap.tbt_slo)
+            if params.skip_late_decodes:
+                sit |= snap.is_decoding & (snap.slack <= 0)
+        ran_sit = any(sit[idx[r]] for r in ids)
         prefilled = any(not snap.is_decoding[idx[r]] for r in ids)
-        if skip_tbts > 0 and live_prefill and prefilled and ahead.any():
-            # decodes far enough ahead of their deadline sit out while prefills run
-            assert min(cap, n_dec - int(ahead.sum())) <= got_dec <= cap
-            assert all(not ahead[idx[r]] for r in ids if snap.is_decoding[idx[r]]), "a skippable decode ran"
+        if waits and sit.any() and prefilled and not ran_sit:
+            # decodes not needed now sit out while prefills that can still make it run
+            assert min(cap, n_dec - int(sit.sum())) <= got_dec <= cap
         else:
+            # every decode runs: nothing to sit out, or no prefill could use the room (the
+            # plan is then the one without sitting out)
             assert got_dec == cap
+            if ran_sit and waits:
+                off = dataclasses.replace(params, decode_skip_tbts=0.0, skip_late_decodes=False)
+                ref = registry.create(name, dataclasses.asdict(off)).plan(snap, pred)
+                # (the version differs: overrides add a parameter hash to it)
+                assert ref.decision_key()[3:] == plan.decision_key()[3:], "a decode that could sit out ran"
     assert plan.policy == name
     assert plan.predictor_version == pred.version
     if name in SLIDING:
@@ -91,8 +125,7 @@ def test_policy_invariants_and_determinism(name: str, overrides: dict[str, Any],
                                            pred: BatchLatencyPredictor) -> None:
     pol = registry.create(name, overrides)
     plan = pol.plan(snap, pred)
-    check_invariants(name, getattr(pol.params, "chunk_size", None), snap, pred, plan,
-                     getattr(pol.params, "decode_skip_tbts", 0.0))
+    check_invariants(name, getattr(pol.params, "chunk_size", None), snap, pred, plan, pol.params)
     assert pol.plan(snap, pred).decision_key() == plan.decision_key()
     copy = Snapshot.from_json(snap.to_json())
     pred_copy = BatchLatencyPredictor.from_json(pred.to_json())
@@ -112,27 +145,28 @@ def test_sarathi_decodes_fill_the_chunk_first(snap: Snapshot, chunk: int) -> Non
 
 
 @PROPS
-@given(snap=snapshots(max_n=12), factor=st.sampled_from([0.0, 1.0, 3.0]))
-def test_slidingserve_serves_lost_prefills_only_after_live_ones_fit(snap: Snapshot, factor: float) -> None:
-    """Lost prefills — expired, or hopeless: more remaining tokens than the predictor's
-    full-budget prefill rate × slack × hopeless_factor — sort last: one is served only when
+@given(snap=snapshots(max_n=12), factor=st.sampled_from([0.0, 1.0, 3.0]),
+       rule=st.sampled_from(["alone", "moore"]))
+def test_slidingserve_serves_lost_prefills_only_after_live_ones_fit(snap: Snapshot, factor: float,
+                                                                    rule: str) -> None:
+    """Lost prefills — expired; hopeless: more remaining tokens than the predictor's
+    full-budget prefill rate × slack × hopeless_factor; with lost_rule moore, those
+    Moore–Hodgson gives up on at the observed rate — sort last: one is served only when
     every live prefill is served in full, or the batch-constructor path picked whole live
     requests (it never takes lost ones)."""
     pred = default_predictor()
-    plan = registry.create("slidingserve", {"hopeless_factor": factor}).plan(snap, pred)
+    pol = registry.create("slidingserve", {"hopeless_factor": factor, "lost_rule": rule})
+    plan = pol.plan(snap, pred)
     a = plan.as_dict()
     idx = {rid: i for i, rid in enumerate(snap.ids)}
-    rho_max = pred.prefill_throughput(snap.max_batch_tokens)
+    gone = lost_prefills(snap, pred, pol.params) | (snap.slack <= 0)
 
-    def lost(i: int) -> bool:
-        return bool(snap.slack[i] <= 0 or (factor > 0 and snap.remaining_prefill[i] > rho_max * snap.slack[i] * factor))
-
-    served_lost = [r for r in a if not snap.is_decoding[idx[r]] and lost(idx[r])]
+    served_lost = [r for r in a if not snap.is_decoding[idx[r]] and gone[idx[r]]]
     if plan.path == "batch_constructor":
         assert not served_lost
         assert all(a[r] == int(snap.remaining_prefill[idx[r]]) for r in a if not snap.is_decoding[idx[r]])
     elif served_lost:
-        live = [i for i in range(len(snap)) if not snap.is_decoding[i] and not lost(i)]
+        live = [i for i in range(len(snap)) if not snap.is_decoding[i] and not gone[i]]
         assert all(a.get(snap.ids[i], 0) == int(snap.remaining_prefill[i]) for i in live)
     assert np.all(np.isfinite([plan.predicted_latency_ms]))
 

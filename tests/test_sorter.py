@@ -1,13 +1,23 @@
-"""MLPS (10)–(16), EDF and FCFS orders, hand-computed from the formulas."""
+"""MLPS (10)–(16), EDF and FCFS orders, hand-computed from the formulas; the Moore–Hodgson
+late set against an exhaustive oracle."""
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler_service.core import Snapshot
-from scheduler_service.core.sorter import edf_order, fcfs_order, mlps_keys, mlps_order, prefill_indices
+from scheduler_service.core.sorter import (
+    edf_order,
+    fcfs_order,
+    late_set,
+    mlps_keys,
+    mlps_order,
+    prefill_indices,
+)
 from tests.factories import decoding, make_snapshot, prefilling, waiting
 from tests.strategies import snapshots
 
@@ -180,3 +190,51 @@ def test_edf_fcfs_match_python_sort(s: Snapshot) -> None:
     fcfs = sorted(idx.tolist(), key=lambda i: (float(s.arrival[i]), s.ids[i]))
     assert edf_order(s, idx).tolist() == edf
     assert fcfs_order(s, idx).tolist() == fcfs
+
+
+# ------------------------------------------------------------ late set (Moore–Hodgson)
+def _feasible(r: np.ndarray, s: np.ndarray, keep: np.ndarray) -> bool:
+    """Served one after another in deadline order, every kept request finishes by its slack."""
+    order = np.argsort(s[keep], kind="stable")
+    finish = np.cumsum(r[keep][order])
+    return bool(np.all(finish <= s[keep][order] + 1e-12))
+
+
+def test_late_set_gives_up_the_long_request_that_would_sink_two() -> None:
+    # at 1000 tokens/s: L needs 0.8 s, a and b 0.2 s each; deadline order L, a, b.
+    # Serving L first makes a and b late; giving L up, a and b make it.
+    reqs = [waiting("L", 800, arrival=9.0, ttft=1.9), waiting("a", 200, arrival=9.5, ttft=1.45),
+            waiting("b", 200, arrival=9.5, ttft=1.5)]
+    snap = make_snapshot(reqs, now=10.0)
+    pre = prefill_indices(snap)
+    assert ids(snap, pre[late_set(snap, pre, RHO)]) == ["L"]
+    # with room for all three nothing is given up
+    assert not late_set(snap, pre, 2 * RHO).any()
+
+
+def test_late_set_keeps_protected_requests_while_others_can_go() -> None:
+    reqs = [waiting("P", 800, arrival=9.0, ttft=1.9, protected=True), waiting("a", 200, arrival=9.5, ttft=1.45),
+            waiting("b", 200, arrival=9.5, ttft=1.5)]
+    snap = make_snapshot(reqs, now=10.0)
+    pre = prefill_indices(snap)
+    assert ids(snap, pre[late_set(snap, pre, RHO)]) == ["a"]
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(r=st.lists(st.integers(1, 50), min_size=0, max_size=7), data=st.data())
+def test_late_set_keeps_a_largest_feasible_set(r: list[int], data: st.DataObject) -> None:
+    """Moore–Hodgson minimises the number of late requests on one server at a fixed rate:
+    the kept set is feasible in deadline order and no feasible set is larger
+    (exhaustive search over all subsets)."""
+    n = len(r)
+    slack = data.draw(st.lists(st.integers(1, 120), min_size=n, max_size=n))
+    # now 100, slack = arrival + ttft - now; rate 1 token/s keeps every time an integer
+    reqs = [waiting(f"q{j}", r[j], arrival=50.0, ttft=50.0 + slack[j]) for j in range(n)]
+    snap = make_snapshot(reqs, now=100.0)
+    pre = prefill_indices(snap)
+    lost = late_set(snap, pre, 1.0)
+    rr, ss = np.array(r, dtype=float), np.array(slack, dtype=float)
+    assert _feasible(rr, ss, ~lost)
+    best = max((k for k in range(n + 1) for keep in itertools.combinations(range(n), k)
+                if _feasible(rr, ss, np.isin(np.arange(n), keep))), default=0)
+    assert int((~lost).sum()) == best

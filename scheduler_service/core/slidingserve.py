@@ -29,7 +29,7 @@ from .plan import Plan
 from .predictor import BatchLatencyPredictor
 from .registry import PolicySpec, register
 from .snapshot import Snapshot
-from .sorter import edf_order, mlps_order, prefill_indices
+from .sorter import edf_order, late_set, mlps_order, prefill_indices
 
 __all__ = ["SlidingServeParams", "SlidingServePolicy"]
 
@@ -73,6 +73,16 @@ class SlidingServeParams:
         doc="while live prefills wait, a decode more than this many TBTs ahead of its next token's "
             "deadline sits out the iteration (0 = every decode runs every iteration)",
     )
+    lost_rule: str = param(
+        "moore", choices=("alone", "moore"),
+        doc="prefills given up on (served last, never anchors): 'alone' = those hopeless_factor "
+            "marks; 'moore' = also those Moore-Hodgson drops at the observed prefill rate",
+    )
+    skip_late_decodes: bool = param(
+        True,
+        doc="while live prefills wait, decodes already past their next token's deadline (their "
+            "request has missed its SLO) sit out the iteration",
+    )
     order: str = param("mlps", choices=("mlps", "edf"), doc="prefill queue order")
     batch_constructor: bool = param(True, doc="route risky batches to BatchConstructor")
 
@@ -89,29 +99,47 @@ class SlidingServePolicy:
         t0 = time.perf_counter_ns()
         dec_all = np.flatnonzero(snap.is_decoding)
         pre = prefill_indices(snap)
-        if p.decode_skip_tbts > 0 and len(dec_all) and bool((snap.slack[pre] > 0).any()):
-            # Decodes far ahead of their next deadline sit out while live prefills wait:
-            # their tokens' time goes to the prefills (deadlines are cumulative, formula (1)).
-            ahead = snap.slack[dec_all] > p.decode_skip_tbts * snap.tbt_slo[dec_all]
-            if ahead.any():
-                plan = self._plan(snap, predictor, t0, dec_all, dec_all[~ahead], pre)
+        rho = snap.prefill_throughput or predictor.prefill_throughput(snap.max_batch_tokens)
+        lost = self._lost(snap, predictor, pre, rho)
+        if len(dec_all) and bool(((snap.slack[pre] > 0) & ~lost).any()):
+            # While prefills that can still make it wait, decodes whose token is not needed
+            # now sit out, and their time goes to the prefills: those far ahead of their
+            # next deadline (deadlines are cumulative, formula (1)), and those already late.
+            s = snap.slack[dec_all]
+            out = np.zeros(len(dec_all), dtype=bool)
+            if p.decode_skip_tbts > 0:
+                out |= s > p.decode_skip_tbts * snap.tbt_slo[dec_all]
+            if p.skip_late_decodes:
+                out |= s <= 0
+            if out.any():
+                plan = self._plan(snap, predictor, t0, dec_all, dec_all[~out], pre, lost, rho)
                 if any(not snap.is_decoding[snap.index_of[a.id]] for a in plan.allocations):
                     return plan
-                # No prefill could use the room (KV, limits): skipping would only idle decodes.
-        return self._plan(snap, predictor, t0, dec_all, dec_all, pre)
+                # No prefill could use the room (KV, limits): sitting out would only idle decodes.
+        return self._plan(snap, predictor, t0, dec_all, dec_all, pre, lost, rho)
+
+    def _lost(self, snap: Snapshot, predictor: BatchLatencyPredictor, pre: np.ndarray,
+              rho: float) -> np.ndarray:
+        """Mask over ``pre`` of the live prefills given up on (expired ones are handled by
+        the sorter and the constructor themselves)."""
+        p = self.params
+        lost = np.zeros(len(pre), dtype=bool)
+        if len(pre) == 0:
+            return lost
+        if p.hopeless_factor > 0:
+            # Optimistic: the request alone with the whole budget, at the predictor's rate.
+            rho_max = predictor.prefill_throughput(snap.max_batch_tokens)
+            lost |= snap.remaining_prefill[pre] > rho_max * snap.slack[pre] * p.hopeless_factor
+        if p.lost_rule == "moore":
+            lost |= late_set(snap, pre, rho)
+        return lost & (snap.slack[pre] > 0)
 
     def _plan(self, snap: Snapshot, predictor: BatchLatencyPredictor, t0: int, dec_all: np.ndarray,
-              runnable: np.ndarray, pre: np.ndarray) -> Plan:
+              runnable: np.ndarray, pre: np.ndarray, hopeless: np.ndarray, rho: float) -> Plan:
         p = self.params
         decodes = select_decodes(snap, runnable)
         n_dec = len(decodes)
-        hopeless = np.zeros(len(pre), dtype=bool)
-        if p.hopeless_factor > 0 and len(pre):
-            # Optimistic: the request alone with the whole budget, at the predictor's rate.
-            rho_max = predictor.prefill_throughput(snap.max_batch_tokens)
-            hopeless = snap.remaining_prefill[pre] > rho_max * snap.slack[pre] * p.hopeless_factor
         if p.order == "mlps":
-            rho = snap.prefill_throughput or predictor.prefill_throughput(snap.max_batch_tokens)
             queue = mlps_order(snap, pre, rho, p.alpha, p.epsilon_s, lost=hopeless)
         else:
             queue = edf_order(snap, pre, expired_last=False)

@@ -6,11 +6,15 @@ by id, so the same snapshot always yields the same queue.
 
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 
 from .snapshot import Snapshot
 
-__all__ = ["edf_order", "fcfs_order", "id_rank", "mlps_keys", "mlps_order", "ordered", "prefill_indices"]
+__all__ = [
+    "edf_order", "fcfs_order", "id_rank", "late_set", "mlps_keys", "mlps_order", "ordered", "prefill_indices",
+]
 
 
 def prefill_indices(snap: Snapshot) -> np.ndarray:
@@ -78,6 +82,38 @@ def mlps_order(
         late = late | lost
     expired = late.astype(np.int8)
     return ordered(snap, idx, expired, g, e, r)
+
+
+def late_set(snap: Snapshot, idx: np.ndarray, throughput: float) -> np.ndarray:
+    """Moore–Hodgson on the prefill queue: the mask over ``idx`` of requests to give up
+    so that the rest, served one after another in deadline order at ``throughput``
+    tokens/s, all meet their TTFT slack.
+
+    Served alone, one at a time, at a fixed rate, this minimises the number of late
+    first tokens (Moore 1968).  When a request would finish late, the longest one
+    taken so far is dropped; protected requests are dropped only when no unprotected
+    one is left to drop.
+    """
+    lost = np.zeros(len(idx), dtype=bool)
+    if len(idx) == 0:
+        return lost
+    r = snap.remaining_prefill[idx].astype(np.float64) / throughput
+    s = snap.slack[idx]
+    prot = snap.protected[idx]
+    order = np.lexsort((np.arange(len(idx)), s))
+    heap: list[tuple[int, float, int]] = []  # (protected, -time, pos): unprotected, longest first
+    t = 0.0
+    for j in order.tolist():
+        if s[j] <= 0:
+            lost[j] = True
+            continue
+        heapq.heappush(heap, (int(prot[j]), -float(r[j]), j))
+        t += float(r[j])
+        while t > s[j] and heap:
+            _, neg, k = heapq.heappop(heap)
+            t += neg
+            lost[k] = True
+    return lost
 
 
 def edf_order(snap: Snapshot, idx: np.ndarray, expired_last: bool = False) -> np.ndarray:
