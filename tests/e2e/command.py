@@ -1,8 +1,8 @@
 """The one place the end-to-end ``vllm serve`` command is written down.
 
 ``tests/e2e/test_vllm_serve.py`` starts vLLM's OpenAI-compatible server with exactly the
-environment and arguments built here, and checks that README.md shows :meth:`ServeCommand.shell`
-of the README's example values verbatim, so the documented command is the tested one.
+environment and arguments built here, and checks that docs/vllm.md shows :meth:`ServeCommand.shell`
+of the documented example values verbatim, so the documented command is the tested one.
 
 The entry point is ``python -m vllm.entrypoints.launchers.api_server.entry``: vLLM's own
 OpenAI server, which is what ``vllm serve`` runs for a single API server.  The CPU build
@@ -33,7 +33,7 @@ class ServeCommand:
     tp: int = 1
 
     def env(self) -> dict[str, str]:
-        """The environment the command needs (on top of the caller's), in README order."""
+        """The environment the command needs (on top of the caller's), in the documented order."""
         env = {
             "SLIDINGSERVE_ADDRESS": self.address,
             "SLIDINGSERVE_POLICY": "default",
@@ -57,7 +57,7 @@ class ServeCommand:
         return [python, *self.args()]
 
     def shell(self) -> str:
-        """The command as README.md shows it (``python`` of the venv holding vLLM)."""
+        """The command as docs/vllm.md shows it (``python`` of the venv holding vLLM)."""
         env = self.env()
         ours = [f"{k}={_quote(v)}" for k, v in env.items() if k.startswith("SLIDINGSERVE_")]
         theirs = [f"{k}={_quote(v)}" for k, v in env.items() if not k.startswith("SLIDINGSERVE_")]
@@ -76,7 +76,7 @@ def _quote(v: str) -> str:
     return f"'{v}'" if any(c in v for c in "|&;<> ") else v
 
 
-#: The example README.md shows (the service on its default port, the adapter's metrics on 9465).
-README_EXAMPLE = ServeCommand(model="./tiny-llama", port=8000, address="127.0.0.1:50051", metrics_port=9465)
-README_EXAMPLE_TP2 = ServeCommand(model="./tiny-llama", port=8000, address="127.0.0.1:50051", metrics_port=9465,
+#: The example docs/vllm.md shows (the service on its default port, the adapter's metrics on 9465).
+DOC_EXAMPLE = ServeCommand(model="./tiny-llama", port=8000, address="127.0.0.1:50051", metrics_port=9465)
+DOC_EXAMPLE_TP2 = ServeCommand(model="./tiny-llama", port=8000, address="127.0.0.1:50051", metrics_port=9465,
                                   tp=2)

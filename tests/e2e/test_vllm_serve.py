@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from .command import README_EXAMPLE, README_EXAMPLE_TP2
+from .command import DOC_EXAMPLE, DOC_EXAMPLE_TP2
 from .conftest import BIN, Service, VllmServer, labels_of, total, wait_for
 
 pytestmark = pytest.mark.timeout(1200)
@@ -122,11 +122,11 @@ def predictor(service: Service, profile: str) -> dict[str, Any]:
     return dict(json.loads(out.stdout))
 
 
-def test_readme_shows_the_tested_command() -> None:
-    """README.md shows the command this test runs (same environment, entry point, arguments)."""
-    readme = (REPO / "README.md").read_text()
-    for cmd in (README_EXAMPLE, README_EXAMPLE_TP2):
-        assert cmd.shell() in readme, "README.md's vLLM section must show, verbatim:\n" + cmd.shell()
+def test_docs_show_the_tested_command() -> None:
+    """docs/vllm.md shows the command this test runs (same environment, entry point, arguments)."""
+    doc = (REPO / "docs" / "vllm.md").read_text()
+    for cmd in (DOC_EXAMPLE, DOC_EXAMPLE_TP2):
+        assert cmd.shell() in doc, "docs/vllm.md's end-to-end section must show, verbatim:\n" + cmd.shell()
 
 
 def _served_checks(v: VllmServer, service: Service, before: list[tuple[str, dict[str, str], float]],
