@@ -37,7 +37,7 @@ with atheris.instrument_imports(include=["scheduler_service"]):
 
     from scheduler_service.core import Snapshot, ValidationError, default_predictor, plan_violations, registry
     from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
-    from scheduler_service.server.convert import snapshot_from_pb
+    from scheduler_service.wire.convert import snapshot_from_pb
 
 MAX_REQUESTS = 32
 PREDICTOR = default_predictor()

@@ -20,7 +20,7 @@ required to be rejected whatever the oracle says, so the oracle cannot approve a
 validation.  Anything the oracle itself raises besides ``ValidationError`` is a core bug.
 
 Undecodable bytes are one more invalid request: the server decodes requests with a
-deserializer that never raises (``scheduler_service/server/wire.py``) and answers
+deserializer that never raises (``scheduler_service/server/handlers.py``) and answers
 INVALID_ARGUMENT naming the field ``request`` (in a stream: an error response, and the
 stream goes on).  With grpc's own decoding they got INTERNAL "Exception deserializing
 request!" (``UNDECODABLE_INTERNAL``), leaked ~19 KB of server memory per call, and a
@@ -67,14 +67,14 @@ from scheduler_service.core.snapshot import MAX_BATCH_TOKENS, MAX_SECONDS, MAX_T
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler_service.server import SchedulerServer, ServerConfig
-from scheduler_service.server.convert import (
+from scheduler_service.wire.convert import (
     plan_from_pb,
     report_from_pb,
     snapshot_from_pb,
     snapshot_to_pb,
 )
-from scheduler_service.server.profile import EngineProfile
-from scheduler_service.server.status import MAX_FIELD_BYTES, MAX_VIOLATIONS, clip
+from scheduler_service.wire.profile import EngineProfile
+from scheduler_service.wire.status import MAX_FIELD_BYTES, MAX_VIOLATIONS, clip
 
 T = TypeVar("T")
 

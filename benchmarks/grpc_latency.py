@@ -37,7 +37,7 @@ from scheduler_service.core import Snapshot, default_predictor, registry
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler_service.server import SchedulerServer, ServerConfig
-from scheduler_service.server.convert import snapshot_from_pb, snapshot_to_pb
+from scheduler_service.wire.convert import snapshot_from_pb, snapshot_to_pb
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -29,19 +29,19 @@ from typing import Any
 import grpc
 import grpc.aio
 import numpy as np
-from google.rpc import error_details_pb2, status_pb2
 
 from scheduler_service.core import BatchLatencyPredictor, FieldViolation, Plan, Snapshot
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2_grpc as pb_grpc
-from scheduler_service.server.convert import (
+from scheduler_service.wire.convert import (
     plan_from_pb,
     predictor_sample_counts,
     profile_to_pb,
     snapshot_to_pb,
     violations_from_pb,
 )
-from scheduler_service.server.profile import EngineProfile
+from scheduler_service.wire.profile import EngineProfile
+from scheduler_service.wire.status import violations_from_status
 
 __all__ = [
     "AsyncSchedulerClient",
@@ -59,7 +59,6 @@ __all__ = [
 
 SnapshotLike = Snapshot | pb.Snapshot | Mapping[str, Any]
 ProfileLike = EngineProfile | str | None
-_STATUS_DETAILS_KEY = "grpc-status-details-bin"
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
@@ -82,17 +81,8 @@ class SchedulerError(Exception):
     def from_rpc_error(cls, err: grpc.RpcError) -> SchedulerError:
         code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
         details = (err.details() if hasattr(err, "details") else None) or str(err)
-        violations: tuple[FieldViolation, ...] = ()
         md = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
-        for key, value in md or ():
-            if key == _STATUS_DETAILS_KEY:
-                st = status_pb2.Status.FromString(value)
-                for d in st.details:
-                    if d.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-                        bad = error_details_pb2.BadRequest()
-                        d.Unpack(bad)
-                        violations += violations_from_pb(bad.field_violations)
-        return cls(code, details, violations)
+        return cls(code, details, violations_from_status(md))
 
     @classmethod
     def from_pb(cls, err: pb.ScheduleError) -> SchedulerError:

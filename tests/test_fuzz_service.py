@@ -13,7 +13,7 @@ Examples per test are moderate (the file runs in well under a minute on 2 cores)
 Bytes that are no valid message: with grpc's own decoding a request that fails to
 deserialize got INTERNAL, leaked ~19 KB of server memory per call, and a stream whose
 first message failed could stay unreleased so that ``stop()`` hung.  The server registers
-never-raising deserializers (``scheduler_service/server/wire.py``); the last tests here
+never-raising deserializers (``scheduler_service/server/handlers.py``); the last tests here
 pin the result: INVALID_ARGUMENT with details, streams that go on, no growth, clean stops.
 """
 
@@ -59,8 +59,8 @@ from scheduler_service.core import Snapshot, ValidationError
 from scheduler_service.core.snapshot import MAX_BATCH_TOKENS
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
 from scheduler_service.server import SchedulerServer
-from scheduler_service.server.convert import snapshot_to_pb
-from scheduler_service.server.status import MAX_FIELD_BYTES
+from scheduler_service.wire.convert import snapshot_to_pb
+from scheduler_service.wire.status import MAX_FIELD_BYTES
 from tests.grpc_support import mixed_snapshot
 
 T = TypeVar("T")

@@ -14,14 +14,14 @@ import pytest
 
 from scheduler_service.core import Allocation, Plan, ValidationError, batch_features
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
-from scheduler_service.server.convert import (
+from scheduler_service.wire.convert import (
     plan_from_pb,
     plan_to_pb,
     report_from_pb,
     snapshot_from_pb,
     snapshot_to_pb,
 )
-from scheduler_service.server.profile import EngineProfile
+from scheduler_service.wire.profile import EngineProfile
 from tests.grpc_support import mixed_snapshot
 
 ROOT = Path(__file__).resolve().parent.parent

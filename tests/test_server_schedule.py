@@ -16,7 +16,7 @@ from scheduler_service.core import default_predictor, registry
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler_service.server import SERVICE_NAME, SchedulerServer
-from scheduler_service.server.convert import snapshot_to_pb
+from scheduler_service.wire.convert import snapshot_to_pb
 from tests.grpc_support import InjectedPolicy, inject, make_server, mixed_snapshot
 
 MAX_REQUESTS = 200

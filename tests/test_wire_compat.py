@@ -40,7 +40,7 @@ from clients.client import SchedulerClient
 from engine_adapter.core import AdapterCore, AdapterSettings, GrpcBackend, IterationSample
 from scheduler_service.core import Plan, Snapshot, default_predictor, registry
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
-from scheduler_service.server.convert import plan_from_pb, snapshot_to_pb
+from scheduler_service.wire.convert import plan_from_pb, snapshot_to_pb
 from tests.grpc_support import make_server, mixed_snapshot
 from tests.wire_compat_peer import UNKNOWN_FIELD, with_unknown_fields
 

@@ -130,7 +130,10 @@ def run_client(cases: list[dict[str, Any]], target: str, pb: Any) -> dict[str, A
 
     from clients.client import IterationReport, SchedulerClient
     from scheduler_service.core import Snapshot
-    from scheduler_service.server.convert import plan_from_pb, snapshot_to_pb
+    try:  # the previous release kept the conversions in the server package
+        from scheduler_service.server.convert import plan_from_pb, snapshot_to_pb
+    except ImportError:
+        from scheduler_service.wire.convert import plan_from_pb, snapshot_to_pb
 
     out: dict[str, Any] = {"unary": [], "stream": [], "rows": []}
     with SchedulerClient(target, timeout_s=10.0) as client, \

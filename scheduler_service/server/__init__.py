@@ -6,8 +6,9 @@ runs it until SIGTERM/SIGINT (the CLI's ``slidingserve serve``).
 
 from __future__ import annotations
 
+from scheduler_service.wire.profile import EngineProfile
+
 from .app import SERVICE_NAME, SchedulerServer, serve
 from .config import ServerConfig
-from .profile import EngineProfile
 
 __all__ = ["SERVICE_NAME", "EngineProfile", "SchedulerServer", "ServerConfig", "serve"]

@@ -29,20 +29,17 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from scheduler_service.core import BatchLatencyPredictor, Snapshot, ValidationError, default_predictor
-from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
 
 from .config import ServerConfig
 from .deployments import PolicyConfig, PolicyConfigWatcher, PolicySet, ShadowRunner
+from .handlers import SERVICE_NAME, add_servicer
 from .logs import configure_logging
 from .metrics import Metrics
 from .predictors import PredictorRegistry, RefitSettings
 from .security import CertificateReloader, SecurityInterceptor, build_interceptor, server_credentials
 from .servicer import PolicyCache, SchedulerServicer
-from .wire import add_servicer
 
 __all__ = ["SERVICE_NAME", "SchedulerServer", "serve"]
-
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SchedulerService"].full_name
 
 log = structlog.get_logger("slidingserve.server")
 
@@ -129,7 +126,7 @@ class SchedulerServer:
             ],
             interceptors=[self.security] if self.security is not None else None,
         )
-        add_servicer(self.servicer, server)  # never-raising request decoding (wire.py)
+        add_servicer(self.servicer, server)  # never-raising request decoding (handlers.py)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server

@@ -2,13 +2,14 @@
 
 Every RPC maps a :class:`ValidationError` to INVALID_ARGUMENT (with BadRequest details) and
 any other exception to INTERNAL with a reference id that is logged with the traceback, so
-that a bad or unlucky request never takes the server down and never leaks internals.
+that a bad or unlucky request never takes the server down and never leaks internals; the
+mapping is :mod:`.errors` (one decorator for the unary and client-streaming RPCs, the same
+classification per message on ``ScheduleStream``).
 """
 
 from __future__ import annotations
 
 import threading
-import uuid
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from time import perf_counter_ns
@@ -19,24 +20,24 @@ import structlog
 from scheduler_service.core import Policy, ValidationError, registry
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2_grpc as pb_grpc
-
-from .config import ServerConfig
-from .convert import (
+from scheduler_service.wire.convert import (
     describe_to_pb,
     plan_to_pb,
     predictor_sample_counts,
     profile_from_pb,
     report_from_pb,
     snapshot_from_pb,
-    violations_to_pb,
 )
+from scheduler_service.wire.status import MAX_MESSAGE_BYTES, clip
+
+from .config import ServerConfig
 from .deployments import PolicySet, ShadowRunner
 from .engines import EngineTable
+from .errors import failure, rpc_errors
+from .handlers import Undecodable
 from .metrics import Metrics
 from .predictors import PredictorRegistry
 from .security import DEFAULT_TENANT, scoped_key, tenant_of
-from .status import MAX_FIELD_BYTES, MAX_MESSAGE_BYTES, clip, invalid_argument
-from .wire import Undecodable
 
 __all__ = ["PolicyCache", "SchedulerServicer"]
 
@@ -88,7 +89,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
 
     # ------------------------------------------------------------ decisions
     def _decide(self, request: pb.ScheduleRequest, t0: int, tenant: str = DEFAULT_TENANT) -> pb.ScheduleResponse:
-        if isinstance(request, Undecodable):  # bytes that are no ScheduleRequest (wire.py)
+        if isinstance(request, Undecodable):  # bytes that are no ScheduleRequest (handlers.py)
             raise request.error
         snap, profile = snapshot_from_pb(request.snapshot, max_requests=self._cfg.max_requests_per_snapshot)
         policy, version = self._versions.resolve(request.policy, request.params)
@@ -107,33 +108,13 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         self._metrics.decision_seconds.labels(plan.policy).observe(dt * 1e-9)
         return resp
 
-    def _internal(self, rpc: str, request_id: str = "") -> str:
-        ref = uuid.uuid4().hex[:12]
-        log.exception("rpc_failed", rpc=rpc, ref=ref, request_id=request_id)
-        self._metrics.decision_errors.labels("INTERNAL").inc()
-        return f"internal error (ref {ref}); see the server log"
-
-    def _rejected(self, rpc: str, err: ValidationError, request_id: str = "") -> None:
-        self._metrics.decision_errors.labels("INVALID_ARGUMENT").inc()
-        # clipped like the status: a caller must not be able to write megabytes to the log
-        log.info("request_rejected", rpc=rpc, request_id=clip(request_id, MAX_FIELD_BYTES),
-                 error=clip(str(err), MAX_MESSAGE_BYTES))
-
     def _check_ready(self, context: grpc.ServicerContext) -> None:
         if not self.ready.is_set():
             context.abort(grpc.StatusCode.UNAVAILABLE, "the server is still loading")
 
+    @rpc_errors()
     def Schedule(self, request: pb.ScheduleRequest, context: grpc.ServicerContext) -> pb.ScheduleResponse:
-        t0 = perf_counter_ns()
-        self._check_ready(context)
-        try:
-            return self._decide(request, t0, tenant_of(context))
-        except ValidationError as e:
-            self._rejected("Schedule", e, request.request_id)
-            context.abort_with_status(invalid_argument(e))
-        except Exception:
-            context.abort(grpc.StatusCode.INTERNAL, self._internal("Schedule", request.request_id))
-        raise AssertionError("unreachable")  # abort raises
+        return self._decide(request, perf_counter_ns(), tenant_of(context))
 
     def ScheduleStream(
         self, request_iterator: Iterator[pb.ScheduleRequest], context: grpc.ServicerContext
@@ -146,103 +127,74 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
                 t0 = perf_counter_ns()
                 try:
                     resp = self._decide(request, t0, tenant)
-                except ValidationError as e:
-                    self._rejected("ScheduleStream", e, request.request_id)
-                    resp = pb.ScheduleResponse(
-                        request_id=request.request_id,
-                        error=pb.ScheduleError(
-                            code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
-                            message=clip(str(e), MAX_MESSAGE_BYTES),
-                            field_violations=violations_to_pb(e),
-                        ),
-                    )
-                except Exception:
-                    msg = self._internal("ScheduleStream", request.request_id)
-                    resp = pb.ScheduleResponse(
-                        request_id=request.request_id,
-                        error=pb.ScheduleError(code=grpc.StatusCode.INTERNAL.value[0], message=msg),
-                    )
+                except Exception as e:  # answered in the stream, which stays open
+                    resp = failure(e, self._metrics, "ScheduleStream", request.request_id).to_pb(request.request_id)
                 yield resp
         finally:
             self._metrics.active_streams.dec()
 
     # -------------------------------------------------------------- reports
+    @rpc_errors()
     def ReportIterations(
         self, request_iterator: Iterator[pb.IterationReport], context: grpc.ServicerContext
     ) -> pb.ReportSummary:
-        self._check_ready(context)
         summary = pb.ReportSummary()
         m = self._metrics
         tenant = tenant_of(context)
-        try:
-            for i, msg in enumerate(request_iterator):
-                try:
-                    if isinstance(msg, Undecodable):
-                        raise msg.error
-                    profile, x, scen, lat = report_from_pb(
-                        msg, max_requests=self._cfg.max_requests_per_snapshot, field=f"report[{i}]"
-                    )
-                    key = scoped_key(tenant, profile.key)
-                    err = self._predictors.add(key, x, scen, lat, tenant=tenant)
-                except ValidationError as e:
-                    summary.rejected += 1
-                    m.reports.labels("rejected").inc()
-                    if len(summary.rejection_reasons) < MAX_REASONS:
-                        summary.rejection_reasons.append(clip(str(e), MAX_MESSAGE_BYTES))
-                    continue
-                summary.accepted += 1
-                m.reports.labels("accepted").inc()
-                m.predictor_abs_error_ms.labels(key).observe(err)
-                summary.predictor_version = self._predictors.current(key).version
-        except Exception:
-            context.abort(grpc.StatusCode.INTERNAL, self._internal("ReportIterations"))
+        for i, msg in enumerate(request_iterator):
+            try:
+                if isinstance(msg, Undecodable):
+                    raise msg.error
+                profile, x, scen, lat = report_from_pb(
+                    msg, max_requests=self._cfg.max_requests_per_snapshot, field=f"report[{i}]"
+                )
+                key = scoped_key(tenant, profile.key)
+                err = self._predictors.add(key, x, scen, lat, tenant=tenant)
+            except ValidationError as e:  # a rejected report, counted; the call goes on
+                summary.rejected += 1
+                m.reports.labels("rejected").inc()
+                if len(summary.rejection_reasons) < MAX_REASONS:
+                    summary.rejection_reasons.append(clip(str(e), MAX_MESSAGE_BYTES))
+                continue
+            summary.accepted += 1
+            m.reports.labels("accepted").inc()
+            m.predictor_abs_error_ms.labels(key).observe(err)
+            summary.predictor_version = self._predictors.current(key).version
         if summary.rejected:
             log.info("reports_rejected", rejected=summary.rejected, accepted=summary.accepted,
                      first=summary.rejection_reasons[0])
         return summary
 
     # ------------------------------------------------------------ metadata
+    @rpc_errors(ready=False, log_rejected=False)
     def ListPolicies(self, request: pb.ListPoliciesRequest, context: grpc.ServicerContext) -> pb.ListPoliciesResponse:
-        if isinstance(request, Undecodable):
-            context.abort_with_status(invalid_argument(request.error))
-        try:
-            resp = pb.ListPoliciesResponse(default_policy=self._versions.default)
-            resp.policies.extend(describe_to_pb(registry.describe(n)) for n in registry.names())
-            c = self._versions.config
-            if c is not None:
-                for name, spec in sorted(c.versions.items()):
-                    resp.versions.add(name=name, policy=spec.policy, params=dict(spec.params),
-                                      policy_version=c.built[name].version)
-                resp.shadow = c.shadow
-                resp.config_digest = c.digest
-            return resp
-        except Exception:
-            context.abort(grpc.StatusCode.INTERNAL, self._internal("ListPolicies"))
-        raise AssertionError("unreachable")
+        resp = pb.ListPoliciesResponse(default_policy=self._versions.default)
+        resp.policies.extend(describe_to_pb(registry.describe(n)) for n in registry.names())
+        c = self._versions.config
+        if c is not None:
+            for name, spec in sorted(c.versions.items()):
+                resp.versions.add(name=name, policy=spec.policy, params=dict(spec.params),
+                                  policy_version=c.built[name].version)
+            resp.shadow = c.shadow
+            resp.config_digest = c.digest
+        return resp
 
+    @rpc_errors(ready=False, log_rejected=False)
     def GetPredictor(self, request: pb.GetPredictorRequest, context: grpc.ServicerContext) -> pb.GetPredictorResponse:
-        if isinstance(request, Undecodable):
-            context.abort_with_status(invalid_argument(request.error))
-        try:
-            profile = profile_from_pb(request.engine_profile, "engine_profile")
-            key = scoped_key(tenant_of(context), profile.key)  # only the caller's tenant
-            p = self._predictors.current(key)
-            resp = pb.GetPredictorResponse(
-                predictor_json=p.to_json(indent=None),
-                version=p.version,
-                profile_key=profile.key,
-                sample_counts=predictor_sample_counts(p),
-            )
-            st = self._predictors.state(key)
-            if st is not None:
-                with st.lock:
-                    resp.reports_accepted = st.accepted
-                    resp.buffered_samples = len(st.window)
-                    resp.refits = st.refits
-                    resp.published = st.published
-            return resp
-        except ValidationError as e:
-            context.abort_with_status(invalid_argument(e))
-        except Exception:
-            context.abort(grpc.StatusCode.INTERNAL, self._internal("GetPredictor"))
-        raise AssertionError("unreachable")
+        profile = profile_from_pb(request.engine_profile, "engine_profile")
+        key = scoped_key(tenant_of(context), profile.key)  # only the caller's tenant
+        p = self._predictors.current(key)
+        resp = pb.GetPredictorResponse(
+            predictor_json=p.to_json(indent=None),
+            version=p.version,
+            profile_key=profile.key,
+            sample_counts=predictor_sample_counts(p),
+        )
+        st = self._predictors.state(key)
+        if st is not None:
+            with st.lock:
+                resp.reports_accepted = st.accepted
+                resp.buffered_samples = len(st.window)
+                resp.refits = st.refits
+                resp.published = st.published
+        return resp

@@ -1,21 +1,27 @@
-"""gRPC error statuses with structured details.
+"""gRPC error statuses with structured details, both ways.
 
 Bad input is INVALID_ARGUMENT carrying a ``google.rpc.BadRequest`` with one field
 violation per problem, so that clients in any language can show *which* field is wrong
-without parsing messages.  Internal errors carry only a reference id that is also in the
-server log: a traceback never leaves the server.
+without parsing messages (:func:`invalid_argument` builds it on the server,
+:func:`violations_from_status` reads it back on the client).  Internal errors carry only a
+reference id that is also in the server log: a traceback never leaves the server.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import grpc
 from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from scheduler_service.core import ValidationError
+from scheduler_service.core import FieldViolation, ValidationError
 
-__all__ = ["clip", "invalid_argument", "status_with_code"]
+__all__ = ["STATUS_DETAILS_KEY", "clip", "invalid_argument", "violations_from_status"]
+
+#: The trailing-metadata key of the serialized ``google.rpc.Status`` (gRPC's convention).
+STATUS_DETAILS_KEY = "grpc-status-details-bin"
 
 
 #: Bounds on what an INVALID_ARGUMENT echoes back.  The status travels in trailing metadata,
@@ -53,6 +59,16 @@ def invalid_argument(err: ValidationError) -> grpc.Status:
     return rpc_status.to_status(msg)
 
 
-def status_with_code(code: grpc.StatusCode, message: str) -> grpc.Status:
-    msg = status_pb2.Status(code=code.value[0], message=message)
-    return rpc_status.to_status(msg)
+def violations_from_status(trailing_metadata: Iterable[tuple[str, str | bytes]] | None) -> tuple[FieldViolation, ...]:
+    """The BadRequest field violations in a call's trailing metadata (empty when none)."""
+    out: tuple[FieldViolation, ...] = ()
+    for key, value in trailing_metadata or ():
+        if key != STATUS_DETAILS_KEY:
+            continue
+        st = status_pb2.Status.FromString(value.encode() if isinstance(value, str) else value)
+        for d in st.details:
+            if d.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+                bad = error_details_pb2.BadRequest()
+                d.Unpack(bad)
+                out += tuple(FieldViolation(v.field, v.description) for v in bad.field_violations)
+    return out

@@ -1,4 +1,4 @@
-"""Protobuf ↔ core conversion, used at the edges only (server and client).
+"""Protobuf ↔ core conversion, used at the edges only (server and client both import it).
 
 The core works on numpy columns; the wire's columnar encoding maps onto them directly:
 ``np.array(repeated_field, dtype)`` reads a packed repeated field through the buffer

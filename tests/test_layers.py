@@ -1,0 +1,33 @@
+"""The layers of the house: what importing one part must not load.
+
+The client stands on the wire layer (``scheduler_service.wire``), never on the server: an
+engine that only talks to the service must not load the server package or prometheus.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def _loaded_after(module: str, *watched: str) -> list[str]:
+    code = (f"import sys, {module}; "
+            f"print(','.join(sorted({{m for m in sys.modules for w in {watched!r} "
+            f"if m == w or m.startswith(w + '.')}})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    return [m for m in out.stdout.strip().split(",") if m]
+
+
+def test_client_does_not_load_the_server() -> None:
+    assert _loaded_after("clients.client", "scheduler_service.server", "prometheus_client") == []
+
+
+@pytest.mark.parametrize("module", ["scheduler_service.wire", "scheduler_service.wire.convert",
+                                    "scheduler_service.wire.status"])
+def test_wire_stands_on_core_and_generated_code_only(module: str) -> None:
+    loaded = _loaded_after(module, "scheduler_service", "clients", "engine_adapter", "prometheus_client")
+    assert [m for m in loaded if not m.startswith(("scheduler_service.core", "scheduler_service.gen",
+                                                   "scheduler_service.wire"))
+            and m != "scheduler_service"] == []
