@@ -20,6 +20,8 @@ import logging
 import os
 from collections.abc import Mapping
 
+from scheduler_service.settings import TRUE_WORDS
+
 __all__ = ["ALLOW_ENV", "SUPPORTED_VLLM_VERSIONS", "VllmVersionError", "check_vllm_version"]
 
 log = logging.getLogger(__name__)
@@ -45,7 +47,7 @@ def check_vllm_version(found: str, env: Mapping[str, str] | None = None) -> bool
         return True
     env = os.environ if env is None else env
     supported = ", ".join(SUPPORTED_VLLM_VERSIONS)
-    if env.get(ALLOW_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+    if env.get(ALLOW_ENV, "").strip().lower() in TRUE_WORDS:  # anything else: not allowed
         if found not in _warned:
             _warned.add(found)
             log.warning("slidingserve: vLLM %s is not a supported version (supported: %s); running anyway "

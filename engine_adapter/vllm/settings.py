@@ -6,8 +6,9 @@ pass it arguments, so every setting comes from the environment of the
 JSON by extension) may add to them and *overrides* the environment for the
 keys it names: it is the live configuration that operators edit to switch a
 policy, its parameters or the deadline without restarting the engine.  The
-file is re-read when its mtime changes; a file that does not parse or
-validate is logged and the last good settings are kept.
+file is re-read when it changes; a file that does not parse or
+validate is logged and the last good settings are kept.  Typing, loading and
+watching are those of the settings kit (:mod:`scheduler_service.settings`).
 
 Security (docs/security.md): ``SLIDINGSERVE_TLS_CA`` / ``_TLS_CERT`` / ``_TLS_KEY``
 for TLS and mutual TLS; ``SLIDINGSERVE_TOKEN_FILE`` (preferred: a mounted
@@ -21,17 +22,22 @@ This module does not import vLLM.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
-import time
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-import yaml
+from scheduler_service.settings import (
+    DocumentError,
+    FileWatch,
+    convert,
+    env_values,
+    field_types,
+    load_document,
+    unknown_keys,
+)
 
 __all__ = ["ENV_PREFIX", "FOLLOW_DEFAULT", "SettingsError", "SettingsWatcher", "VllmAdapterSettings", "parse_params"]
 
@@ -176,12 +182,7 @@ class VllmAdapterSettings:
         """Settings from ``env`` (default ``os.environ``), then (``apply_file``) the
         settings file on top; raises :class:`SettingsError` naming the bad setting."""
         env = os.environ if env is None else env
-        values: dict[str, Any] = {}
-        for f in fields(cls):
-            raw = env.get(ENV_PREFIX + f.name.upper())
-            if raw is not None and raw != "":
-                values[f.name] = _coerce(f.name, raw)
-        base = cls(**values)
+        base = cls(**env_values(cls, env, ENV_PREFIX, _coerce))
         if base.config and apply_file:
             return base.with_file(base.config)
         return base
@@ -189,8 +190,8 @@ class VllmAdapterSettings:
     def with_file(self, path: str) -> VllmAdapterSettings:
         """These settings with the file's keys on top; raises :class:`SettingsError`."""
         data = _read_file(path)
-        known = {f.name for f in fields(self)} - {"config"}
-        unknown = sorted(set(data) - known)
+        unknown, known = unknown_keys(type(self), data, exclude=("config",))
+        unknown = sorted(unknown)
         if unknown:
             raise SettingsError(f"{path}: unknown keys {unknown} (known: {sorted(known)})")
         values = {k: _coerce(k, v) for k, v in data.items()}
@@ -204,59 +205,31 @@ class VllmAdapterSettings:
         return out
 
 
-_INT = {"profile_tp", "log_every", "reconnect_max_ms", "max_backoff_decisions", "report_batch", "metrics_port"}
-_FLOAT = {"deadline_ms", "default_ttft_ms", "default_tbt_ms"}
-_BOOL = {"pipeline"}
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
-
-
 def _coerce(name: str, raw: Any) -> Any:
     """A value from the environment (a string) or a file (typed) → the field's type."""
+    typ = field_types(VllmAdapterSettings)[name]
     try:
-        if name == "params":
+        if typ is Mapping:  # params
             if isinstance(raw, Mapping):
                 return {str(k): ("true" if v is True else "false" if v is False else str(v)) for k, v in raw.items()}
             return parse_params(str(raw))
-        if name in _INT:
-            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
-                raise ValueError(raw)
-            return int(raw)
-        if name in _FLOAT:
-            if isinstance(raw, bool):
-                raise ValueError(raw)
-            return float(raw)
-        if name in _BOOL:
-            if isinstance(raw, bool):
-                return raw
-            text = str(raw).strip().lower()
-            if text not in _TRUE + _FALSE:
-                raise ValueError(raw)
-            return text in _TRUE
-        return str(raw).strip()
+        return convert(typ, raw)
     except SettingsError:
         raise
     except (TypeError, ValueError):
-        kind = "an integer" if name in _INT else "true or false" if name in _BOOL else "a number"
+        kind = "an integer" if typ is int else "true or false" if typ is bool else "a number"
         raise SettingsError(f"SLIDINGSERVE_{name.upper()} must be {kind}, got {raw!r}") from None
 
 
 def _read_file(path: str) -> dict[str, Any]:
     try:
-        with open(path, "rb") as fh:
-            blob = fh.read()
-    except OSError as e:
-        raise SettingsError(f"SLIDINGSERVE_CONFIG: cannot read {path!r}: {e.strerror}") from None
-    ext = os.path.splitext(path)[1].lower()
-    try:
-        if ext == ".toml":
-            data: Any = tomllib.loads(blob.decode())
-        elif ext == ".json":
-            data = json.loads(blob)
-        else:  # .yaml, .yml, anything else: YAML (a superset of JSON)
-            data = yaml.safe_load(blob) or {}
-    except (ValueError, yaml.YAMLError, UnicodeDecodeError) as e:
-        raise SettingsError(f"{path}: does not parse: {e}") from None
+        data = load_document(path, yaml_default=True)  # .yaml, .yml, anything else: YAML
+    except DocumentError as e:
+        if e.stage == "read":
+            raise SettingsError(f"SLIDINGSERVE_CONFIG: cannot read {path!r}: {e.detail}") from None
+        raise SettingsError(f"{path}: does not parse: {e.detail}") from None
+    if data is None and os.path.splitext(path)[1].lower() not in (".toml", ".json"):
+        data = {}  # an empty YAML file
     if not isinstance(data, dict):
         raise SettingsError(f"{path}: must hold a mapping of settings")
     # accept either bare keys or a [slidingserve] table / slidingserve: section
@@ -270,7 +243,8 @@ def default_engine_id() -> str:
 
 
 class SettingsWatcher:
-    """Re-reads the settings file when its mtime changes (checked at most every ``period_s``).
+    """Re-reads the settings file when it changes (a :class:`~scheduler_service.settings.FileWatch`
+    looked at most every ``period_s``).
 
     :meth:`poll` is called from the engine loop; it costs one ``time.monotonic`` per
     call and one ``os.stat`` per period.  Bad files are logged once per change and
@@ -283,31 +257,23 @@ class SettingsWatcher:
         configuration the operator did not ask for."""
         self.base = base
         self.path = base.config
-        self.period_s = period_s
-        self._mtime = self._stat() if self.path else None
+        self._watch = FileWatch(self.path, period_s=period_s)
         self.current = base.with_file(self.path) if self.path else base
         self.reloads = 0
         self.errors = 0
-        self._last = time.monotonic()
 
-    def _stat(self) -> float | None:
-        try:
-            return os.stat(self.path).st_mtime_ns
-        except OSError:
-            return None
+    @property
+    def period_s(self) -> float:
+        return self._watch.period_s
+
+    @period_s.setter
+    def period_s(self, value: float) -> None:
+        self._watch.period_s = value
 
     def poll(self, now: float | None = None) -> VllmAdapterSettings | None:
         """The new settings when the file changed and validates, else None."""
-        if not self.path:
+        if not self.path or not self._watch.changed(now):
             return None
-        now = time.monotonic() if now is None else now
-        if now - self._last < self.period_s:
-            return None
-        self._last = now
-        m = self._stat()
-        if m == self._mtime:
-            return None
-        self._mtime = m
         try:
             new = self.base.with_file(self.path)
         except SettingsError as e:

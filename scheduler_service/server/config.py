@@ -1,23 +1,23 @@
-"""Server configuration: one typed, validated dataclass.
+"""Server configuration: one typed, validated dataclass on the settings kit
+(:mod:`scheduler_service.settings`).
 
 Loaded from a YAML, TOML or JSON file (``--config FILE``, by extension) whose keys are the
 field names below; unknown keys and wrong types are errors, not silently ignored, because a
 typo in a deployment config (``refit_evry``) would otherwise fall back to a default nobody
-chose.  Errors are :class:`~scheduler_service.core.ValidationError` so that the CLI prints
-them like any other bad input.
+chose.  Errors are :class:`~scheduler_service.core.ValidationError` naming the field, so
+that the CLI prints them like any other bad input.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from scheduler_service.core import FieldViolation, ValidationError
+from scheduler_service.settings import Checks, read_document, type_violations, unknown_keys
 
 __all__ = ["LOG_LEVELS", "ServerConfig", "read_document"]
 
@@ -96,21 +96,11 @@ class ServerConfig:
     health_port: int = 0
 
     def __post_init__(self) -> None:
-        errs: list[FieldViolation] = []
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            want = {"int": int, "float": float, "str": str, "bool": bool}[str(f.type)]
-            if want is float and isinstance(v, int) and not isinstance(v, bool):
-                object.__setattr__(self, f.name, float(v))
-            elif not isinstance(v, want) or (isinstance(v, bool) and want is not bool):
-                errs.append(FieldViolation(f.name, f"must be of type {want.__name__}, got {v!r}"))
+        errs = type_violations(self)
         if errs:
             raise ValidationError(errs)
-
-        def check(name: str, ok: bool, what: str) -> None:
-            if not ok:
-                errs.append(FieldViolation(name, f"{what}, got {getattr(self, name)!r}"))
-
+        c = Checks(self)
+        check = c.check
         check("host", bool(self.host), "must not be empty")
         check("port", 0 <= self.port <= 65535, "must be in [0, 65535]")
         check("default_policy", bool(self.default_policy), "must not be empty")
@@ -141,8 +131,7 @@ class ServerConfig:
         check("max_profiles_per_tenant", self.max_profiles_per_tenant >= 0, "must be >= 0")
         check("health_port", 0 <= self.health_port <= 65535 and (self.health_port == 0 or self.health_port != self.port),
               "must be in [0, 65535] and differ from port")
-        if errs:
-            raise ValidationError(errs)
+        c.raise_if_any()
 
     @property
     def address(self) -> str:
@@ -158,11 +147,10 @@ class ServerConfig:
     def from_mapping(cls, data: Mapping[str, Any]) -> ServerConfig:
         if not isinstance(data, Mapping):
             raise ValidationError.single("config", "must be a mapping of option names to values")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = [FieldViolation(str(k), f"unknown option; valid: {', '.join(sorted(known))}")
-                   for k in data if k not in known]
+        unknown, known = unknown_keys(cls, data)
         if unknown:
-            raise ValidationError(unknown)
+            raise ValidationError([FieldViolation(str(k), f"unknown option; valid: {', '.join(sorted(known))}")
+                                   for k in unknown])
         return cls(**dict(data))
 
     @classmethod
@@ -170,27 +158,3 @@ class ServerConfig:
         """Load ``.yaml``/``.yml``, ``.toml`` or ``.json``."""
         return cls.from_mapping(read_document(path, "config") or {})
 
-
-def read_document(path: str | Path, field: str, *, yaml_unless_json: bool = False) -> Any:
-    """The parsed content of a ``.yaml``/``.yml``, ``.toml`` or ``.json`` file (by suffix;
-    ``yaml_unless_json``: every suffix but ``.json`` is YAML).  Unreadable, unparsable or
-    unknown-format files are a :class:`ValidationError` on ``field``, so that every file the
-    server reads (its config, the policy config, the tokens) fails the same clear way."""
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValidationError.single(field, f"cannot read {p}: {getattr(e, 'strerror', None) or e}") from None
-    suffix = p.suffix.lower()
-    try:
-        if suffix == ".json":
-            return json.loads(text)
-        if suffix == ".toml" and not yaml_unless_json:
-            return tomllib.loads(text)
-        if suffix in (".yaml", ".yml") or yaml_unless_json:
-            import yaml
-
-            return yaml.safe_load(text)
-    except Exception as e:  # parser errors of three libraries
-        raise ValidationError.single(field, f"cannot parse {p}: {e}") from None
-    raise ValidationError.single(field, f"unknown format {suffix!r}; use .yaml, .toml or .json")

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import queue
 import random
 import threading
@@ -51,8 +50,8 @@ from scheduler_service.core import (
     ValidationError,
     registry,
 )
+from scheduler_service.settings import FileWatch, read_document
 
-from .config import read_document
 from .metrics import Metrics
 
 __all__ = ["PolicyConfig", "PolicyConfigWatcher", "PolicySet", "ShadowRunner", "VersionSpec"]
@@ -207,7 +206,8 @@ class PolicySet:
 
 
 class PolicyConfigWatcher:
-    """Re-reads the policy config file when its mtime or size changes; swaps only valid files."""
+    """Re-reads the policy config file when it changes (:class:`~scheduler_service.settings.FileWatch`);
+    swaps only valid files."""
 
     def __init__(self, path: str, policies: PolicySet, metrics: Metrics, period_s: float = 2.0,
                  on_swap: Any = None) -> None:
@@ -216,16 +216,9 @@ class PolicyConfigWatcher:
         self.metrics = metrics
         self.period_s = period_s
         self.on_swap = on_swap
-        self._stamp = self._stat()
+        self._watch = FileWatch(path)  # polled by the thread every period_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="policy-config", daemon=True)
-
-    def _stat(self) -> tuple[int, int] | None:
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return None
-        return st.st_mtime_ns, st.st_size
 
     def start(self) -> PolicyConfigWatcher:
         self._thread.start()
@@ -237,10 +230,8 @@ class PolicyConfigWatcher:
 
     def check(self) -> bool | None:
         """Reload when the file changed: True swapped, False refused, None unchanged."""
-        stamp = self._stat()
-        if stamp == self._stamp:
+        if not self._watch.changed():
             return None
-        self._stamp = stamp
         try:
             new = PolicyConfig.from_file(self.path)
         except ValidationError as e:

@@ -49,8 +49,9 @@ import grpc
 import structlog
 
 from scheduler_service.core import FieldViolation, ValidationError
+from scheduler_service.settings import FileWatch, read_document
 
-from .config import ServerConfig, read_document
+from .config import ServerConfig
 from .metrics import Metrics
 
 __all__ = [
@@ -212,32 +213,23 @@ class TokenStore:
 
     def __init__(self, path: str, reload_period_s: float = 1.0) -> None:
         self.path = path
-        self.reload_period_s = reload_period_s
-        self._mtime = self._stat()
+        self._watch = FileWatch(path, period_s=reload_period_s)
         self._entries = parse_tokens(_load_document(path), path)  # fail fast at start
-        self._checked = time.monotonic()
         self._lock = threading.Lock()
         self.reloads = 0
 
-    def _stat(self) -> tuple[int, int, int] | None:
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return None
-        return st.st_mtime_ns, st.st_size, st.st_ino
+    @property
+    def reload_period_s(self) -> float:
+        return self._watch.period_s
+
+    @reload_period_s.setter
+    def reload_period_s(self, value: float) -> None:
+        self._watch.period_s = value
 
     def _maybe_reload(self) -> None:
-        now = time.monotonic()
-        if now - self._checked < self.reload_period_s:
+        if not self._watch.changed():
             return
         with self._lock:
-            if now - self._checked < self.reload_period_s:
-                return
-            self._checked = now
-            m = self._stat()
-            if m == self._mtime:
-                return
-            self._mtime = m
             try:
                 self._entries = parse_tokens(_load_document(self.path), self.path)
             except ValidationError as e:
@@ -530,18 +522,8 @@ class CertificateReloader:
     def __init__(self, cert_file: str, key_file: str, client_ca_file: str = "") -> None:
         self.files = (cert_file, key_file, client_ca_file)
         self.reloads = 0
-        self._stamp = self._stat()
+        self._watch = FileWatch(*self.files)  # looked at before every new handshake
         self.initial = self._load()
-
-    def _stat(self) -> tuple[tuple[int, int, int] | None, ...]:
-        out: list[tuple[int, int, int] | None] = []
-        for f in self.files:
-            try:
-                st = os.stat(f) if f else None
-            except OSError:
-                st = None
-            out.append(None if st is None else (st.st_mtime_ns, st.st_size, st.st_ino))
-        return tuple(out)
 
     def _load(self) -> grpc.ServerCertificateConfiguration:
         cert, key, ca = self.files
@@ -561,10 +543,8 @@ class CertificateReloader:
         )
 
     def __call__(self) -> grpc.ServerCertificateConfiguration | None:
-        stamp = self._stat()
-        if stamp == self._stamp:
+        if not self._watch.changed():
             return None
-        self._stamp = stamp
         try:
             new = self._load()
         except (ValidationError, OSError) as e:
