@@ -29,7 +29,19 @@ from typing import Any
 
 import numpy as np
 
-from .predictor import DECODE, MIXED, PREFILL, BatchLatencyPredictor, scenario_codes
+from .features import (
+    DECODE,
+    MIXED,
+    PREFILL,
+    X7,
+    add_decodes,
+    add_piece,
+    decode_features,
+    piece_features,
+    scenario_codes,
+    scenario_of,
+)
+from .predictor import BatchLatencyPredictor, LinearModel
 from .snapshot import Snapshot
 from .sorter import ordered
 
@@ -82,23 +94,16 @@ class CandidateQueue:
     #: Prefill tokens the KV headroom allows this iteration when new requests
     #: are admitted (after the growth watermark).
     kv_cap: int
-    # prefix sums of full-request contributions (index j covers queue[:j])
-    _p1: np.ndarray
-    _p2: np.ndarray
-    _p3: np.ndarray
-    _p4: np.ndarray
-    _p5: np.ndarray
-    _p6: np.ndarray
+    #: Prefix sums of the full requests' feature rows (row j covers queue[:j]).
+    _pf: np.ndarray
     #: r where r > 1 (chunk sizes that count in x7), else 0.
     _rbig: np.ndarray
     _pmax: np.ndarray
-    # Fast path: the scenario model almost every candidate batch uses (mixed
-    # with decodes, prefill-only without), its coefficients, and the prefix
-    # sums of each full request's weighted contribution under it.
-    _main: int
-    _w: np.ndarray
+    # Fast path: the model almost every candidate batch uses (mixed with
+    # decodes, prefill-only without) and the prefix sums of each full
+    # request's terms under it.
+    _model: LinearModel
     _pw: np.ndarray
-    _pbig: np.ndarray
     _cache: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -136,22 +141,13 @@ class CandidateQueue:
         first_cap = min(iter_cap, int(R[min(seq_left, len(queue))]), kv_first)
         rf = r.astype(np.float64)
         uf = u0.astype(np.float64)
-        big = r > 1
-        one = ~big
-
-        def pref(x: np.ndarray) -> np.ndarray:
-            out = np.zeros(len(x) + 1)
-            np.cumsum(x, out=out[1:])
-            return out
-
-        rbig = np.where(big, rf, 0.0)
-        main = MIXED if n_dec else PREFILL
-        w = predictor._coef[main]
-        contrib = (
-            np.where(big, rf * (w[1] * (uf + rf) + w[2] * rf + w[6]), 0.0)
-            + w[3] * uf
-            + np.where(one, w[4] + w[5] * uf, 0.0)
-        )
+        f = piece_features(rf, uf)  # every queued request has r ≥ 1
+        pf = np.zeros((len(r) + 1, f.shape[1]))
+        np.cumsum(f, axis=0, out=pf[1:])
+        rbig = np.ascontiguousarray(f[:, X7])
+        model = predictor.model(MIXED if n_dec else PREFILL)
+        pw = np.zeros(len(r) + 1)
+        np.cumsum(model.piece_ms(rf, uf), out=pw[1:])
         return cls(
             snap=snap,
             predictor=predictor,
@@ -164,18 +160,11 @@ class CandidateQueue:
             first_cap=int(first_cap),
             iter_cap=int(iter_cap),
             kv_cap=int(kv_cap),
-            _p1=pref(np.where(big, rf * (uf + rf), 0.0)),
-            _p2=pref(rbig * rbig),
-            _p3=pref(uf),
-            _p4=pref(one.astype(np.float64)),
-            _p5=pref(np.where(one, uf, 0.0)),
-            _p6=pref(rbig),
+            _pf=pf,
             _rbig=rbig,
             _pmax=np.concatenate([[0.0], np.maximum.accumulate(rbig)]) if len(rbig) else np.zeros(1),
-            _main=main,
-            _w=w,
-            _pw=pref(contrib),
-            _pbig=pref(big.astype(np.float64)),
+            _model=model,
+            _pw=pw,
         )
 
     @property
@@ -229,78 +218,35 @@ class CandidateQueue:
         """
         X = np.asarray(X, dtype=np.int64)
         Y = np.asarray(Y, dtype=np.int64)
-        n = len(X)
-        feats = np.zeros((n, 7))
+        feats = np.zeros((len(X), 7))
         R, r, u0 = self.R, self.r, self.u0
         nq = len(r)
-        nonempty = Y > X
         if nq:
+            nonempty = Y > X
             jh = np.clip(np.searchsorted(R, X, side="right") - 1, 0, nq - 1)
             jt = np.clip(np.searchsorted(R, Y - 1, side="right") - 1, 0, nq - 1)
-            single = nonempty & (jh == jt)
             multi = nonempty & (jh < jt)
-            # head piece: [X, min(Y, R[jh+1]))
+            # head piece [X, min(Y, R[jh+1])); tail piece [R[jt], Y) when the
+            # segment spans two or more requests; full requests in between
             ch = np.where(nonempty, np.minimum(Y, R[jh + 1]) - X, 0)
-            uh = u0[jh] + (X - R[jh])
-            # tail piece (only when the segment spans two or more requests)
             ct = np.where(multi, Y - R[jt], 0)
-            ut = u0[jt]
-            # full requests strictly between head and tail
+            head = piece_features(ch, u0[jh] + (X - R[jh]))
+            tail = piece_features(ct, u0[jt])
+            head[ch <= 0] = 0.0
+            tail[ct <= 0] = 0.0
             a = np.where(multi, jh + 1, 0)
-            b = np.where(multi, jt, 0)
-            b = np.maximum(a, b)
-            chf = ch.astype(np.float64)
-            uhf = uh.astype(np.float64)
-            ctf = ct.astype(np.float64)
-            utf = ut.astype(np.float64)
-            hb, tb = ch > 1, ct > 1
-            h1, t1 = ch == 1, ct == 1
-            feats[:, 0] = (
-                self._p1[b] - self._p1[a]
-                + np.where(hb, chf * (uhf + chf), 0.0)
-                + np.where(tb, ctf * (utf + ctf), 0.0)
-            )
-            feats[:, 1] = self._p2[b] - self._p2[a] + np.where(hb, chf * chf, 0.0) + np.where(tb, ctf * ctf, 0.0)
-            feats[:, 2] = (
-                self._p3[b] - self._p3[a] + np.where(ch > 0, uhf, 0.0) + np.where(ct > 0, utf, 0.0)
-            )
-            feats[:, 3] = self._p4[b] - self._p4[a] + h1 + t1
-            feats[:, 4] = self._p5[b] - self._p5[a] + np.where(h1, uhf, 0.0) + np.where(t1, utf, 0.0)
-            feats[:, 5] = self._p6[b] - self._p6[a] + np.where(hb, chf, 0.0) + np.where(tb, ctf, 0.0)
-            feats[:, 6] = np.maximum(
-                self._range_max(a, b), np.maximum(np.where(hb, chf, 0.0), np.where(tb, ctf, 0.0))
-            )
-            del single
-        dec_u = self.dec_u + step * self.n_dec
-        feats[:, 2] += dec_u
-        feats[:, 3] += self.n_dec
-        feats[:, 4] += dec_u
+            b = np.maximum(a, np.where(multi, jt, 0))
+            feats += self._pf[b] - self._pf[a] + head + tail
+            feats[:, X7] = np.maximum(self._range_max(a, b), np.maximum(head[:, X7], tail[:, X7]))
+        add_decodes(feats, self.n_dec, self.dec_u + step * self.n_dec)
         return feats, scenario_codes(feats[:, 3], feats[:, 5])
 
     # ------------------------------------------------------------ fast path
-    def _piece_ms(self, c: np.ndarray, u: np.ndarray) -> np.ndarray:
-        """Weighted contribution (main scenario, x1..x6) of request pieces
-        with c tokens on u cached ones; c = 0 contributes nothing."""
-        w = self._w
-        return (
-            np.where(c > 1, c * (w[1] * (u + c) + w[2] * c + w[6]), 0.0)
-            + np.where(c > 0, w[3] * u, 0.0)
-            + np.where(c == 1, w[4] + w[5] * u, 0.0)
-        )
-
-    def _base_ms(self, step: int) -> float:
-        """Intercept plus the decodes' contribution under the main scenario."""
-        w = self._w
-        du = self.dec_u + step * self.n_dec
-        return float(w[0] + w[3] * du + w[4] * self.n_dec + w[5] * du)
-
     def decode_only_ms(self, step: int = 0) -> float:
         """Predicted time of the decodes alone (0 when there are none)."""
         if self.n_dec == 0:
             return 0.0
-        w = self.predictor._coef[DECODE]
-        du = self.dec_u + step * self.n_dec
-        return float(w[0] + w[3] * du + w[4] * self.n_dec + w[5] * du)
+        return self.predictor.model(DECODE).base_ms(self.n_dec, self.dec_u + step * self.n_dec)
 
     def _fix_minor(self, t: np.ndarray, X: np.ndarray, Y: np.ndarray, minor: np.ndarray,
                    step: int) -> None:
@@ -320,29 +266,18 @@ class CandidateQueue:
     def _segment_ms_scalar(self, x: int, y: int, step: int) -> float:
         """One segment's predicted time in plain Python (reference semantics)."""
         du = self.dec_u + step * self.n_dec
-        f = [0.0, 0.0, du, float(self.n_dec), du, 0.0, 0.0]
+        f = decode_features(float(self.n_dec), du).tolist()
         R, u0 = self.R, self.u0
         j = int(np.searchsorted(R, x, side="right")) - 1
         pos = x
         while pos < y:
             end = min(y, int(R[j + 1]))
-            c, u = end - pos, int(u0[j]) + pos - int(R[j])
-            if c > 1:
-                f[0] += c * (u + c)
-                f[1] += c * c
-                f[5] += c
-                f[6] = max(f[6], c)
-            else:
-                f[3] += 1
-                f[4] += u
-            f[2] += u
+            add_piece(f, end - pos, int(u0[j]) + pos - int(R[j]))
             pos = end
             j += 1
         if f[3] == 0 and f[5] == 0:
             return 0.0
-        scen = DECODE if f[5] == 0 else (PREFILL if f[3] == 0 else MIXED)
-        w = self.predictor._coef[scen]
-        return float(w[0] + sum(wi * fi for wi, fi in zip(w[1:], f, strict=True)))
+        return self.predictor.model(scenario_of(f)).predict_one_ms(f)
 
     def prefix_time_ms(self, P: np.ndarray) -> np.ndarray:
         """Predicted time of decodes + the greedy fill of P tokens (fast path;
@@ -354,15 +289,17 @@ class CandidateQueue:
         j = np.minimum(np.searchsorted(self.R, P, side="right") - 1, nq)
         jc = np.minimum(j, nq - 1)
         c = np.where(j < nq, P - self.R[jc], 0).astype(np.float64)
+        m = self._model
         t = (
-            self._base_ms(0)
+            m.base_ms(self.n_dec, self.dec_u)
             + self._pw[j]
-            + self._piece_ms(c, self.u0[jc].astype(np.float64))
-            + self._w[7] * np.maximum(self._pmax[j], np.where(c > 1, c, 0.0))
+            + m.piece_ms(c, self.u0[jc].astype(np.float64))
+            + m.x7_ms(np.maximum(self._pmax[j], np.where(c > 1, c, 0.0)))
         )
-        minor = (self._pbig[j] == 0) & (c <= 1)
+        pf = self._pf
+        minor = (pf[j, 5] == 0) & (c <= 1)
         if self.n_dec == 0:
-            minor |= (self._p4[j] > 0) | (c == 1)
+            minor |= (pf[j, 3] > 0) | (c == 1)
         minor &= P > 0
         self._fix_minor(t, np.zeros_like(P), P, minor, 0)
         t[P == 0] = self.decode_only_ms(0)
@@ -379,7 +316,7 @@ class CandidateQueue:
         nq = len(self.r)
         if nq == 0:  # every segment is empty: a decode-only batch
             return np.where(Y[None, :] >= X[:, None], self.decode_only_ms(step), np.inf)
-        R, u0, w = self.R, self.u0, self._w
+        R, u0, m, pf = self.R, self.u0, self._model, self._pf
         jh = np.clip(np.searchsorted(R, X, side="right") - 1, 0, nq - 1)
         jt = np.clip(np.searchsorted(R, Y - 1, side="right") - 1, 0, nq - 1)
         Xc, Yr = X[:, None], Y[None, :]
@@ -389,8 +326,8 @@ class CandidateQueue:
         ch_full = (R[jh + 1] - X).astype(np.float64)  # head piece when the segment spans on
         ct = (Y - R[jt]).astype(np.float64)
         ut = u0[jt].astype(np.float64)
-        head = self._piece_ms(ch_full, uh)[:, None]
-        tail = self._piece_ms(ct, ut)[None, :]
+        head = m.piece_ms(ch_full, uh)[:, None]
+        tail = m.piece_ms(ct, ut)[None, :]
         mid = self._pw[jt][None, :] - self._pw[jh + 1][:, None]
         span = int(jt.max()) + 1
         cols = np.arange(span)
@@ -400,14 +337,14 @@ class CandidateQueue:
         inner = run[:, np.maximum(jt - 1, 0)]
         big_h = np.where(ch_full > 1, ch_full, 0.0)[:, None]
         big_t = np.where(ct > 1, ct, 0.0)[None, :]
-        t_multi = head + mid + tail + w[7] * np.maximum(np.maximum(inner, big_h), big_t)
+        t_multi = head + mid + tail + m.x7_ms(np.maximum(np.maximum(inner, big_h), big_t))
         c1 = (Yr - Xc).astype(np.float64)  # the single piece when head and tail coincide
-        t_single = self._piece_ms(c1, uh[:, None]) + w[7] * np.where(c1 > 1, c1, 0.0)
-        t = self._base_ms(step) + np.where(multi, t_multi, t_single)
-        nbig = self._pbig[jt][None, :] - self._pbig[jh + 1][:, None]
+        t_single = m.piece_ms(c1, uh[:, None]) + m.x7_ms(np.where(c1 > 1, c1, 0.0))
+        t = m.base_ms(self.n_dec, self.dec_u + step * self.n_dec) + np.where(multi, t_multi, t_single)
+        nbig = pf[jt, 5][None, :] - pf[jh + 1, 5][:, None]
         minor = ~empty & np.where(multi, (nbig <= 0) & (big_h == 0) & (big_t == 0), c1 <= 1)
         if self.n_dec == 0:
-            none = self._p4[jt][None, :] - self._p4[jh + 1][:, None]
+            none = pf[jt, 3][None, :] - pf[jh + 1, 3][:, None]
             minor |= multi & ((none > 0) | (ch_full == 1)[:, None] | (ct == 1)[None, :])
         self._fix_minor(t, Xc, Yr, minor, step)
         t[empty] = self.decode_only_ms(step)

@@ -43,7 +43,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .batch import BudgetCurve
-from .predictor import BatchLatencyPredictor, scenario_codes
+from .features import combine_sets, decode_features, piece_features
+from .predictor import BatchLatencyPredictor
 from .snapshot import Snapshot
 from .sorter import ordered
 
@@ -139,7 +140,8 @@ def construct_batch(
         np.copyto(cw[wp:], cw[:head] + ((1 << 32) + wp), where=better)
     assert anchors
     slack_ms = snap.slack * 1e3
-    base = _decode_features(snap, decodes)
+    u_dec = float(snap.kv_tokens[decodes].sum()) if len(decodes) else 0.0
+    base = decode_features(float(len(decodes)), u_dec)
     anchors.sort(key=lambda e: e[0], reverse=True)
     best: tuple[tuple[int, float, int], list[int]] | None = None
     for key, pa, c in anchors:
@@ -167,48 +169,17 @@ def construct_batch(
     return ConstructorResult(anchor=chosen[0], chosen=tuple(chosen), value=float(total_v))
 
 
-def _decode_features(snap: Snapshot, decodes: np.ndarray) -> np.ndarray:
-    """x1..x7 of the scheduled decodes alone (one token each)."""
-    u = float(snap.kv_tokens[decodes].sum()) if len(decodes) else 0.0
-    n = float(len(decodes))
-    return np.array([0.0, 0.0, u, n, u, 0.0, 0.0])
-
-
-def _item_features(snap: Snapshot, idx: np.ndarray) -> np.ndarray:
-    """(len(idx), 7): each prefill's features when it runs all its remaining tokens."""
-    c = snap.remaining_prefill[idx].astype(np.float64)
-    u = snap.computed_tokens[idx].astype(np.float64)
-    big = c > 1
-    f = np.zeros((len(idx), 7))
-    f[:, 0] = np.where(big, c * (u + c), 0.0)
-    f[:, 1] = np.where(big, c * c, 0.0)
-    f[:, 2] = u
-    f[:, 3] = ~big
-    f[:, 4] = np.where(big, 0.0, u)
-    f[:, 5] = np.where(big, c, 0.0)
-    f[:, 6] = np.where(big, c, 0.0)
-    return f
-
-
-def _predict_sets(predictor: BatchLatencyPredictor, base: np.ndarray, f: np.ndarray,
-                  member: np.ndarray) -> np.ndarray:
-    """Predicted ms of "decodes + the items of each row of ``member``" (bool
-    (m, n)); features are sums except x7, a max."""
-    x = base[None, :] + member.astype(np.float64) @ f
-    x[:, 6] = np.max(np.where(member, f[None, :, 6], 0.0), axis=1, initial=0.0)
-    return predictor.predict_ms(x, scenario_codes(x[:, 3], x[:, 5]))
-
-
 def _repair(snap: Snapshot, predictor: BatchLatencyPredictor, base: np.ndarray, chosen: list[int],
             value: dict[int, float], slack_ms: float, margin: float) -> list[int] | None:
     """``chosen`` (anchor first) if margin · T̂ ≤ slack_ms, else with the
     items of least value per predicted ms dropped until it fits; None when
     the anchor alone does not fit."""
     idx = np.array(chosen, dtype=np.int64)
-    f = _item_features(snap, idx)
+    # each item runs all its remaining tokens
+    f = piece_features(snap.remaining_prefill[idx], snap.computed_tokens[idx])
     keep = np.ones(len(idx), dtype=bool)
     while True:
-        t = float(_predict_sets(predictor, base, f, keep[None, :])[0])
+        t = float(predictor.predict_ms(combine_sets(base, f, keep[None, :]))[0])
         if t * margin <= slack_ms:
             return [chosen[j] for j in np.flatnonzero(keep)]
         others = np.flatnonzero(keep)[1:]
@@ -216,7 +187,7 @@ def _repair(snap: Snapshot, predictor: BatchLatencyPredictor, base: np.ndarray, 
             return None
         without = np.repeat(keep[None, :], len(others), axis=0)
         without[np.arange(len(others)), others] = False
-        delta = t - _predict_sets(predictor, base, f, without)
+        delta = t - predictor.predict_ms(combine_sets(base, f, without))
         ok = delta > 0
         if not ok.any():
             # No single drop saves time (a non-monotone predictor): the anchor alone or nothing.

@@ -1,37 +1,32 @@
-"""Batch-latency predictor, formulas (4)–(6).
+"""Batch-latency predictor, formulas (4)–(6): the one owner of the linear model.
 
-A batch is a set of (c_i, u_i): tokens computed this iteration and tokens
-already in the KV cache.  D = {c ≤ 1}, P = {c > 1}; the scenario is
-decode-only (P empty), prefill-only (D empty) or mixed.  Seven features:
-
-====  ==========================  ==========================================
-x1    Σ_P c(u + c)                attention work of prefill chunks vs cache
-x2    Σ_P c²                      attention inside the chunk
-x3    Σ u                         all cached tokens
-x4    |D|                         number of decodes
-x5    Σ_D u                       decode context (KV bytes read)
-x6    Σ_P c                       prefill tokens
-x7    max_P c                     largest chunk
-====  ==========================  ==========================================
-
-One linear model per scenario, with a global model used while a scenario has
-too few samples.  Fitting uses scikit-learn; inference is a numpy dot product
-over many candidate batches at once, because the schedulers evaluate hundreds
-of candidate budgets per decision.  A predictor is immutable and versioned by a
-hash of its coefficients, so a plan names exactly the model that made it.
+The features x1..x7 of a batch and its scenario (decode-only, prefill-only or
+mixed) are defined in :mod:`.features`.  One linear model per scenario, with a
+global model used while a scenario has too few samples.  Fitting uses
+scikit-learn; inference is a numpy dot product over many candidate batches at
+once, because the schedulers evaluate hundreds of candidate budgets per
+decision.  For the schedulers' incremental forms (prefix sums over a queue of
+requests) a :class:`LinearModel` also weighs single pieces
+(:meth:`LinearModel.piece_ms`), so no caller re-derives the formula.  A
+predictor is immutable and versioned by a hash of its coefficients, so a plan
+names exactly the model that made it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from scipy.optimize import lsq_linear, minimize
+from sklearn.linear_model import LinearRegression
+from sklearn.metrics import mean_absolute_error, mean_squared_error, r2_score
 
 from .errors import FieldViolation, ValidationError
+from .features import DECODE, MIXED, N_FEATURES, PREFILL, SCENARIOS, batch_features, scenario_codes
 
 __all__ = [
     "DECODE",
@@ -48,10 +43,6 @@ __all__ = [
     "scenario_codes",
 ]
 
-N_FEATURES = 7
-SCENARIOS = ("decode", "prefill", "mixed")
-DECODE, PREFILL, MIXED = 0, 1, 2
-
 
 @dataclass(frozen=True, slots=True)
 class LinearModel:
@@ -65,33 +56,36 @@ class LinearModel:
     def to_dict(self) -> dict[str, Any]:
         return {"intercept_ms": self.intercept_ms, "weights": list(self.weights)}
 
+    # The prediction of a batch is intercept + Σ_j w_j x_j.  Its features are
+    # sums over pieces (x7 a max), so it also splits into the terms below,
+    # which the schedulers sum incrementally (prefix sums over a queue):
+    #   base_ms(|D'|, Σ_D' u) + Σ_pieces piece_ms(c, u) + x7_ms(max_P c)
+    # for the batch "decodes D' + pieces".  The arrangements are fixed: a plan
+    # carries its predicted time, so a reordered sum would change plans.
 
-def batch_features(c: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, int]:
-    """Features (x1..x7) and scenario code of one batch given per-request c, u."""
-    c = np.asarray(c, dtype=np.float64)
-    u = np.asarray(u, dtype=np.float64)
-    p = c > 1
-    d = ~p
-    cp, up = c[p], u[p]
-    x = np.array(
-        [
-            float(np.sum(cp * (up + cp))),
-            float(np.sum(cp * cp)),
-            float(np.sum(u)),
-            float(np.count_nonzero(d)),
-            float(np.sum(u[d])),
-            float(np.sum(cp)),
-            float(cp.max()) if cp.size else 0.0,
-        ]
-    )
-    return x, int(scenario_codes(np.array([x[3]]), np.array([x[5]]))[0])
+    def predict_one_ms(self, x: Sequence[float]) -> float:
+        """Prediction for the features ``x`` of one batch, summed in plain Python."""
+        return float(self.intercept_ms + sum(w * f for w, f in zip(self.weights, x, strict=True)))
 
+    def base_ms(self, n_decodes: float, decode_u: float) -> float:
+        """Intercept plus the terms of ``n_decodes`` decodes of total context
+        ``decode_u`` (x3, x4, x5)."""
+        w = self.weights
+        return float(self.intercept_ms + w[2] * decode_u + w[3] * n_decodes + w[4] * decode_u)
 
-def scenario_codes(n_decode: np.ndarray, prefill_tokens: np.ndarray) -> np.ndarray:
-    """Formula (5), vectorised: decode-only when there is no prefill chunk."""
-    has_p = np.asarray(prefill_tokens) > 0
-    has_d = np.asarray(n_decode) > 0
-    return np.where(~has_p, DECODE, np.where(~has_d, PREFILL, MIXED)).astype(np.int8)
+    def piece_ms(self, c: np.ndarray, u: np.ndarray) -> np.ndarray:
+        """Terms x1..x6 of each piece of c tokens on u cached ones (formula
+        (5): c > 1 a prefill chunk, c = 1 a decode; c = 0 is no piece)."""
+        w1, w2, w3, w4, w5, w6, _ = self.weights
+        return (
+            np.where(c > 1, c * (w1 * (u + c) + w2 * c + w6), 0.0)
+            + np.where(c > 0, w3 * u, 0.0)
+            + np.where(c == 1, w4 + w5 * u, 0.0)
+        )
+
+    def x7_ms(self, x7: np.ndarray) -> np.ndarray:
+        """The x7 term (largest chunk)."""
+        return self.weights[6] * x7
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -105,6 +99,7 @@ class BatchLatencyPredictor:
     meta: Mapping[str, Any] = field(default_factory=dict)
     version: str = ""
     _coef: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
+    _models: tuple[LinearModel, ...] = field(default=(), repr=False)
     _memo: dict[int, float] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -118,12 +113,22 @@ class BatchLatencyPredictor:
             coef[k, 1:] = m.weights
         coef.setflags(write=False)
         object.__setattr__(self, "_coef", coef)
+        models = tuple(LinearModel(float(w[0]), tuple(float(v) for v in w[1:])) for w in coef)
+        object.__setattr__(self, "_models", models)
         if not self.version:
             object.__setattr__(self, "version", self._content_version())
 
     # --------------------------------------------------------------- predict
-    def predict_ms(self, features: np.ndarray, scenario: np.ndarray) -> np.ndarray:
-        """Predicted latency (ms) of N batches: features (N, 7), scenario (N,)."""
+    def model(self, scenario: int) -> LinearModel:
+        """The model that predicts batches of ``scenario`` (its own or the
+        global fallback)."""
+        return self._models[scenario]
+
+    def predict_ms(self, features: np.ndarray, scenario: np.ndarray | None = None) -> np.ndarray:
+        """Predicted latency (ms) of N batches: features (N, 7), scenario (N,)
+        (default: formula (5) on the features)."""
+        if scenario is None:
+            scenario = scenario_codes(features[:, 3], features[:, 5])
         w = self._coef[np.asarray(scenario, dtype=np.intp)]
         return w[:, 0] + np.einsum("ij,ij->i", w[:, 1:], features)
 
@@ -251,8 +256,6 @@ def _fit_bounded(
     ``LinearRegression(positive=True)`` and of ``nnls`` to lower bounds, the
     intercept included); with ``g`` a small quadratic programme solved by
     SLSQP from that solution."""
-    from scipy.optimize import lsq_linear, minimize
-
     idx = [0, *(1 + j for j in cols)]
     a = np.column_stack([np.ones(len(x)), x[:, list(cols)]])
     lb = lower[idx]
@@ -288,8 +291,6 @@ def _fit_bounded(
 
 
 def _fit_linear(x: np.ndarray, y: np.ndarray, positive: bool) -> LinearModel:
-    from sklearn.linear_model import LinearRegression
-
     scale = np.abs(x).max(axis=0)
     scale[scale == 0] = 1.0
     reg = LinearRegression(positive=positive).fit(x / scale, y)
@@ -488,8 +489,6 @@ def evaluate(
     latency_ms: np.ndarray,
 ) -> dict[str, dict[str, float]]:
     """MAE, RMSE (ms) and R² per scenario and overall."""
-    from sklearn.metrics import mean_absolute_error, mean_squared_error, r2_score
-
     pred = predictor.predict_ms(features, scenario)
     out = {}
     groups = [(name, scenario == k) for k, name in enumerate(SCENARIOS)]

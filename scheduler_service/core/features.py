@@ -1,0 +1,128 @@
+"""Batch features x1..x7, formulas (4)–(6): their one definition.
+
+A batch is a set of *pieces* (c_i, u_i): tokens computed this iteration and
+tokens already in the KV cache.  D = {c ≤ 1}, P = {c > 1}; the scenario is
+decode-only (P empty), prefill-only (D empty) or mixed.  Seven features:
+
+====  ==========================  ==========================================
+x1    Σ_P c(u + c)                attention work of prefill chunks vs cache
+x2    Σ_P c²                      attention inside the chunk
+x3    Σ u                         all cached tokens
+x4    |D|                         number of decodes
+x5    Σ_D u                       decode context (KV bytes read)
+x6    Σ_P c                       prefill tokens
+x7    max_P c                     largest chunk
+====  ==========================  ==========================================
+
+Each piece has its own feature row (:func:`piece_features`); a batch's
+features are the column sums of its pieces' rows, except x7, the column max
+(:func:`combine`, :func:`combine_sets`).  Every feature of a batch of integer
+pieces is an integer, so sums of rows are exact in any order.  How the linear
+model weighs them lives in :mod:`.predictor`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = [
+    "DECODE",
+    "MIXED",
+    "N_FEATURES",
+    "PREFILL",
+    "SCENARIOS",
+    "X7",
+    "add_decodes",
+    "add_piece",
+    "batch_features",
+    "combine",
+    "combine_sets",
+    "decode_features",
+    "piece_features",
+    "scenario_codes",
+    "scenario_of",
+]
+
+N_FEATURES = 7
+SCENARIOS = ("decode", "prefill", "mixed")
+DECODE, PREFILL, MIXED = 0, 1, 2
+#: Column of x7, the one feature that combines by max, not by sum.
+X7 = 6
+
+
+def piece_features(c: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """(n, 7): the feature row of each piece of c tokens on u cached ones.
+    c > 1 is a prefill chunk, c ≤ 1 a decode (formula (5))."""
+    c = np.asarray(c, dtype=np.float64)
+    u = np.asarray(u, dtype=np.float64)
+    big = c > 1
+    f = np.zeros((len(c), N_FEATURES))
+    f[:, 0] = np.where(big, c * (u + c), 0.0)
+    f[:, 1] = np.where(big, c * c, 0.0)
+    f[:, 2] = u
+    f[:, 3] = ~big
+    f[:, 4] = np.where(big, 0.0, u)
+    f[:, 5] = np.where(big, c, 0.0)
+    f[:, 6] = f[:, 5]
+    return f
+
+
+def add_piece(x: list[float], c: int, u: int) -> None:
+    """Add one piece to the features ``x`` of a batch, in place (the scalar
+    form of :func:`piece_features` + :func:`combine`)."""
+    if c > 1:
+        x[0] += c * (u + c)
+        x[1] += c * c
+        x[5] += c
+        x[6] = max(x[6], c)
+    else:
+        x[3] += 1
+        x[4] += u
+    x[2] += u
+
+
+def decode_features(n: float, u: float) -> np.ndarray:
+    """x1..x7 of n decodes (one token each) of total context u."""
+    return np.array([0.0, 0.0, u, n, u, 0.0, 0.0])
+
+
+def add_decodes(x: np.ndarray, n: float, u: float) -> np.ndarray:
+    """Features (m, 7) of m batches, each joined by n decodes of total
+    context u, in place."""
+    x[:, 2] += u
+    x[:, 3] += n
+    x[:, 4] += u
+    return x
+
+
+def combine(f: np.ndarray) -> np.ndarray:
+    """Features of the batch made of the pieces' rows ``f`` (n, 7)."""
+    x = f.sum(axis=0)
+    x[X7] = f[:, X7].max() if len(f) else 0.0
+    return x
+
+
+def combine_sets(base: np.ndarray, f: np.ndarray, member: np.ndarray) -> np.ndarray:
+    """(m, 7): features of "``base`` + the pieces of each row of ``member``"
+    (bool (m, n) over the rows of ``f``); ``base`` holds no chunk (x7 = 0)."""
+    x = base[None, :] + member.astype(np.float64) @ f
+    x[:, X7] = np.max(np.where(member, f[None, :, X7], 0.0), axis=1, initial=0.0)
+    return x
+
+
+def scenario_codes(n_decode: np.ndarray, prefill_tokens: np.ndarray) -> np.ndarray:
+    """Formula (5), vectorised: decode-only when there is no prefill chunk."""
+    has_p = np.asarray(prefill_tokens) > 0
+    has_d = np.asarray(n_decode) > 0
+    return np.where(~has_p, DECODE, np.where(~has_d, PREFILL, MIXED)).astype(np.int8)
+
+
+def scenario_of(x: np.ndarray | list[float]) -> int:
+    """Formula (5) for the features of one batch."""
+    return DECODE if x[5] == 0 else (PREFILL if x[3] == 0 else MIXED)
+
+
+def batch_features(c: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, int]:
+    """Features (x1..x7) and scenario code of one batch given per-piece c, u."""
+    x = combine(piece_features(c, u))
+    return x, scenario_of(x)
