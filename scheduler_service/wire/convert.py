@@ -30,7 +30,7 @@ from scheduler_service.core import (
     batch_features,
 )
 from scheduler_service.core.predictor import N_FEATURES, scenario_codes
-from scheduler_service.core.snapshot import MAX_BATCH_TOKENS
+from scheduler_service.core.snapshot import MAX_BATCH_TOKENS, MAX_TOKENS
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
 
 from .profile import EngineProfile
@@ -50,8 +50,6 @@ __all__ = [
     "violations_to_pb",
 ]
 
-#: Largest token count accepted in reports (same bound as the core's snapshots).
-MAX_TOKENS = 1 << 40
 #: Largest plausible iteration latency (ms): anything above is a unit error, not a sample.
 MAX_LATENCY_MS = 600_000.0
 #: Largest feature a composition within the limits can produce: Σc <= MAX_BATCH_TOKENS
