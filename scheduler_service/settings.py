@@ -166,8 +166,8 @@ class Checks:
 
 # --------------------------------------------------------------- documents
 class DocumentError(ValueError):
-    """A settings file that cannot be read (``stage`` "read"), decoded or parsed ("parse"),
-    or whose suffix is no known format ("format")."""
+    """A settings file that cannot be read (``stage`` "read"), decoded ("decode") or parsed
+    ("parse"), or whose suffix is no known format ("format"); ``detail`` is one line."""
 
     def __init__(self, stage: str, path: str | Path, detail: str) -> None:
         self.stage, self.path, self.detail = stage, str(path), detail
@@ -197,8 +197,8 @@ def load_document(path: str | Path, *, yaml_default: bool = False, yaml_unless_j
             import yaml  # only when a YAML file is read
 
             return yaml.safe_load(text)
-    except Exception as e:  # parser errors of three libraries
-        raise DocumentError("parse", p, str(e)) from None
+    except Exception as e:  # parser errors of three libraries; YAML's span lines: made one
+        raise DocumentError("parse", p, " ".join(str(e).split())) from None
     raise DocumentError("format", p, f"unknown format {suffix!r}; use .yaml, .toml or .json")
 
 

@@ -210,3 +210,14 @@ def test_kit_imports_neither_grpc_nor_vllm() -> None:
             "print(sorted(m for m in ('grpc', 'vllm', 'yaml', 'scheduler_service.server') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_parse_errors_are_one_line(tmp_path: Path) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text("port: [\n")
+    with pytest.raises(ValidationError) as e:
+        ServerConfig.from_file(p)
+    assert e.value.violations[0].field == "config" and "\n" not in str(e.value) and "cannot parse" in str(e.value)
+    with pytest.raises(SettingsError) as s:
+        VllmAdapterSettings().with_file(str(p))
+    assert "does not parse" in str(s.value) and "\n" not in str(s.value)
