@@ -12,7 +12,8 @@ Subcommands (their names, flags and output formats are the public interface):
 * ``bench``     goodput benchmark on the simulated engine (:mod:`clients.bench`)
 * ``demo``      a small bench: the four main policies on mixed-v1, table and plots
 
-Bad input gives one line on stderr and exit code 2; nothing prints a traceback.
+Bad input gives one line on stderr and exit code 2; nothing prints a traceback
+(:mod:`clients.errors` maps every failure to its line and exit code).
 
 ``--server`` reaches a secured service (docs/security.md) with the vLLM adapter's variables:
 ``SLIDINGSERVE_TLS_CA``, ``SLIDINGSERVE_TLS_CERT`` + ``SLIDINGSERVE_TLS_KEY`` (mutual TLS),
@@ -22,20 +23,38 @@ Bad input gives one line on stderr and exit code 2; nothing prints a traceback.
 from __future__ import annotations
 
 import argparse
+import csv
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from clients.bench.command import add_subcommands
+from clients.client import ClientSecurity, SchedulerClient
+from clients.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_UNHEALTHY, CliError, describe
+from engine_adapter.sim.groundtruth import PROFILES
+from engine_adapter.sim.profiling import profile_predictor_with_holdout
+from scheduler_service.core import (
+    BatchLatencyPredictor,
+    Snapshot,
+    default_predictor,
+    evaluate,
+    fit_predictor,
+    registry,
+)
+from scheduler_service.core.predictor import scenario_codes
+from scheduler_service.server import security
+from scheduler_service.server.app import serve
+from scheduler_service.server.config import ServerConfig
+
 __all__ = ["main"]
-
-EXIT_USAGE = 2
-
-
-class CliError(Exception):
-    """A user-facing error: printed as one line, exit code 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -64,9 +83,7 @@ def _params(items: Sequence[str] | None) -> dict[str, str]:
     return out
 
 
-def _load_predictor(path: str | None):  # type: ignore[no-untyped-def]
-    from scheduler_service.core import BatchLatencyPredictor, default_predictor
-
+def _load_predictor(path: str | None) -> BatchLatencyPredictor:
     if path is None:
         return default_predictor()
     return BatchLatencyPredictor.from_dict(_read_json(path, "predictor"))
@@ -74,15 +91,11 @@ def _load_predictor(path: str | None):  # type: ignore[no-untyped-def]
 
 # ------------------------------------------------------------------ commands
 def cmd_plan(args: argparse.Namespace) -> int:
-    from scheduler_service.core import Snapshot, registry
-
     snapshot = Snapshot.from_json(_read_json(args.snapshot, "snapshot"))
     params = _params(args.param)
     if args.server:
         if args.predictor:
             raise CliError("--predictor applies offline only; a server uses its own predictor")
-        from clients.client import ClientSecurity, SchedulerClient
-
         with SchedulerClient(args.server, timeout_s=args.timeout, security=ClientSecurity.from_env()) as client:
             plan = client.schedule(snapshot, policy=args.policy, params=params)
     else:
@@ -93,11 +106,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_policies(args: argparse.Namespace) -> int:
-    from scheduler_service.core import registry
-
     if args.server:
-        from clients.client import ClientSecurity, SchedulerClient
-
         with SchedulerClient(args.server, timeout_s=args.timeout, security=ClientSecurity.from_env()) as client:
             info = client.list_policies().to_dict()
     else:
@@ -126,11 +135,6 @@ def _num(v: Any) -> str:
 
 
 def cmd_predictor_fit(args: argparse.Namespace) -> int:
-    import numpy as np
-
-    from scheduler_service.core import evaluate, fit_predictor
-    from scheduler_service.core.predictor import scenario_codes
-
     features, latency = _read_samples_csv(args.csv)
     scen = scenario_codes(features[:, 3], features[:, 5])
     rng = np.random.default_rng(args.seed)
@@ -165,9 +169,6 @@ def _emit_predictor(pred: Any, metrics: dict[str, dict[str, float]], out: str | 
 def cmd_predictor_sweep(args: argparse.Namespace) -> int:
     """Fit from a seeded profiling sweep of a simulated engine profile (the
     command that regenerates the bundled default predictor)."""
-    from engine_adapter.sim.groundtruth import PROFILES
-    from engine_adapter.sim.profiling import profile_predictor_with_holdout
-
     if args.profile not in PROFILES:
         raise CliError(f"unknown profile {args.profile!r}; known: {', '.join(sorted(PROFILES))}")
     if args.samples < 30:
@@ -176,12 +177,8 @@ def cmd_predictor_sweep(args: argparse.Namespace) -> int:
     return _emit_predictor(pred, metrics, args.out)
 
 
-def _read_samples_csv(path: str):  # type: ignore[no-untyped-def]
+def _read_samples_csv(path: str) -> tuple[np.ndarray, np.ndarray]:
     """Columns x1..x7 and latency_ms (any order, extra columns ignored)."""
-    import csv
-
-    import numpy as np
-
     need = [f"x{i}" for i in range(1, 8)] + ["latency_ms"]
     try:
         with open(path, newline="") as fh:
@@ -207,8 +204,6 @@ def _read_samples_csv(path: str):  # type: ignore[no-untyped-def]
 
 def cmd_predictor_show(args: argparse.Namespace) -> int:
     if args.server:
-        from clients.client import ClientSecurity, SchedulerClient
-
         with SchedulerClient(args.server, timeout_s=args.timeout, security=ClientSecurity.from_env()) as client:
             info = client.get_predictor(args.profile or None).to_dict()
         print(json.dumps(info, indent=2, default=str))
@@ -217,22 +212,12 @@ def cmd_predictor_show(args: argparse.Namespace) -> int:
     return 0
 
 
-#: Exit code of ``health`` when the service is reachable but not SERVING, or not reachable.
-#: 1, not 2: Docker's HEALTHCHECK reads 1 as "unhealthy" and reserves 2.
-EXIT_UNHEALTHY = 1
-
-
 def cmd_health(args: argparse.Namespace) -> int:
     """One ``grpc.health.v1.Health/Check``; exit 0 only on SERVING.
 
     Fail-fast (no ``wait_for_ready``): a probe must answer within its own timeout, and a
     refused connection is an answer.
     """
-    import math
-
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
     if not args.address.strip():
         raise CliError("--address must not be empty")
     if not (math.isfinite(args.timeout) and args.timeout > 0):
@@ -255,13 +240,10 @@ def cmd_health(args: argparse.Namespace) -> int:
         print(f"unhealthy: {what}: {status}", file=sys.stderr)
         return EXIT_UNHEALTHY
     print(status)
-    return 0
+    return EXIT_OK
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from scheduler_service.server.app import serve
-    from scheduler_service.server.config import ServerConfig
-
     config = ServerConfig.from_file(args.config) if args.config else ServerConfig()
     overrides = {k: v for k, v in (("port", args.port), ("host", args.host),
                                     ("metrics_port", args.metrics_port)) if v is not None}
@@ -269,12 +251,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config = config.replace(**overrides)
     serve(config)
     return 0
-
-
-def _security() -> Any:
-    from scheduler_service.server import security
-
-    return security
 
 
 # -------------------------------------------------------------------- parser
@@ -339,39 +315,28 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--identity", required=True, help="engine (or token) name, shown in logs and metrics")
     n.add_argument("--tenant", required=True, help="isolation domain of the engine's predictors")
     n.add_argument("--token-out", help="write the token to this file (mode 0600) instead of stdout")
-    n.set_defaults(func=lambda a: _security().cmd_token_new(a))
+    n.set_defaults(func=security.cmd_token_new)
     h = tsub.add_parser("hash", help="SHA-256 of a token read from stdin, for a tokens-file entry")
-    h.set_defaults(func=lambda a: _security().cmd_token_hash(a))
-
-    from clients.bench.command import add_subcommands
+    h.set_defaults(func=security.cmd_token_hash)
 
     add_subcommands(sub)  # bench, demo
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from scheduler_service.core import ValidationError
-
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
         return int(args.func(args) or 0)
-    except CliError as e:
-        print(f"error: {e}", file=sys.stderr)
-    except ValidationError as e:
-        print(f"error: invalid input: {e}", file=sys.stderr)
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
     except BrokenPipeError:  # e.g. `slidingserve plan ... | head`: not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
-    except Exception as e:  # remote errors and anything else: one line, no traceback
-        name = type(e).__name__
-        if name in ("SchedulerError", "ConfigError"):
-            print(f"error: {e}", file=sys.stderr)
-        else:
-            print(f"error: {name}: {e}", file=sys.stderr)
-    return EXIT_USAGE
+        return EXIT_OK
+    except Exception as e:  # input, remote and any other errors: one line, no traceback
+        line, code = describe(e)
+        print(line, file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

@@ -15,16 +15,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from clients.errors import CliError
+from clients.workloads import MIXES, make_workload
+from engine_adapter.sim.groundtruth import DEFAULT_PROFILE, PROFILES
+from scheduler_service.core import registry
+
+from .executor import EXECUTORS, ExecutorUnavailable, describe
+from .experiments import EXPERIMENTS, BenchConfig, run_bench
+from .progress import ProgressBar
+from .report import format_report, write_outputs
+from .runner import MAIN_POLICIES, TRANSPORTS, quiet_logs
+
 __all__ = ["add_subcommands", "cmd_bench", "cmd_demo"]
 
 DEMO_REQUESTS = 600
 DEMO_SEEDS = 2
-
-
-def _error(msg: str) -> Exception:
-    from clients.cli import CliError
-
-    return CliError(msg)
 
 
 def _csv_list(text: str) -> list[str]:
@@ -37,60 +42,51 @@ def _parse_params(items: list[str] | None, policies: list[str]) -> dict[str, dic
         pol, sep, rest = item.partition(":")
         key, sep2, value = rest.partition("=")
         if not sep or not sep2 or not pol or not key:
-            raise _error(f"--param expects POLICY:KEY=VALUE, got {item!r}")
+            raise CliError(f"--param expects POLICY:KEY=VALUE, got {item!r}")
         if pol not in policies:
-            raise _error(f"--param {item!r}: unknown policy {pol!r}; valid: {', '.join(policies)}")
+            raise CliError(f"--param {item!r}: unknown policy {pol!r}; valid: {', '.join(policies)}")
         out.setdefault(pol.strip(), {})[key.strip()] = value.strip()
     return out
 
 
 def _check_workload(name: str) -> None:
-    from clients.workloads import MIXES, make_workload
-
     if name not in MIXES and not Path(name).is_file():
-        raise _error(f"unknown workload {name!r}; valid: {', '.join(MIXES)} or a CSV path")
+        raise CliError(f"unknown workload {name!r}; valid: {', '.join(MIXES)} or a CSV path")
     try:
         make_workload(name, 4, 1.0, seed=0)
     except (OSError, ValueError) as e:
-        raise _error(f"workload {name}: {e}") from None
+        raise CliError(f"workload {name}: {e}") from None
 
 
-def build_config(args: argparse.Namespace) -> Any:
+def build_config(args: argparse.Namespace) -> BenchConfig:
     """Validate the flags into a :class:`~clients.bench.experiments.BenchConfig`."""
-    from engine_adapter.sim.groundtruth import PROFILES
-    from scheduler_service.core import registry
-
-    from .executor import EXECUTORS
-    from .experiments import EXPERIMENTS, BenchConfig
-    from .runner import TRANSPORTS
-
     known = registry.names()
     policies = _csv_list(args.policies)
     if not policies:
-        raise _error("--policies is empty")
+        raise CliError("--policies is empty")
     for p in policies:
         if p not in known:
-            raise _error(f"unknown policy {p!r}; valid: {', '.join(known)}")
+            raise CliError(f"unknown policy {p!r}; valid: {', '.join(known)}")
     if args.profile not in PROFILES:
-        raise _error(f"unknown profile {args.profile!r}; valid: {', '.join(sorted(PROFILES))}")
+        raise CliError(f"unknown profile {args.profile!r}; valid: {', '.join(sorted(PROFILES))}")
     if args.transport not in TRANSPORTS:
-        raise _error(f"unknown transport {args.transport!r}; valid: {', '.join(TRANSPORTS)}")
+        raise CliError(f"unknown transport {args.transport!r}; valid: {', '.join(TRANSPORTS)}")
     if args.executor not in EXECUTORS:
-        raise _error(f"unknown executor {args.executor!r}; valid: {', '.join(EXECUTORS)}")
+        raise CliError(f"unknown executor {args.executor!r}; valid: {', '.join(EXECUTORS)}")
     exps = _csv_list(args.experiments)
     for e in exps:
         if e not in EXPERIMENTS:
-            raise _error(f"unknown experiment {e!r}; valid: {', '.join(EXPERIMENTS)}")
+            raise CliError(f"unknown experiment {e!r}; valid: {', '.join(EXPERIMENTS)}")
     if args.requests < 10:
-        raise _error("--requests must be >= 10")
+        raise CliError("--requests must be >= 10")
     if args.seeds < 1:
-        raise _error("--seeds must be >= 1")
+        raise CliError("--seeds must be >= 1")
     if not 0 < args.tolerance < 1:
-        raise _error("--tolerance must be in (0, 1)")
+        raise CliError("--tolerance must be in (0, 1)")
     if not args.deadline_ms > 0:
-        raise _error("--deadline-ms must be > 0")
+        raise CliError("--deadline-ms must be > 0")
     if args.jobs is not None and args.jobs < 1:
-        raise _error("--jobs must be >= 1")
+        raise CliError("--jobs must be >= 1")
     _check_workload(args.workload)
     params = _parse_params(args.param, known)
     for pol, prm in params.items():
@@ -104,9 +100,6 @@ def build_config(args: argparse.Namespace) -> Any:
 
 
 def _progress(stream: Any) -> Callable[[str, int], Callable[[Any, dict[str, Any]], None]]:
-    from .executor import describe
-    from .progress import ProgressBar
-
     def phase(label: str, total: int) -> Callable[[Any, dict[str, Any]], None]:
         bar = ProgressBar(total, label, stream)
 
@@ -123,23 +116,18 @@ def _progress(stream: Any) -> Callable[[str, int], Callable[[Any, dict[str, Any]
     return phase
 
 
-def _run(cfg: Any, out: Path | None, quiet: bool) -> int:
-    from .executor import ExecutorUnavailable
-    from .experiments import run_bench
-    from .report import format_report, write_outputs
-    from .runner import quiet_logs
-
+def _run(cfg: BenchConfig, out: Path | None, quiet: bool) -> int:
     quiet_logs()
     t0 = time.perf_counter()
     try:
         res = run_bench(cfg, progress=None if quiet else _progress(sys.stderr))
     except ExecutorUnavailable as e:
-        raise _error(str(e)) from None
+        raise CliError(str(e)) from None
     print(format_report(res))
     if out is not None:
         files = write_outputs(res, out)
         try:
-            from .plots import write_plots
+            from .plots import write_plots  # lazy: matplotlib is optional here (plots are skipped without it)
 
             files += write_plots(res, out)
         except ImportError:
@@ -158,10 +146,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _common(s: argparse.ArgumentParser, requests: int, seeds: int) -> None:
-    from engine_adapter.sim.groundtruth import DEFAULT_PROFILE
-
-    from .runner import MAIN_POLICIES
-
     s.add_argument("--workload", default="mixed-v1",
                    help="sharegpt, arxiv, mixed-v1, mixed-v2 or a CSV path (default mixed-v1)")
     s.add_argument("--profile", default=DEFAULT_PROFILE, help=f"GPU profile (default {DEFAULT_PROFILE})")

@@ -19,6 +19,10 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import clients
+import engine_adapter
+import scheduler_service
+
 from .goodput import GoodputSpec, goodput_job
 from .runner import RunSpec, install_predictors, profile_predictor, quiet_logs, run
 
@@ -96,17 +100,13 @@ def _run_ray(jobs: Sequence[Job], workers: int | None,
              on_done: Callable[[Job, dict[str, Any]], None] | None) -> list[dict[str, Any]]:
     """The same :func:`execute` as Ray tasks: local Ray, or the cluster at RAY_ADDRESS."""
     try:
-        import ray
+        import ray  # lazy: Ray is an optional extra (pip install 'slidingserve[ray]')
     except ImportError:
         raise ExecutorUnavailable("--executor ray needs the 'ray' package (pip install 'ray[default]')") from None
     if not ray.is_initialized():
         kwargs: dict[str, Any] = {"log_to_driver": False, "include_dashboard": False}
         if os.environ.get("RAY_ADDRESS"):
             # A cluster's nodes need this project's code: ship its packages.
-            import clients
-            import engine_adapter
-            import scheduler_service
-
             mods = [os.path.dirname(m.__file__ or "") for m in (clients, engine_adapter, scheduler_service)]
             env = {k: v for k, v in os.environ.items() if k == "SLIDINGSERVE_DATA"}
             kwargs["runtime_env"] = {"py_modules": mods, "env_vars": env}
