@@ -263,3 +263,9 @@ class FileWatch:
                 return False
             self.stamp = stamp
             return True
+
+    def forget(self) -> None:
+        """Make the next :meth:`changed` (after its period) answer True whatever the files
+        are: for a reader that must look again after a failed read, or at its first call."""
+        with self._lock:
+            self.stamp = ()

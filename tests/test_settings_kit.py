@@ -221,3 +221,14 @@ def test_parse_errors_are_one_line(tmp_path: Path) -> None:
     with pytest.raises(SettingsError) as s:
         VllmAdapterSettings().with_file(str(p))
     assert "does not parse" in str(s.value) and "\n" not in str(s.value)
+
+
+def test_file_watch_forget_looks_again(tmp_path: Path) -> None:
+    a = tmp_path / "a"
+    w = FileWatch(str(a))
+    w.forget()
+    assert w.changed() and not w.changed()  # even a missing file: the first look after forget
+    a.write_text("x")
+    assert w.changed()
+    w.forget()  # e.g. the read after that change failed: look again
+    assert w.changed() and not w.changed()
