@@ -33,11 +33,17 @@ from .batch import CandidateQueue, kv_prefill_cap, select_decodes
 from .params import param
 from .plan import Plan
 from .predictor import BatchLatencyPredictor
-from .registry import PolicySpec, register
 from .snapshot import Snapshot
 from .sorter import edf_order, fcfs_order, ordered, prefill_indices
 
-__all__ = ["QoServeParams", "SarathiParams", "VllmFcfsParams"]
+__all__ = [
+    "QoServeParams",
+    "QoServePolicy",
+    "SarathiParams",
+    "SarathiPolicy",
+    "VllmFcfsParams",
+    "VllmFcfsPolicy",
+]
 
 VERSION = "1.0.0"
 
@@ -185,22 +191,3 @@ class QoServePolicy:
             self, snap, predictor, decodes, cq.fill(p1), self.name, t0,
             {"sorter": t1 - t0, "chunker": t2 - t1},
         )
-
-
-register(PolicySpec(
-    "vllm-fcfs", VERSION, "vLLM V1 default: running first, then waiting, FCFS, fixed max_batch_tokens.",
-    VllmFcfsParams(), lambda n, v, p: VllmFcfsPolicy(n, v, p),
-))
-register(PolicySpec(
-    "sarathi", VERSION, "Sarathi-Serve: fixed chunk budget, decodes first, then prefills FCFS.",
-    SarathiParams(), lambda n, v, p: SarathiPolicy(n, v, p, edf=False),
-))
-register(PolicySpec(
-    "sarathi-edf", VERSION, "Sarathi-EDF: fixed chunk budget, decodes first, prefills by TTFT deadline.",
-    SarathiParams(), lambda n, v, p: SarathiPolicy(n, v, p, edf=True),
-))
-register(PolicySpec(
-    "qoserve", VERSION,
-    "QoServe: dynamic chunking on the smallest decode slack, hybrid priority, eager relegation.",
-    QoServeParams(), lambda n, v, p: QoServePolicy(n, v, p),
-))

@@ -10,13 +10,15 @@ predictor version always give the same plan.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from .plan import Plan
 from .predictor import BatchLatencyPredictor
 from .snapshot import Snapshot
 
-__all__ = ["Policy"]
+__all__ = ["Policy", "PolicySpec"]
 
 
 @runtime_checkable
@@ -39,3 +41,14 @@ class Policy(Protocol):
     def plan(self, snapshot: Snapshot, predictor: BatchLatencyPredictor) -> Plan:
         """Decide one iteration.  Must respect every limit of the snapshot."""
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySpec:
+    """A registrable policy: ``factory(name, version, params)`` builds it."""
+
+    name: str
+    base_version: str
+    doc: str
+    default_params: Any
+    factory: Callable[[str, str, Any], Policy]

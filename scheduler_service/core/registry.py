@@ -1,31 +1,70 @@
-"""Policies by name.  Registering a name twice raises; asking for an unknown
-name raises a :class:`ValidationError` that lists the valid names."""
+"""Policies by name.  The built-in policies are the one list :data:`BUILTIN`;
+registering a name twice raises; asking for an unknown name raises a
+:class:`ValidationError` that lists the valid names."""
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
+from . import baselines, slidingserve
+from .baselines import (
+    QoServeParams,
+    QoServePolicy,
+    SarathiParams,
+    SarathiPolicy,
+    VllmFcfsParams,
+    VllmFcfsPolicy,
+)
 from .errors import ValidationError
 from .params import describe as describe_params
 from .params import override
-from .policy import Policy
+from .policy import Policy, PolicySpec
+from .slidingserve import SlidingServeParams, SlidingServePolicy
 
-__all__ = ["PolicySpec", "create", "describe", "names", "register", "version_of"]
+__all__ = ["BUILTIN", "PolicySpec", "create", "describe", "names", "register", "version_of"]
 
-
-@dataclass(frozen=True, slots=True)
-class PolicySpec:
-    name: str
-    base_version: str
-    doc: str
-    default_params: Any
-    factory: Callable[[str, str, Any], Policy]
-
+#: Every built-in policy, in the order :func:`names` lists them.
+BUILTIN: tuple[PolicySpec, ...] = (
+    PolicySpec(
+        "vllm-fcfs", baselines.VERSION,
+        "vLLM V1 default: running first, then waiting, FCFS, fixed max_batch_tokens.",
+        VllmFcfsParams(), VllmFcfsPolicy,
+    ),
+    PolicySpec(
+        "sarathi", baselines.VERSION,
+        "Sarathi-Serve: fixed chunk budget, decodes first, then prefills FCFS.",
+        SarathiParams(), lambda n, v, p: SarathiPolicy(n, v, p, edf=False),
+    ),
+    PolicySpec(
+        "sarathi-edf", baselines.VERSION,
+        "Sarathi-EDF: fixed chunk budget, decodes first, prefills by TTFT deadline.",
+        SarathiParams(), lambda n, v, p: SarathiPolicy(n, v, p, edf=True),
+    ),
+    PolicySpec(
+        "qoserve", baselines.VERSION,
+        "QoServe: dynamic chunking on the smallest decode slack, hybrid priority, eager relegation.",
+        QoServeParams(), QoServePolicy,
+    ),
+    PolicySpec(
+        "slidingserve", slidingserve.VERSION,
+        "SlidingServe: MLPS order, violation check, BatchConstructor or SlidingChunker (k-window).",
+        SlidingServeParams(), SlidingServePolicy,
+    ),
+    PolicySpec(
+        "sarathi-edf+sc", slidingserve.VERSION,
+        "Ablation: Sarathi-EDF order with the SlidingChunker budget (no MLPS, no BatchConstructor).",
+        SlidingServeParams(order="edf", batch_constructor=False), SlidingServePolicy,
+    ),
+    PolicySpec(
+        "sarathi-edf+sc+mlps", slidingserve.VERSION,
+        "Ablation: MLPS order with the SlidingChunker budget (no BatchConstructor).",
+        SlidingServeParams(order="mlps", batch_constructor=False), SlidingServePolicy,
+    ),
+)
 
 _REGISTRY: dict[str, PolicySpec] = {}
 
@@ -37,8 +76,11 @@ def register(spec: PolicySpec) -> PolicySpec:
     return spec
 
 
+for _builtin in BUILTIN:
+    register(_builtin)
+
+
 def _spec(name: str) -> PolicySpec:
-    _load_builtin()
     spec = _REGISTRY.get(name)
     if spec is None:
         raise ValidationError.single("policy", f"unknown policy {name!r}; valid: {', '.join(names())}")
@@ -61,7 +103,6 @@ def create(name: str, overrides: Mapping[str, Any] | None = None) -> Policy:
 
 
 def names() -> list[str]:
-    _load_builtin()
     return list(_REGISTRY)
 
 
@@ -73,8 +114,3 @@ def describe(name: str) -> dict[str, Any]:
         "doc": spec.doc,
         "params": describe_params(spec.default_params),
     }
-
-
-def _load_builtin() -> None:
-    # Imported lazily so that the policy modules can import this one.
-    from . import baselines, slidingserve  # noqa: F401

@@ -27,7 +27,6 @@ from .constructor import construct_batch
 from .params import param
 from .plan import Plan
 from .predictor import BatchLatencyPredictor
-from .registry import PolicySpec, register
 from .snapshot import Snapshot
 from .sorter import edf_order, late_set, mlps_order, prefill_indices
 
@@ -193,24 +192,3 @@ class SlidingServePolicy:
             {"sorter": t1 - t0, "predictor": t2 - t1, "constructor": t3 - t2, "chunker": t4 - t3},
             predicted,
         )
-
-
-def _factory(name: str, version: str, params: SlidingServeParams) -> SlidingServePolicy:
-    return SlidingServePolicy(name, version, params)
-
-
-register(PolicySpec(
-    "slidingserve", VERSION,
-    "SlidingServe: MLPS order, violation check, BatchConstructor or SlidingChunker (k-window).",
-    SlidingServeParams(), _factory,
-))
-register(PolicySpec(
-    "sarathi-edf+sc", VERSION,
-    "Ablation: Sarathi-EDF order with the SlidingChunker budget (no MLPS, no BatchConstructor).",
-    SlidingServeParams(order="edf", batch_constructor=False), _factory,
-))
-register(PolicySpec(
-    "sarathi-edf+sc+mlps", VERSION,
-    "Ablation: MLPS order with the SlidingChunker budget (no BatchConstructor).",
-    SlidingServeParams(order="mlps", batch_constructor=False), _factory,
-))
