@@ -22,8 +22,7 @@ the pieces here, so that a new setting is one annotated field plus, when it has 
   adapter's settings file) is watched through it.
 
 Bad input is one line naming the field: :class:`ValidationError` (server) or the adapter's
-``SettingsError``.  This module imports neither grpc nor vLLM (yaml only when a YAML file is
-read).
+``SettingsError``.  This module imports neither grpc nor vLLM.
 """
 
 from __future__ import annotations
@@ -39,6 +38,8 @@ from dataclasses import fields
 from functools import cache
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from scheduler_service.core.errors import FieldViolation, ValidationError
 
@@ -194,8 +195,6 @@ def load_document(path: str | Path, *, yaml_default: bool = False, yaml_unless_j
         if suffix == ".toml" and not yaml_unless_json:
             return tomllib.loads(text)
         if suffix in (".yaml", ".yml") or yaml_unless_json or yaml_default:
-            import yaml  # only when a YAML file is read
-
             return yaml.safe_load(text)
     except Exception as e:  # parser errors of three libraries; YAML's span lines: made one
         raise DocumentError("parse", p, " ".join(str(e).split())) from None

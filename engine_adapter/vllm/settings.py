@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from scheduler_service.core import registry
 from scheduler_service.settings import (
     DocumentError,
     FileWatch,
@@ -154,8 +155,6 @@ class VllmAdapterSettings:
             if getattr(self, name) < 1:
                 raise SettingsError(f"SLIDINGSERVE_{name.upper()} must be >= 1")
         if self.policy and self.policy != FOLLOW_DEFAULT:
-            from scheduler_service.core import registry
-
             if self.address == "inproc":
                 try:
                     registry.create(self.policy, self.params)
