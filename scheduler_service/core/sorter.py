@@ -101,12 +101,19 @@ def late_set(snap: Snapshot, idx: np.ndarray, throughput: float) -> np.ndarray:
     s = snap.slack[idx]
     prot = snap.protected[idx]
     order = np.lexsort((np.arange(len(idx)), s))
-    heap: list[tuple[int, float, int]] = []  # (protected, -time, pos): unprotected, longest first
-    t = 0.0
-    for j in order.tolist():
-        if s[j] <= 0:
-            lost[j] = True
-            continue
+    lost[s <= 0] = True
+    order = order[s[order] > 0]
+    # Fast path: the prefix of the deadline order that is on time needs no heap work
+    # (np.cumsum adds left to right, as the loop below does, so the sums are the same).
+    done = np.cumsum(r[order])
+    late = np.flatnonzero(done > s[order])
+    if len(late) == 0:
+        return lost
+    head = int(late[0])
+    heap = [(int(prot[j]), -float(r[j]), j) for j in order[:head].tolist()]  # unprotected, longest first
+    heapq.heapify(heap)
+    t = float(done[head - 1]) if head else 0.0
+    for j in order[head:].tolist():
         heapq.heappush(heap, (int(prot[j]), -float(r[j]), j))
         t += float(r[j])
         while t > s[j] and heap:
