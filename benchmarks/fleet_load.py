@@ -14,7 +14,7 @@ Set-up, and why:
   GIL), a one-off stall that would otherwise land in the first seconds of every phase.
 * Every engine is its own process (``multiprocessing``, spawn) running the simulated engine
   (real trace lengths, ground-truth GPU latencies) with the production adapter core
-  (:class:`~engine_adapter.core.AdapterCore` + :class:`~engine_adapter.core.GrpcBackend`,
+  (:class:`~engine_adapter.core.AdapterCore` + :class:`~clients.remote.GrpcBackend`,
   one long-lived ScheduleStream, background reports).  All engines report under the same
   engine profile, so the service pools their latencies into one predictor, as a fleet of
   identical replicas would.
@@ -25,7 +25,7 @@ Set-up, and why:
   fast, or four times as many engines.  ``lag`` is how far behind schedule engines asked
   (their own CPU work and the round trip are wall time the simulated clock does not have).
 * The same workloads (same seeds) are then replayed with the policy in the engine's own
-  process (:class:`~engine_adapter.core.InProcessBackend`, no pacing, inline refits): the
+  process (:class:`~engine_adapter.inprocess.InProcessBackend`, no pacing, inline refits): the
   SLO attainment of the fleet is compared with it, so a loaded service that answers late or
   falls back shows up as lost goodput, not only as latency.
 
@@ -180,14 +180,10 @@ def _make_paced_adapter(base: type, speedup: float, counters: Any, slot: int) ->
 def run_engine(job: EngineJob, counters: Any = None, on_ready: Callable[[], None] | None = None) -> dict[str, Any]:
     """Run one engine to the end of its workload; its figures (raw samples included)."""
     from clients.bench.runner import quiet_logs
+    from clients.remote import GrpcBackend
     from clients.workloads import make_workload
-    from engine_adapter.core import (
-        AdapterCore,
-        AdapterSettings,
-        GrpcBackend,
-        InProcessBackend,
-        SchedulerBackend,
-    )
+    from engine_adapter.core import AdapterCore, AdapterSettings, SchedulerBackend
+    from engine_adapter.inprocess import InProcessBackend
     from engine_adapter.sim.engine import EngineConfig, SimulatedEngine
     from engine_adapter.sim.groundtruth import PROFILES, load_ground_truth
     from scheduler_service.core import BatchLatencyPredictor, Snapshot

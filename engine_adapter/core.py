@@ -3,8 +3,11 @@
 One call per iteration: :meth:`AdapterCore.decide` takes the engine's
 snapshot and returns a plan that is *safe to execute*:
 
-1. ask the scheduler (in-process policy or gRPC service — the same
-   :class:`SchedulerBackend` interface) within a per-iteration deadline;
+1. ask the scheduler within a per-iteration deadline, through the small planner
+   interface :class:`SchedulerBackend` that is handed to the core: the policy in this
+   process (:class:`engine_adapter.inprocess.InProcessBackend`) or the remote service
+   (:class:`clients.remote.GrpcBackend`), so this module depends on neither the server
+   nor the client;
 2. check the plan against the engine's own limits
    (:func:`scheduler_service.core.plan_violations`): unknown requests,
    budgets, KV, remaining tokens;
@@ -27,9 +30,9 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -37,21 +40,15 @@ from scheduler_service.core import (
     BatchLatencyPredictor,
     Plan,
     Snapshot,
-    batch_features,
     default_predictor,
     plan_violations,
     registry,
 )
 
-if TYPE_CHECKING:
-    from clients.client import ClientSecurity
-
 __all__ = [
     "AdapterCore",
     "AdapterSettings",
     "Decision",
-    "GrpcBackend",
-    "InProcessBackend",
     "IterationSample",
     "SchedulerBackend",
 ]
@@ -101,109 +98,13 @@ class IterationSample:
 
 
 class SchedulerBackend(Protocol):
+    """The planner interface: what :class:`AdapterCore` needs from a scheduler."""
+
     def schedule(self, snapshot: Snapshot, timeout_s: float) -> Plan: ...
 
     def report(self, samples: Sequence[IterationSample]) -> None: ...
 
     def close(self) -> None: ...
-
-
-class InProcessBackend:
-    """The policy in the engine's own process, with online predictor refits
-    from its reports (the same registry the service uses)."""
-
-    def __init__(self, settings: AdapterSettings, predictor: BatchLatencyPredictor | None = None,
-                 refit: bool = True) -> None:
-        from scheduler_service.server.predictors import PredictorRegistry, RefitSettings
-
-        self._policy = registry.create(settings.policy or "slidingserve", settings.params)
-        self._profile = settings.profile or "default"
-        self._registry = PredictorRegistry(
-            predictor or default_predictor(), RefitSettings(), synchronous=settings.report_inline
-        ) if refit else None
-        self._fixed = predictor or default_predictor()
-
-    @property
-    def predictor(self) -> BatchLatencyPredictor:
-        return self._registry.current(self._profile) if self._registry else self._fixed
-
-    def schedule(self, snapshot: Snapshot, timeout_s: float) -> Plan:
-        return self._policy.plan(snapshot, self.predictor)
-
-    def report(self, samples: Sequence[IterationSample]) -> None:
-        if self._registry is None:
-            return
-        for s in samples:
-            x, scen = batch_features(s.c, s.u)
-            self._registry.add(self._profile, x, scen, s.latency_ms)
-
-    def wait_refits(self, timeout: float = 10.0) -> bool:
-        return self._registry.wait_idle(timeout) if self._registry else True
-
-    def close(self) -> None:
-        if self._registry is not None:
-            self._registry.close()
-
-
-class GrpcBackend:
-    """The remote service over one long-lived ScheduleStream per engine.
-
-    Channels are created lazily on first use, so an engine that forks (vLLM's
-    EngineCore) creates them in the process that uses them.  ``security`` adds
-    TLS / mutual TLS and the engine's token (sent on every call and stream);
-    with a ``channel_factory`` the factory's channel carries the transport and
-    ``security`` only contributes the token.
-    """
-
-    def __init__(self, target: str, settings: AdapterSettings, *, unary: bool = False,
-                 channel_factory: Callable[[], Any] | None = None,
-                 security: ClientSecurity | None = None) -> None:
-        self.target = target
-        self._settings = settings
-        self._unary = unary
-        #: Builds the ``grpc.Channel`` (TLS, reconnect options); called lazily,
-        #: after any fork, like the default insecure channel.
-        self._channel_factory = channel_factory
-        self._security = security
-        self._client: Any = None
-        self._stream: Any = None
-        self._lock = threading.Lock()
-
-    def _connect(self) -> Any:
-        if self._client is None:
-            from clients.client import SchedulerClient
-
-            self._client = SchedulerClient(
-                self.target, timeout_s=self._settings.deadline_ms / 1e3,
-                profile=self._settings.profile or None, engine_id=self._settings.engine_id,
-                channel=self._channel_factory() if self._channel_factory else None,
-                security=self._security,
-            )
-        return self._client
-
-    def schedule(self, snapshot: Snapshot, timeout_s: float) -> Plan:
-        client = self._connect()
-        policy = self._settings.policy or None
-        if self._unary:
-            return client.schedule(snapshot, policy=policy, params=self._settings.params, timeout_s=timeout_s)
-        if self._stream is None:
-            self._stream = client.stream()
-        return self._stream.schedule(snapshot, policy=policy, params=self._settings.params, timeout_s=timeout_s)
-
-    def report(self, samples: Sequence[IterationSample]) -> None:
-        from clients.client import IterationReport
-
-        client = self._connect()
-        client.report(
-            [IterationReport(latency_ms=s.latency_ms, c=s.c, u=s.u) for s in samples],
-            timeout_s=max(1.0, 10 * self._settings.deadline_ms / 1e3),
-        )
-
-    def close(self) -> None:
-        if self._stream is not None:
-            self._stream.close()
-        if self._client is not None:
-            self._client.close()
 
 
 @dataclass(frozen=True, slots=True)

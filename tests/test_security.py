@@ -32,7 +32,8 @@ from clients.client import (
     SchedulerClient,
     SchedulerError,
 )
-from engine_adapter.core import AdapterCore, AdapterSettings, GrpcBackend, IterationSample
+from clients.remote import GrpcBackend
+from engine_adapter.core import AdapterCore, AdapterSettings, IterationSample
 from engine_adapter.vllm.settings import SettingsError, VllmAdapterSettings
 from scheduler_service.core import ValidationError, batch_features, default_predictor
 from scheduler_service.server import SchedulerServer

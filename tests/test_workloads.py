@@ -9,7 +9,8 @@ import pytest
 
 from clients.traces import load_trace
 from clients.workloads import Burst, SLOConfig, make_workload
-from engine_adapter.core import AdapterCore, AdapterSettings, InProcessBackend
+from engine_adapter.core import AdapterCore, AdapterSettings
+from engine_adapter.inprocess import InProcessBackend
 from engine_adapter.sim.engine import EngineConfig, SimulatedEngine
 from engine_adapter.sim.groundtruth import PROFILES, load_ground_truth
 from engine_adapter.sim.profiling import fit_profile_predictor

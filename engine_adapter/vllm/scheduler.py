@@ -73,14 +73,9 @@ from vllm.v1.core.sched.request_queue import FCFSRequestQueue, SchedulingPolicy 
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from engine_adapter.core import (  # noqa: E402
-    AdapterCore,
-    AdapterSettings,
-    Decision,
-    GrpcBackend,
-    InProcessBackend,
-    IterationSample,
-)
+from clients.remote import GrpcBackend  # noqa: E402
+from engine_adapter.core import AdapterCore, AdapterSettings, Decision, IterationSample  # noqa: E402
+from engine_adapter.inprocess import InProcessBackend  # noqa: E402
 from scheduler_service.core import Plan, Snapshot  # noqa: E402
 
 from .settings import (  # noqa: E402

@@ -1,0 +1,60 @@
+"""The in-process planner: the policy in the engine's own process.
+
+One of the two implementations of the planner interface
+(:class:`engine_adapter.core.SchedulerBackend`) that an :class:`~engine_adapter.core.AdapterCore`
+is handed; the other is the remote service (:class:`clients.remote.GrpcBackend`).  Reports
+refit the predictor online with the service's own per-profile registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from scheduler_service.core import (
+    BatchLatencyPredictor,
+    Plan,
+    Snapshot,
+    batch_features,
+    default_predictor,
+    registry,
+)
+from scheduler_service.server.predictors import PredictorRegistry, RefitSettings
+
+from .core import AdapterSettings, IterationSample
+
+__all__ = ["InProcessBackend"]
+
+
+class InProcessBackend:
+    """The policy in the engine's own process, with online predictor refits
+    from its reports (the same registry the service uses)."""
+
+    def __init__(self, settings: AdapterSettings, predictor: BatchLatencyPredictor | None = None,
+                 refit: bool = True) -> None:
+        self._policy = registry.create(settings.policy or "slidingserve", settings.params)
+        self._profile = settings.profile or "default"
+        self._registry = PredictorRegistry(
+            predictor or default_predictor(), RefitSettings(), synchronous=settings.report_inline
+        ) if refit else None
+        self._fixed = predictor or default_predictor()
+
+    @property
+    def predictor(self) -> BatchLatencyPredictor:
+        return self._registry.current(self._profile) if self._registry else self._fixed
+
+    def schedule(self, snapshot: Snapshot, timeout_s: float) -> Plan:
+        return self._policy.plan(snapshot, self.predictor)
+
+    def report(self, samples: Sequence[IterationSample]) -> None:
+        if self._registry is None:
+            return
+        for s in samples:
+            x, scen = batch_features(s.c, s.u)
+            self._registry.add(self._profile, x, scen, s.latency_ms)
+
+    def wait_refits(self, timeout: float = 10.0) -> bool:
+        return self._registry.wait_idle(timeout) if self._registry else True
+
+    def close(self) -> None:
+        if self._registry is not None:
+            self._registry.close()
