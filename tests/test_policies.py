@@ -246,6 +246,13 @@ def test_registry_names() -> None:
         assert isinstance(pol, Policy) and pol.name == n and pol.version == registry.describe(n)["version"]
 
 
+def test_builtin_policies_are_one_explicit_list() -> None:
+    assert [s.name for s in registry.BUILTIN] == registry.names()[: len(registry.BUILTIN)]
+    assert [s.name for s in registry.BUILTIN] == [
+        "vllm-fcfs", "sarathi", "sarathi-edf", "qoserve", "slidingserve", "sarathi-edf+sc", "sarathi-edf+sc+mlps"]
+    assert {s.name: s.default_params for s in registry.BUILTIN}["sarathi-edf+sc"].order == "edf"
+
+
 def test_unknown_policy_lists_valid_names() -> None:
     with pytest.raises(ValidationError) as ei:
         registry.create("sliding-serve")

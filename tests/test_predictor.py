@@ -18,6 +18,7 @@ from scheduler_service.core import (
     evaluate,
     fit_predictor,
 )
+from scheduler_service.core.features import add_piece, combine, combine_sets, decode_features, piece_features
 from scheduler_service.core.predictor import (
     DECODE,
     MIXED,
@@ -125,6 +126,60 @@ def test_vectorised_predict_equals_per_batch(p: BatchLatencyPredictor, seed: int
         single.append(p.predict_batch_ms(c, u))
     vec = p.predict_ms(np.array(rows), np.array(scen))
     np.testing.assert_allclose(vec, single, rtol=1e-12, atol=1e-9)
+
+
+# ------------------------------------------------- one definition, pieces
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 300), st.integers(0, 5000)), max_size=12), st.integers(0, 40),
+       st.integers(0, 10**5))
+def test_piece_rows_combine_to_the_batch(cu: list[tuple[int, int]], n_dec: int, dec_u: int) -> None:
+    """A batch's features are its pieces' rows summed (x7: max), in every
+    form the schedulers use: rows, subsets of rows, the scalar accumulator."""
+    c = np.array([a for a, _ in cu], dtype=np.int64)
+    u = np.array([b for _, b in cu], dtype=np.int64)
+    f = piece_features(c, u)
+    for row, piece in zip(f, cu, strict=True):
+        np.testing.assert_array_equal(row, brute_batch_features([piece]))
+    np.testing.assert_array_equal(combine(f), brute_batch_features(cu))
+    dec_u = dec_u if n_dec else 0
+    decodes = [(1, dec_u), *[(1, 0)] * (n_dec - 1)] if n_dec else []
+    base = decode_features(float(n_dec), float(dec_u))
+    np.testing.assert_array_equal(base, brute_batch_features(decodes))
+    member = np.random.default_rng(len(cu)).random((5, len(cu))) < 0.5
+    for row, m in zip(combine_sets(base, f, member), member, strict=True):
+        sub = [p for p, k in zip(cu, m, strict=True) if k]
+        np.testing.assert_array_equal(row, brute_batch_features(sub + decodes))
+    x = base.tolist()
+    for a, b in cu:
+        add_piece(x, a, b)
+    np.testing.assert_array_equal(x, brute_batch_features(cu + decodes))
+
+
+@settings(max_examples=30, deadline=None)
+@given(predictors(negative=True), st.lists(st.tuples(st.integers(0, 300), st.integers(0, 5000)), max_size=10),
+       st.integers(0, 30), st.integers(0, 10**5))
+def test_model_terms_sum_to_the_prediction(p: BatchLatencyPredictor, cu: list[tuple[int, int]], n_dec: int,
+                                           dec_u: int) -> None:
+    """base_ms + Σ piece_ms + x7_ms (the schedulers' incremental form) and
+    predict_one_ms agree with predict_ms; c = 0 is no piece."""
+    dec_u = dec_u if n_dec else 0
+    c = np.array([a for a, _ in cu], dtype=np.float64)
+    u = np.array([b for _, b in cu], dtype=np.float64)
+    x = decode_features(float(n_dec), float(dec_u)) + combine(piece_features(c[c > 0], u[c > 0]))
+    want = float(p.predict_ms(x[None, :])[0])
+    for k in (DECODE, PREFILL, MIXED):
+        assert float(p.predict_ms(x[None, :], np.array([k]))[0]) == pytest.approx(
+            p.model(k).predict_one_ms(x.tolist()), rel=1e-12, abs=1e-9)
+    m = p.model(int(scenario_codes(np.array([x[3]]), np.array([x[5]]))[0]))
+    big = np.where(c > 1, c, 0.0)
+    terms = m.base_ms(n_dec, dec_u) + float(m.piece_ms(c, u).sum()) + float(m.x7_ms(big.max(initial=0.0)))
+    assert terms == pytest.approx(want, rel=1e-9, abs=1e-9)
+
+
+def test_model_is_the_scenario_model_or_the_global_fallback() -> None:
+    g, d = linear_model(1.0, x4=0.5), linear_model(2.0, x5=0.1)
+    p = make_predictor(g, decode=d)
+    assert p.model(DECODE) == d and p.model(PREFILL) == g and p.model(MIXED) == g
 
 
 # ------------------------------------------------------------------ fit

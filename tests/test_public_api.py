@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import scheduler_service.core as core
 
@@ -42,6 +44,35 @@ def test_core_imports_neither_grpc_nor_vllm_nor_torch() -> None:
             "print(','.join(bad))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == ""
+
+
+def test_core_modules_import_at_the_top_and_in_no_circle() -> None:
+    """No import inside a function and no cycle among the core's modules
+    (policies register through the registry's one list, not by import side
+    effect)."""
+    graph: dict[str, set[str]] = {}
+    for path in Path(core.__file__).parent.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                inner = [n.lineno for n in ast.walk(fn) if isinstance(n, ast.Import | ast.ImportFrom)]
+                assert not inner, f"{path.name}:{inner} imports inside {fn.name}()"
+        deps = graph.setdefault(path.stem, set())
+        for n in tree.body:
+            if isinstance(n, ast.ImportFrom) and n.level == 1:
+                deps.update([n.module.split(".")[0]] if n.module else [a.name for a in n.names])
+    graph.pop("__init__")
+    done: set[str] = set()
+
+    def visit(m: str, stack: tuple[str, ...]) -> None:
+        assert m not in stack, f"import circle: {' -> '.join((*stack, m))}"
+        if m not in done:
+            for d in graph.get(m, ()):
+                visit(d, (*stack, m))
+            done.add(m)
+
+    for m in graph:
+        visit(m, ())
 
 
 def test_plan_violations_reports_each_problem() -> None:

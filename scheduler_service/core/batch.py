@@ -33,13 +33,15 @@ from .features import (
     DECODE,
     MIXED,
     PREFILL,
+    X4,
+    X6,
     X7,
     add_decodes,
     add_piece,
     decode_features,
     piece_features,
-    scenario_codes,
     scenario_of,
+    scenarios,
 )
 from .predictor import BatchLatencyPredictor, LinearModel
 from .snapshot import Snapshot
@@ -239,7 +241,7 @@ class CandidateQueue:
             feats += self._pf[b] - self._pf[a] + head + tail
             feats[:, X7] = np.maximum(self._range_max(a, b), np.maximum(head[:, X7], tail[:, X7]))
         add_decodes(feats, self.n_dec, self.dec_u + step * self.n_dec)
-        return feats, scenario_codes(feats[:, 3], feats[:, 5])
+        return feats, scenarios(feats)
 
     # ------------------------------------------------------------ fast path
     def decode_only_ms(self, step: int = 0) -> float:
@@ -297,9 +299,9 @@ class CandidateQueue:
             + m.x7_ms(np.maximum(self._pmax[j], np.where(c > 1, c, 0.0)))
         )
         pf = self._pf
-        minor = (pf[j, 5] == 0) & (c <= 1)
+        minor = (pf[j, X6] == 0) & (c <= 1)  # no chunk: decode-only
         if self.n_dec == 0:
-            minor |= (pf[j, 3] > 0) | (c == 1)
+            minor |= (pf[j, X4] > 0) | (c == 1)  # a one-token piece: mixed
         minor &= P > 0
         self._fix_minor(t, np.zeros_like(P), P, minor, 0)
         t[P == 0] = self.decode_only_ms(0)
@@ -341,10 +343,10 @@ class CandidateQueue:
         c1 = (Yr - Xc).astype(np.float64)  # the single piece when head and tail coincide
         t_single = m.piece_ms(c1, uh[:, None]) + m.x7_ms(np.where(c1 > 1, c1, 0.0))
         t = m.base_ms(self.n_dec, self.dec_u + step * self.n_dec) + np.where(multi, t_multi, t_single)
-        nbig = pf[jt, 5][None, :] - pf[jh + 1, 5][:, None]
+        nbig = pf[jt, X6][None, :] - pf[jh + 1, X6][:, None]
         minor = ~empty & np.where(multi, (nbig <= 0) & (big_h == 0) & (big_t == 0), c1 <= 1)
         if self.n_dec == 0:
-            none = pf[jt, 3][None, :] - pf[jh + 1, 3][:, None]
+            none = pf[jt, X4][None, :] - pf[jh + 1, X4][:, None]
             minor |= multi & ((none > 0) | (ch_full == 1)[:, None] | (ct == 1)[None, :])
         self._fix_minor(t, Xc, Yr, minor, step)
         t[empty] = self.decode_only_ms(step)

@@ -31,6 +31,8 @@ __all__ = [
     "N_FEATURES",
     "PREFILL",
     "SCENARIOS",
+    "X4",
+    "X6",
     "X7",
     "add_decodes",
     "add_piece",
@@ -41,13 +43,15 @@ __all__ = [
     "piece_features",
     "scenario_codes",
     "scenario_of",
+    "scenarios",
 ]
 
 N_FEATURES = 7
 SCENARIOS = ("decode", "prefill", "mixed")
 DECODE, PREFILL, MIXED = 0, 1, 2
-#: Column of x7, the one feature that combines by max, not by sum.
-X7 = 6
+#: Columns (0-based) read by name: x4 (decodes) and x6 (prefill tokens)
+#: decide the scenario; x7 is the one feature that combines by max, not by sum.
+X4, X6, X7 = 3, 5, 6
 
 
 def piece_features(c: np.ndarray, u: np.ndarray) -> np.ndarray:
@@ -117,9 +121,14 @@ def scenario_codes(n_decode: np.ndarray, prefill_tokens: np.ndarray) -> np.ndarr
     return np.where(~has_p, DECODE, np.where(~has_d, PREFILL, MIXED)).astype(np.int8)
 
 
+def scenarios(x: np.ndarray) -> np.ndarray:
+    """Formula (5) for the features (m, 7) of m batches."""
+    return scenario_codes(x[:, X4], x[:, X6])
+
+
 def scenario_of(x: np.ndarray | list[float]) -> int:
     """Formula (5) for the features of one batch."""
-    return DECODE if x[5] == 0 else (PREFILL if x[3] == 0 else MIXED)
+    return DECODE if x[X6] == 0 else (PREFILL if x[X4] == 0 else MIXED)
 
 
 def batch_features(c: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, int]:

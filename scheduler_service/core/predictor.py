@@ -26,7 +26,18 @@ from sklearn.linear_model import LinearRegression
 from sklearn.metrics import mean_absolute_error, mean_squared_error, r2_score
 
 from .errors import FieldViolation, ValidationError
-from .features import DECODE, MIXED, N_FEATURES, PREFILL, SCENARIOS, batch_features, scenario_codes
+from .features import (
+    DECODE,
+    MIXED,
+    N_FEATURES,
+    PREFILL,
+    SCENARIOS,
+    add_decodes,
+    batch_features,
+    piece_features,
+    scenario_codes,
+    scenarios,
+)
 
 __all__ = [
     "DECODE",
@@ -128,7 +139,7 @@ class BatchLatencyPredictor:
         """Predicted latency (ms) of N batches: features (N, 7), scenario (N,)
         (default: formula (5) on the features)."""
         if scenario is None:
-            scenario = scenario_codes(features[:, 3], features[:, 5])
+            scenario = scenarios(features)
         w = self._coef[np.asarray(scenario, dtype=np.intp)]
         return w[:, 0] + np.einsum("ij,ij->i", w[:, 1:], features)
 
@@ -299,7 +310,7 @@ def _fit_linear(x: np.ndarray, y: np.ndarray, positive: bool) -> LinearModel:
 
 
 #: The smallest prefill chunk (c = 2 on an empty cache): its features x1..x7.
-_MIN_CHUNK = np.array([4.0, 4.0, 0.0, 0.0, 0.0, 2.0, 2.0])
+_MIN_CHUNK = piece_features(np.array([2.0]), np.array([0.0]))[0]
 #: Monotonicity is guaranteed over batches of up to this many decodes of up
 #: to this context each, unless the predictor's ``meta["monotone_domain"]``
 #: (set by :func:`fit_predictor` from its samples) says otherwise.
@@ -323,10 +334,7 @@ def _cross_rows(n_max: float, ctx: float) -> np.ndarray:
     verts = [(1.0, 0.0), (1.0, ctx), (n_max, 0.0), (n_max, n_max * ctx)]
     rows = []
     for n, u in verts:
-        f = _MIN_CHUNK.copy()
-        f[2] += u
-        f[3] += n
-        f[4] += u
+        f = add_decodes(_MIN_CHUNK[None, :].copy(), n, u)[0]
         rows.append(np.concatenate([[1.0], f]))
     return np.array(rows)
 
