@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from clients.traces import load_trace
+from engine_adapter.data.traces import load_trace
 from scheduler_service.core import Snapshot
 
 

@@ -37,9 +37,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine_adapter.data.traces import load_trace
 from engine_adapter.sim.engine import Workload
-
-from .traces import load_trace
 
 __all__ = ["MIXES", "Burst", "SLOConfig", "make_workload", "workload_names"]
 

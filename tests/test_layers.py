@@ -31,3 +31,11 @@ def test_wire_stands_on_core_and_generated_code_only(module: str) -> None:
     assert [m for m in loaded if not m.startswith(("scheduler_service.core", "scheduler_service.gen",
                                                    "scheduler_service.wire"))
             and m != "scheduler_service"] == []
+
+
+@pytest.mark.parametrize("module", ["engine_adapter.core", "engine_adapter.sim.engine",
+                                    "engine_adapter.sim.groundtruth", "engine_adapter.data.traces"])
+def test_adapter_core_and_simulator_stand_below_the_clients(module: str) -> None:
+    """The adapter core is handed its planner; the simulator reads its data from
+    ``engine_adapter.data``: neither imports the clients nor the server."""
+    assert _loaded_after(module, "clients", "scheduler_service.server", "tests") == []

@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: What the code reads (clients/traces.py TRACES, engine_adapter/sim/groundtruth.py PROFILES).
+#: What the code reads (engine_adapter/data/traces.py TRACES, engine_adapter/sim/groundtruth.py PROFILES).
 DATA = [
     "processed_traces/sharegpt_8k_filtered_stats_llama2_tokenizer.csv.gz",
     "processed_traces/arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv.gz",
@@ -38,8 +38,8 @@ _CHECK = """
 import json
 import numpy as np
 import clients, engine_adapter
-from clients.data import data_dir
-from clients.traces import TRACES, load_trace
+from engine_adapter.data import data_dir
+from engine_adapter.data.traces import TRACES, load_trace
 from engine_adapter.sim.groundtruth import PROFILES, load_ground_truth
 print(json.dumps({
     "files": [clients.__file__, engine_adapter.__file__],
@@ -86,7 +86,7 @@ def _env(site: Path) -> dict[str, str]:
 def test_wheel_holds_the_data(installed: tuple[Path, Path]) -> None:
     wheel, _ = installed
     names = set(zipfile.ZipFile(wheel).namelist())
-    missing = [f for f in DATA if f"clients/data/vidur/{f}" not in names]
+    missing = [f for f in DATA if f"engine_adapter/data/vidur/{f}" not in names]
     assert not missing, missing
 
 
@@ -96,7 +96,7 @@ def test_installed_package_reads_its_own_data(installed: tuple[Path, Path], tmp_
     got = json.loads(out.strip().splitlines()[-1])
     for f in got["files"]:
         assert Path(f).resolve().is_relative_to(site.resolve()), f  # not the checkout's copy
-    assert Path(got["data_dir"]).resolve() == (site / "clients" / "data" / "vidur").resolve()
+    assert Path(got["data_dir"]).resolve() == (site / "engine_adapter" / "data" / "vidur").resolve()
     assert got["traces"] == {"sharegpt": 30731, "arxiv": 28257}
     assert all(got["profiles"].values()), got["profiles"]
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clients.traces import load_trace
 from clients.workloads import Burst, SLOConfig, make_workload
 from engine_adapter.core import AdapterCore, AdapterSettings
+from engine_adapter.data.traces import load_trace
 from engine_adapter.inprocess import InProcessBackend
 from engine_adapter.sim.engine import EngineConfig, SimulatedEngine
 from engine_adapter.sim.groundtruth import PROFILES, load_ground_truth

@@ -30,7 +30,7 @@ with N = Σ c_i tokens, R requests and L layers.
   is made monotone non-decreasing by isotonic regression at load: more work
   never finishes sooner in the ground truth.
 * ``attn``: the profiled ``attention.csv`` files are not available (see
-  ``clients/data/vidur/PROVENANCE.md``), so attention is a roofline over FLOPs and KV bytes, per layer and
+  ``engine_adapter/data/vidur/PROVENANCE.md``), so attention is a roofline over FLOPs and KV bytes, per layer and
   per GPU (heads are split over TP)::
 
       prefill chunk (c > 1):  F = 4 · n_head·d · c · (u + c/2) / TP      (causal QKᵀ and PV)
@@ -93,6 +93,9 @@ from functools import cache
 from pathlib import Path
 
 import numpy as np
+from sklearn.isotonic import isotonic_regression
+
+from engine_adapter.data import data_dir, find, open_text
 
 __all__ = [
     "CPU_OVERHEAD_MS",
@@ -232,8 +235,6 @@ class _Curve:
 
     @classmethod
     def fit(cls, x: np.ndarray, y: np.ndarray) -> _Curve:
-        from sklearn.isotonic import isotonic_regression
-
         order = np.argsort(x)
         x, y = np.asarray(x, float)[order], np.asarray(y, float)[order]
         y = isotonic_regression(y, increasing=True)
@@ -254,8 +255,7 @@ class _Curve:
 
 
 def _read_csv(root: Path, rel: str, what: str) -> tuple[Path, list[dict[str, str]]]:
-    """The rows of ``root/rel`` (plain or ``.gz``); see :mod:`clients.data`."""
-    from clients.data import find, open_text
+    """The rows of ``root/rel`` (plain or ``.gz``); see :mod:`engine_adapter.data`."""
 
     path = find(rel, what, root)
     with open_text(path) as fh:
@@ -423,11 +423,9 @@ def _load(key: str, root: str) -> GroundTruth:
 
 def load_ground_truth(key: str = DEFAULT_PROFILE, data_root: Path | str | None = None) -> GroundTruth:
     """The (cached) ground truth of a profile; ``data_root`` defaults to
-    :func:`clients.data.data_dir` (``SLIDINGSERVE_DATA``, else the bundled data)."""
+    :func:`engine_adapter.data.data_dir` (``SLIDINGSERVE_DATA``, else the bundled data)."""
     if key not in PROFILES:
         raise UnknownProfileError(f"unknown GPU profile {key!r}; valid: {', '.join(sorted(PROFILES))}")
     if data_root is None:
-        from clients.data import data_dir
-
         data_root = data_dir()
     return _load(key, str(Path(data_root).resolve()))

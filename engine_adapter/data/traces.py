@@ -1,6 +1,6 @@
 """Request-length traces (ShareGPT, arXiv-Summarization) from Vidur / Sarathi-Serve.
 
-They ship gzipped with the package (:mod:`clients.data`, see ``clients/data/vidur/PROVENANCE.md``);
+They ship gzipped with the package (:mod:`engine_adapter.data`, see ``engine_adapter/data/vidur/PROVENANCE.md``);
 ``SLIDINGSERVE_DATA`` names another folder holding ``processed_traces/`` to read instead.
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .data import data_dir, find, open_text
+from . import data_dir, find, open_text
 
 __all__ = ["TRACES", "Trace", "data_dir", "load_trace"]
 

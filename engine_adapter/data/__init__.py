@@ -7,8 +7,9 @@ folder with the same layout (``processed_traces/``, ``profiling/``) to read inst
 replaces the bundled data as a whole. In either folder a file may be a plain ``.csv`` or a
 gzipped ``.csv.gz``.
 
-Both :mod:`clients.traces` and :mod:`engine_adapter.sim.groundtruth` read through here; the
-scheduling core never does.
+The trace reader (:mod:`.traces`, for the workloads of :mod:`clients`) and the simulated
+engine's ground truth (:mod:`engine_adapter.sim.groundtruth`) read through here, one layer
+below both of them; the scheduling core never does.
 """
 
 from __future__ import annotations
