@@ -107,8 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("vllm").setLevel(logging.ERROR)
     from vllm.v1.core.sched.scheduler import Scheduler
 
+    from engine_adapter.faults import ServiceProcess
     from engine_adapter.vllm import RemoteSyncScheduler
-    from tests.faults import ServiceProcess
     from tests.vllm.support import model_dir, scheduler_class
 
     tmp = Path(tempfile.mkdtemp())

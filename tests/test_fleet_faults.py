@@ -30,11 +30,11 @@ from clients.client import SchedulerClient
 from clients.remote import GrpcBackend
 from clients.workloads import make_workload
 from engine_adapter.core import AdapterCore, AdapterSettings
+from engine_adapter.faults import FaultyPolicy, ServiceProcess, TcpProxy
 from engine_adapter.sim.engine import SimResult, SimulatedEngine, Workload
 from engine_adapter.sim.groundtruth import DEFAULT_PROFILE, PROFILES, load_ground_truth
 from engine_adapter.sim.pacing import WallClockPacer
 from scheduler_service.server import SchedulerServer
-from tests.faults import FaultyPolicy, ServiceProcess, TcpProxy
 from tests.grpc_support import inject, make_server
 
 pytestmark = pytest.mark.timeout(60)

@@ -34,7 +34,8 @@ def test_wire_stands_on_core_and_generated_code_only(module: str) -> None:
 
 
 @pytest.mark.parametrize("module", ["engine_adapter.core", "engine_adapter.sim.engine",
-                                    "engine_adapter.sim.groundtruth", "engine_adapter.data.traces"])
+                                    "engine_adapter.sim.groundtruth", "engine_adapter.data.traces",
+                                    "engine_adapter.faults"])
 def test_adapter_core_and_simulator_stand_below_the_clients(module: str) -> None:
     """The adapter core is handed its planner; the simulator reads its data from
     ``engine_adapter.data``: neither imports the clients nor the server."""

@@ -1,5 +1,6 @@
-"""Fault injection for the fleet fault tests: a real service process to kill and restart, a
-TCP relay to cut, restore and slow the network, and a policy with a switchable fault.
+"""Fault injection for the fleet fault tests and benchmarks (``tests/test_fleet_faults.py``,
+``benchmarks/rolling_upgrade.py``): a real service process to kill and restart, a TCP relay
+to cut, restore and slow the network, and a policy with a switchable fault.
 
 Each fault is caused the way it happens in production wherever that is possible:
 
@@ -37,6 +38,8 @@ from scheduler_service.core import Allocation, BatchLatencyPredictor, Plan, Snap
 
 __all__ = ["FaultyPolicy", "ServiceProcess", "TcpProxy", "free_port"]
 
+#: The folder holding the packages (the checkout, or site-packages when installed): the
+#: service process runs from it.
 ROOT = Path(__file__).resolve().parent.parent
 
 
