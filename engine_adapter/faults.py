@@ -34,6 +34,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from scheduler_service.core import Allocation, BatchLatencyPredictor, Plan, Snapshot, registry
 
 __all__ = ["FaultyPolicy", "ServiceProcess", "TcpProxy", "free_port"]
@@ -78,9 +81,6 @@ class ServiceProcess:
         return self
 
     def _wait_serving(self, timeout: float) -> None:
-        import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
         assert self.proc is not None
         end = time.monotonic() + timeout
         with grpc.insecure_channel(self.target) as ch:

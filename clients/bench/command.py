@@ -22,6 +22,7 @@ from scheduler_service.core import registry
 
 from .executor import EXECUTORS, ExecutorUnavailable, describe
 from .experiments import EXPERIMENTS, BenchConfig, run_bench
+from .plots import write_plots
 from .progress import ProgressBar
 from .report import format_report, write_outputs
 from .runner import MAIN_POLICIES, TRANSPORTS, quiet_logs
@@ -127,8 +128,6 @@ def _run(cfg: BenchConfig, out: Path | None, quiet: bool) -> int:
     if out is not None:
         files = write_outputs(res, out)
         try:
-            from .plots import write_plots  # lazy: matplotlib is optional here (plots are skipped without it)
-
             files += write_plots(res, out)
         except ImportError:
             print("plots skipped: matplotlib is not installed", file=sys.stderr)

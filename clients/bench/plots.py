@@ -19,6 +19,7 @@ __all__ = ["write_plots"]
 
 
 def _plt() -> Any:
+    # lazy: matplotlib is slow to import and only the plots need it (without it they are skipped)
     import matplotlib
 
     matplotlib.use("Agg")

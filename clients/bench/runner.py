@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import structlog
 
 from clients.remote import GrpcBackend
 from clients.workloads import Burst, SLOConfig, make_workload
@@ -37,6 +38,8 @@ from engine_adapter.sim.engine import EngineConfig, SimulatedEngine
 from engine_adapter.sim.groundtruth import DEFAULT_PROFILE, PROFILES, load_ground_truth
 from engine_adapter.sim.profiling import fit_profile_predictor
 from scheduler_service.core import BatchLatencyPredictor
+from scheduler_service.server.app import SchedulerServer
+from scheduler_service.server.config import ServerConfig
 
 __all__ = [
     "MAIN_POLICIES",
@@ -64,8 +67,6 @@ _SERVER_RUNS = 48
 def quiet_logs() -> None:
     """Warnings only: the predictor registry logs every online refit at info level,
     which would bury the progress bar.  Idempotent; called in every worker."""
-    import structlog
-
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 
 
@@ -144,9 +145,6 @@ class _EmbeddedServer:
         return self._server.target, f"{self.profile}#{os.getpid()}.{next(self._ids)}"
 
     def _start(self) -> Any:
-        from scheduler_service.server.app import SchedulerServer
-        from scheduler_service.server.config import ServerConfig
-
         # The server reads its bootstrap predictor from a file; it is read at start.
         fd, path = tempfile.mkstemp(prefix="slidingserve-bench-", suffix=".json")
         try:

@@ -20,7 +20,7 @@ __all__ = ["RemoteScheduler", "RemoteSyncScheduler", "SettingsError", "VllmAdapt
 
 def __getattr__(name: str) -> Any:
     if name in ("RemoteScheduler", "RemoteSyncScheduler"):
-        from . import scheduler
+        from . import scheduler  # lazy: it imports vLLM, an optional extra; the settings do not
 
         return getattr(scheduler, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -24,6 +24,9 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+
 __all__ = ["MetricsEndpoint", "attach_log_handler", "collect_families"]
 
 _LOGGER = "engine_adapter"
@@ -62,8 +65,6 @@ def attach_log_handler(name: str = _LOGGER, *, fallback: bool = True) -> bool:
 
 def _fam(kind: str, name: str, doc: str, value: float | None = None,
          labels: list[str] | None = None, samples: list[tuple[list[str], float]] | None = None) -> Any:
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
     cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
     if samples is None:
         return cls(name, doc, value=value)
@@ -76,8 +77,6 @@ def _fam(kind: str, name: str, doc: str, value: float | None = None,
 def collect_families(s: dict[str, Any], info: dict[str, str]) -> Iterator[Any]:
     """The metric families of one ``slidingserve_stats()`` dict (names as scraped
     get ``_total`` on counters); ``info``: labels of ``slidingserve_adapter_info``."""
-    from prometheus_client.core import InfoMetricFamily
-
     p = "slidingserve_adapter_"
     core = s.get("core_totals") or {}
     yield InfoMetricFamily(p + "info", "The adapter's scheduler class, service, policy, engine profile, vLLM version",
@@ -132,8 +131,6 @@ class MetricsEndpoint:
 
     def __init__(self, stats: Callable[[], dict[str, Any]], info: Callable[[], dict[str, str]],
                  host: str, port: int) -> None:
-        from prometheus_client import CollectorRegistry, start_http_server
-
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(stats, info))  # type: ignore[arg-type]
         self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)

@@ -57,6 +57,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 import numpy as np
 import vllm
 
@@ -133,8 +134,6 @@ LOCAL_REASONS = ("kv_pressure", "empty_plan", "unallocatable", "snapshot_error",
 
 
 def _channel_factory(s: VllmAdapterSettings) -> Any:
-    import grpc
-
     options = [
         ("grpc.max_receive_message_length", 64 << 20),
         ("grpc.max_send_message_length", 64 << 20),
@@ -192,7 +191,7 @@ def detect_profile(vllm_config: Any, s: VllmAdapterSettings) -> str:
     hw = s.profile_hardware
     if not hw:
         try:
-            from vllm.platforms import current_platform
+            from vllm.platforms import current_platform  # lazy: resolving it probes the device
 
             hw = str(current_platform.get_device_name())
         except Exception:

@@ -200,7 +200,7 @@ class SchedulerServer:
         policy.plan(snap, self.predictors.bootstrap)
         # The first refit would import scikit-learn (about a second, mostly holding the GIL)
         # in the middle of serving; pay it here, before the server reports SERVING.
-        import sklearn.linear_model  # noqa: F401
+        import sklearn.linear_model  # noqa: F401  (deliberately here: this is when it is paid)
 
     def stop(self, grace: float | None = None) -> None:
         """Drain: NOT_SERVING, reject new calls, wait up to ``grace`` s for in-flight ones."""
