@@ -2,7 +2,8 @@
 
 * a :class:`~scheduler_service.core.ValidationError` (bad input, including request bytes
   that are no message: :class:`.handlers.Undecodable`) is INVALID_ARGUMENT with a
-  ``google.rpc.BadRequest`` naming each violated field (:func:`.wire.status.invalid_argument`);
+  ``google.rpc.BadRequest`` naming each violated field
+  (:func:`scheduler_service.wire.status.invalid_argument`);
 * anything else is INTERNAL with a reference id; the traceback goes to the server log
   under that id and never to the caller.
 
