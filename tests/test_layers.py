@@ -6,8 +6,10 @@ engine that only talks to the service must not load the server package or promet
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -40,3 +42,46 @@ def test_adapter_core_and_simulator_stand_below_the_clients(module: str) -> None
     """The adapter core is handed its planner; the simulator reads its data from
     ``engine_adapter.data``: neither imports the clients nor the server."""
     assert _loaded_after(module, "clients", "scheduler_service.server", "tests") == []
+
+
+EDGES = ("scheduler_service/wire", "scheduler_service/server", "engine_adapter", "clients")
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """Module-level imports among the edge modules (the core and generated code are leaves)."""
+    root = Path(__file__).resolve().parents[1]
+    files = {str(p.relative_to(root))[:-3].replace("/", ".").removesuffix(".__init__"): p
+             for d in EDGES for p in (root / d).rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for mod, path in files.items():
+        pkg = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+        deps = graph.setdefault(mod, set())
+        for node in ast.parse(path.read_text()).body:  # top level only: what importing runs
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(pkg.split(".")[: len(pkg.split(".")) - node.level + 1]) if node.level else ""
+                target = ".".join(x for x in (base, node.module or "") if x)
+                names = [target, *(f"{target}.{a.name}" for a in node.names)]
+            for name in names:
+                while name and name not in files:
+                    name = name.rpartition(".")[0]
+                if name and name != mod:
+                    deps.add(name)
+    return graph
+
+
+def test_no_import_circles_at_the_edges() -> None:
+    graph = _module_imports()
+    done: set[str] = set()
+
+    def visit(m: str, stack: tuple[str, ...]) -> None:
+        assert m not in stack, f"import circle: {' -> '.join((*stack, m))}"
+        if m not in done:
+            for d in sorted(graph.get(m, ())):
+                visit(d, (*stack, m))
+            done.add(m)
+
+    for m in sorted(graph):
+        visit(m, ())
