@@ -21,9 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from scipy.optimize import lsq_linear, minimize
-from sklearn.linear_model import LinearRegression
-from sklearn.metrics import mean_absolute_error, mean_squared_error, r2_score
 
 from .errors import FieldViolation, ValidationError
 from .features import (
@@ -276,6 +273,10 @@ def _fit_bounded(
     scale = np.abs(a).max(axis=0)
     scale[scale == 0] = 1.0
     an, lbn = a / scale, lb * scale
+    # Deferred: scipy and scikit-learn take about a second to import and only fitting needs
+    # them; every decision, the CLI and `slidingserve health` would pay it at start-up.
+    from scipy.optimize import lsq_linear, minimize
+
     res = lsq_linear(an, y, bounds=(lbn, np.full(len(lb), np.inf)), method="bvls")
     z = res.x
     if g is not None and h is not None and np.any(g[:, idx] @ (z / scale) < h):
@@ -304,6 +305,8 @@ def _fit_bounded(
 def _fit_linear(x: np.ndarray, y: np.ndarray, positive: bool) -> LinearModel:
     scale = np.abs(x).max(axis=0)
     scale[scale == 0] = 1.0
+    from sklearn.linear_model import LinearRegression  # deferred, as in _fit_bounded
+
     reg = LinearRegression(positive=positive).fit(x / scale, y)
     w = reg.coef_ / scale
     return LinearModel(float(reg.intercept_), tuple(float(v) for v in w))
@@ -497,6 +500,8 @@ def evaluate(
     latency_ms: np.ndarray,
 ) -> dict[str, dict[str, float]]:
     """MAE, RMSE (ms) and R² per scenario and overall."""
+    from sklearn.metrics import mean_absolute_error, mean_squared_error, r2_score  # deferred, as in _fit_bounded
+
     pred = predictor.predict_ms(features, scenario)
     out = {}
     groups = [(name, scenario == k) for k, name in enumerate(SCENARIOS)]
