@@ -500,7 +500,11 @@ def evaluate(
     latency_ms: np.ndarray,
 ) -> dict[str, dict[str, float]]:
     """MAE, RMSE (ms) and R² per scenario and overall."""
-    from sklearn.metrics import mean_absolute_error, mean_squared_error, r2_score  # deferred, as in _fit_bounded
+    from sklearn.metrics import (  # deferred, as in _fit_bounded
+        mean_absolute_error,
+        mean_squared_error,
+        r2_score,
+    )
 
     pred = predictor.predict_ms(features, scenario)
     out = {}
