@@ -1,7 +1,7 @@
 """Cost of the vLLM adapter's ``schedule()`` vs vLLM's native ``schedule()``, same queue.
 
 A steady state of ~256 running and ~800 waiting requests, 2048-token budget
-(ARCHITECTURE §6): decodes finish at random lengths, freed slots admit waiting
+(docs/vllm.md): decodes finish at random lengths, freed slots admit waiting
 prompts (chunked), new arrivals keep the waiting queue at 800.  The same seeded
 process runs with vLLM's ``Scheduler`` and with ``RemoteSyncScheduler`` in-process
 (vllm-fcfs, slidingserve) and over gRPC on loopback (embedded server), with

@@ -273,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_health)
 
     s = sub.add_parser("plan", help="decide one iteration for a snapshot JSON file")
-    s.add_argument("--snapshot", required=True, help="snapshot JSON (ARCHITECTURE §3), '-' for stdin")
+    s.add_argument("--snapshot", required=True, help="snapshot JSON (docs/usage.md), '-' for stdin")
     s.add_argument("--policy", help="policy name (default slidingserve; see `slidingserve policies`)")
     s.add_argument("--predictor", help="predictor JSON (default: the built-in one)")
     s.add_argument("--param", action="append", metavar="KEY=VALUE", help="policy parameter override")

@@ -1,4 +1,4 @@
-"""SlidingChunker against an exhaustive scan of integer splits (ARCHITECTURE §4
+"""SlidingChunker against an exhaustive scan of integer splits (docs/policies.md
 and the chunker docstring), built from explicit batches and
 ``predictor.predict_batch_ms`` only."""
 

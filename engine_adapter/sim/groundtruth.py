@@ -1,7 +1,7 @@
 """Ground-truth iteration latency of one GPU replica, built from real profiles.
 
 The simulated engine needs a "real GPU" whose iteration time the scheduler's
-predictor must *learn* (ARCHITECTURE §5).  This module is that GPU.  It is
+predictor must *learn* (docs/simulator.md).  This module is that GPU.  It is
 never handed to the predictor; the predictor only sees (features, measured
 latency) samples (see :mod:`engine_adapter.sim.profiling`).
 

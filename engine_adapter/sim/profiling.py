@@ -2,7 +2,7 @@
 
 This is what Vidur and the paper do before serving: run a few thousand
 synthetic batches on the GPU, record (batch, measured latency), and fit the
-seven-feature linear model (ARCHITECTURE §4, formulas (4)–(6)).  Here the
+seven-feature linear model (formulas (4)–(6), docs/architecture.md).  Here the
 "GPU" is :class:`~engine_adapter.sim.groundtruth.GroundTruth` with its noise;
 the predictor only ever sees features and noisy latencies, never the model
 behind them.

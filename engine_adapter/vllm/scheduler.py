@@ -369,7 +369,7 @@ class SlidingServeMixin:
 
     def _kv_short(self) -> str:
         """Non-empty when the free KV blocks cannot give every running decode its next
-        token (the simulator's preemption rule, ARCHITECTURE §5): then only vLLM's
+        token (the simulator's preemption rule, docs/simulator.md): then only vLLM's
         preemption can make progress, and the iteration is scheduled natively."""
         b = self.block_size
         need = 0

@@ -3,8 +3,8 @@
 vLLM tracks a request as ``num_tokens`` known tokens (prompt + outputs) of
 which ``num_computed_tokens`` are in the KV cache; with async scheduling the
 in-flight step is already counted as computed and its sampled token is a
-*placeholder* (``num_output_placeholders``).  The snapshot model (ARCHITECTURE
-§3) has prompt/computed/output columns instead, so each request maps to:
+*placeholder* (``num_output_placeholders``).  The snapshot model (docs/usage.md,
+Formats) has prompt/computed/output columns instead, so each request maps to:
 
 * **decode** — it has (or is sampling) an output and needs exactly one more
   token: ``prompt = computed = P``, ``output = outputs + placeholders``;

@@ -2,8 +2,7 @@
 
 Every policy builds the same kind of batch: the scheduled decodes (one token
 each) plus a greedy fill of an ordered prefill queue Q, where each request
-takes min(remaining, left) tokens (ARCHITECTURE §4, "Token budget and greedy
-fill").  Concatenating the remaining prompt tokens of Q gives one *token
+takes min(remaining, left) tokens (docs/architecture.md, formula (3)).  Concatenating the remaining prompt tokens of Q gives one *token
 stream*; a fill of P tokens is the stream prefix [0, P), and the look-ahead
 iterations of the SlidingChunker are further segments [X, Y) of the same
 stream.  Prefix sums over Q turn the features (4)–(6) of any segment into a

@@ -1,6 +1,6 @@
 """SlidingChunker, formulas (7)–(9), generalised to a window of k iterations.
 
-Decision on the paper's two-window problem (ARCHITECTURE §4): with decode
+Decision on the paper's two-window problem (docs/policies.md): with decode
 windows W_m = min over safe decodes of (s_i + (m − 1)·L_i^tbt), choose token
 counts b_1..b_k whose *cumulative* predicted times fit every window,
 Σ_{l ≤ m} T̂_l(b_l) ≤ W_m, maximise the total B_Σ, and among the splits that

@@ -21,7 +21,7 @@ Decisions where the paper is silent or the naive form is too slow:
 * Candidate pool: the ``max_candidates`` live prefills of highest value plus
   every anchor; the rest cannot be worth more to any knapsack than the kept
   ones of similar weight, and the DP cost stays bounded under overload.
-* Expired requests are never anchors nor candidates (ARCHITECTURE §4).
+* Expired requests are never anchors nor candidates (docs/policies.md).
 * Final check and repair.  C_a comes from the fill curve of the *sorted*
   queue, but the knapsack takes other requests, whose cached tokens (x1, x3)
   and chunk sizes (x2, x7) can cost more than the queue's head.  So, as in the

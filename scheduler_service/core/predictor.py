@@ -174,7 +174,7 @@ class BatchLatencyPredictor:
 
     @classmethod
     def from_dict(cls, d: Any) -> BatchLatencyPredictor:
-        """Parse the ARCHITECTURE §3 predictor JSON; the version is recomputed
+        """Parse the predictor JSON (docs/usage.md); the version is recomputed
         from the coefficients (a ``version`` key that disagrees is an error)."""
         errs: list[FieldViolation] = []
         if not isinstance(d, Mapping):

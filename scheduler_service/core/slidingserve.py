@@ -1,6 +1,6 @@
 """The SlidingServe policy and the Table-4 ablations.
 
-One decision (ARCHITECTURE §4):
+One decision (docs/policies.md):
 
 1. decodes get one token each (the most urgent when limits force fewer);
 2. MLPS orders waiting + prefilling requests, expired ones last;

@@ -5,7 +5,7 @@ policy works on whole columns at once and the wire format is columnar too.
 All times are on the *engine's* clock (``now`` included): a policy never reads
 its own clock, so a snapshot replays to the same plan byte for byte.
 
-Request states (ARCHITECTURE §3):
+Request states (docs/usage.md, Formats):
 
 * waiting    — ``computed_tokens == 0``
 * prefilling — ``0 < computed_tokens < prompt_tokens``
@@ -196,7 +196,7 @@ class Snapshot:
     def from_json(
         cls, data: str | bytes | Mapping[str, Any], *, max_requests: int = DEFAULT_MAX_REQUESTS
     ) -> Snapshot:
-        """Parse the ARCHITECTURE §3 JSON form (a string or a decoded object)."""
+        """Parse the JSON form (docs/usage.md) (a string or a decoded object)."""
         if isinstance(data, str | bytes):
             try:
                 data = json.loads(data)
@@ -329,7 +329,7 @@ class Snapshot:
 
     @property
     def slack(self) -> np.ndarray:
-        """s_i: TTFT slack for prefills (11), TBT slack for decodes (ARCHITECTURE §4)."""
+        """s_i: TTFT slack for prefills (11), TBT slack for decodes (formula (1))."""
 
         def compute() -> np.ndarray:
             k = np.where(self.is_decoding, self.output_tokens, 0)

@@ -235,7 +235,7 @@ Global___RequestRows: _TypeAlias = RequestRows  # noqa: Y015
 
 @_typing.final
 class Snapshot(_message.Message):
-    """Everything a policy sees in one iteration (ARCHITECTURE §3)."""
+    """Everything a policy sees in one iteration (docs/usage.md)."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -594,7 +594,7 @@ class BatchFeatures(_message.Message):
     """The batch's scenario; UNSPECIFIED derives it from x."""
     @_builtins.property
     def x(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
-        """Exactly 7 finite, non-negative features x1..x7 (ARCHITECTURE §4)."""
+        """Exactly 7 finite, non-negative features x1..x7 (docs/architecture.md, formulas (4)-(6))."""
 
     def __init__(
         self,
@@ -965,7 +965,7 @@ class GetPredictorResponse(_message.Message):
     REFITS_FIELD_NUMBER: _builtins.int
     PUBLISHED_FIELD_NUMBER: _builtins.int
     predictor_json: _builtins.str
-    """The predictor as JSON (ARCHITECTURE §3 format, with version and meta)."""
+    """The predictor as JSON (format: docs/usage.md; with version and meta)."""
     version: _builtins.str
     """Its version (content hash of the coefficients)."""
     profile_key: _builtins.str

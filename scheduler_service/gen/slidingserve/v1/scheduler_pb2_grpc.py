@@ -102,7 +102,7 @@ class SchedulerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetPredictor(self, request, context):
-        """The predictor currently used for an engine profile, as JSON (ARCHITECTURE §3 format).
+        """The predictor currently used for an engine profile, as JSON (format: docs/usage.md).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -63,7 +63,7 @@ class SchedulerServiceStub:
     ListPolicies: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.ListPoliciesRequest, _scheduler_pb2.ListPoliciesResponse]
     """The registered policies, their versions and parameters, and the server's default."""
     GetPredictor: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.GetPredictorRequest, _scheduler_pb2.GetPredictorResponse]
-    """The predictor currently used for an engine profile, as JSON (ARCHITECTURE §3 format)."""
+    """The predictor currently used for an engine profile, as JSON (format: docs/usage.md)."""
 
 @_typing.type_check_only
 class SchedulerServiceAsyncStub(SchedulerServiceStub):
@@ -89,7 +89,7 @@ class SchedulerServiceAsyncStub(SchedulerServiceStub):
     ListPolicies: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.ListPoliciesRequest, _scheduler_pb2.ListPoliciesResponse]  # type: ignore[assignment]
     """The registered policies, their versions and parameters, and the server's default."""
     GetPredictor: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.GetPredictorRequest, _scheduler_pb2.GetPredictorResponse]  # type: ignore[assignment]
-    """The predictor currently used for an engine profile, as JSON (ARCHITECTURE §3 format)."""
+    """The predictor currently used for an engine profile, as JSON (format: docs/usage.md)."""
 
 class SchedulerServiceServicer(metaclass=_abc_1.ABCMeta):
     """The scheduling service.  One instance can serve many engines; engines of the same
@@ -142,6 +142,6 @@ class SchedulerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _scheduler_pb2.GetPredictorRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_scheduler_pb2.GetPredictorResponse, _abc.Awaitable[_scheduler_pb2.GetPredictorResponse]]:
-        """The predictor currently used for an engine profile, as JSON (ARCHITECTURE §3 format)."""
+        """The predictor currently used for an engine profile, as JSON (format: docs/usage.md)."""
 
 def add_SchedulerServiceServicer_to_server(servicer: SchedulerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
