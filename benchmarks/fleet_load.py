@@ -14,7 +14,7 @@ Set-up, and why:
   GIL), a one-off stall that would otherwise land in the first seconds of every phase.
 * Every engine is its own process (``multiprocessing``, spawn) running the simulated engine
   (real trace lengths, ground-truth GPU latencies) with the production adapter core
-  (:class:`~engine_adapter.core.AdapterCore` + :class:`~clients.remote.GrpcBackend`,
+  (:class:`~engine_adapter.core.AdapterCore` + :class:`~engine_adapter.remote.GrpcBackend`,
   one long-lived ScheduleStream, background reports).  All engines report under the same
   engine profile, so the service pools their latencies into one predictor, as a fleet of
   identical replicas would.
@@ -180,10 +180,10 @@ def _make_paced_adapter(base: type, speedup: float, counters: Any, slot: int) ->
 def run_engine(job: EngineJob, counters: Any = None, on_ready: Callable[[], None] | None = None) -> dict[str, Any]:
     """Run one engine to the end of its workload; its figures (raw samples included)."""
     from clients.bench.runner import quiet_logs
-    from clients.remote import GrpcBackend
     from clients.workloads import make_workload
     from engine_adapter.core import AdapterCore, AdapterSettings, SchedulerBackend
     from engine_adapter.inprocess import InProcessBackend
+    from engine_adapter.remote import GrpcBackend
     from engine_adapter.sim.engine import EngineConfig, SimulatedEngine
     from engine_adapter.sim.groundtruth import PROFILES, load_ground_truth
     from scheduler_service.core import BatchLatencyPredictor, Snapshot
@@ -344,7 +344,7 @@ class Service:
         GIL), which would stall every decision of the first phase seconds once and then never
         again; a phase measures the steady state.  (The engines' profile keeps its bootstrap.)
         """
-        from clients.client import IterationReport, SchedulerClient
+        from scheduler_service.client import IterationReport, SchedulerClient
 
         rng = np.random.default_rng(0)
         reports = []

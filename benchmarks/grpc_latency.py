@@ -32,7 +32,7 @@ import grpc
 import numpy as np
 
 from benchmarks.snapshots import busy_snapshot
-from clients.client import SchedulerClient
+from scheduler_service.client import SchedulerClient
 from scheduler_service.core import Snapshot, default_predictor, registry
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2_grpc as pb_grpc

@@ -34,10 +34,10 @@ import grpc
 import numpy as np
 
 from clients.bench.runner import profile_predictor, quiet_logs
-from clients.remote import GrpcBackend
 from clients.workloads import make_workload
 from engine_adapter.core import AdapterCore, AdapterSettings
 from engine_adapter.faults import ServiceProcess
+from engine_adapter.remote import GrpcBackend
 from engine_adapter.sim.engine import SimulatedEngine, Workload
 from engine_adapter.sim.groundtruth import DEFAULT_PROFILE, PROFILES, load_ground_truth
 from engine_adapter.sim.pacing import WallClockPacer

@@ -37,10 +37,10 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clients.bench.command import add_subcommands
-from clients.client import ClientSecurity, SchedulerClient
 from clients.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_UNHEALTHY, CliError, describe
 from engine_adapter.sim.groundtruth import PROFILES
 from engine_adapter.sim.profiling import profile_predictor_with_holdout
+from scheduler_service.client import ClientSecurity, SchedulerClient
 from scheduler_service.core import (
     BatchLatencyPredictor,
     Snapshot,

@@ -3,16 +3,15 @@
 The one mapping from an exception to ``(line, exit code)`` is :func:`describe`; the
 subcommands raise :class:`CliError` for their own input errors, the core raises
 :class:`~scheduler_service.core.ValidationError`, and a call to a server fails with
-:class:`~clients.client.SchedulerError`, which carries the gRPC status the server answered
+:class:`~scheduler_service.client.SchedulerError`, which carries the gRPC status the server answered
 (decoded from the status, with the violated fields, by :meth:`SchedulerError.from_rpc_error`).
 Nothing prints a traceback.
 """
 
 from __future__ import annotations
 
+from scheduler_service.client import SchedulerError
 from scheduler_service.core import ValidationError
-
-from .client import SchedulerError
 
 __all__ = ["EXIT_INTERRUPTED", "EXIT_OK", "EXIT_UNHEALTHY", "EXIT_USAGE", "CliError", "describe"]
 

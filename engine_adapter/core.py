@@ -6,7 +6,7 @@ snapshot and returns a plan that is *safe to execute*:
 1. ask the scheduler within a per-iteration deadline, through the small planner
    interface :class:`SchedulerBackend` that is handed to the core: the policy in this
    process (:class:`engine_adapter.inprocess.InProcessBackend`) or the remote service
-   (:class:`clients.remote.GrpcBackend`), so this module depends on neither the server
+   (:class:`engine_adapter.remote.GrpcBackend`), so this module depends on neither the server
    nor the client;
 2. check the plan against the engine's own limits
    (:func:`scheduler_service.core.plan_violations`): unknown requests,

@@ -2,7 +2,7 @@
 
 One of the two implementations of the planner interface
 (:class:`engine_adapter.core.SchedulerBackend`) that an :class:`~engine_adapter.core.AdapterCore`
-is handed; the other is the remote service (:class:`clients.remote.GrpcBackend`).  Reports
+is handed; the other is the remote service (:class:`engine_adapter.remote.GrpcBackend`).  Reports
 refit the predictor online with the service's own per-profile registry.
 """
 

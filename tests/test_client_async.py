@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 import pytest
 
-from clients.client import AsyncSchedulerClient, EngineProfile, IterationReport, SchedulerError
+from scheduler_service.client import AsyncSchedulerClient, EngineProfile, IterationReport, SchedulerError
 from scheduler_service.core import default_predictor, registry
 from scheduler_service.server import SchedulerServer
 from tests.grpc_support import InjectedPolicy, inject, make_server, mixed_snapshot

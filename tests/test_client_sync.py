@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from clients.client import EngineProfile, IterationReport, SchedulerClient, SchedulerError
+from scheduler_service.client import EngineProfile, IterationReport, SchedulerClient, SchedulerError
 from tests.grpc_support import make_server, mixed_snapshot
 
 
@@ -52,7 +52,7 @@ def test_policy_list_dict_matches_registry_describe() -> None:
 def test_stream_reply_at_the_deadline_does_not_poison_the_next_call() -> None:
     """A reply arriving just as the watchdog fires is returned or reported as a deadline miss,
     and the next call works: never a CANCELLED error from a stream cancelled after the fact."""
-    from clients.client import SchedulerClient, SchedulerError
+    from scheduler_service.client import SchedulerClient, SchedulerError
     from tests.grpc_support import InjectedPolicy, inject, make_server, mixed_snapshot
 
     snap = mixed_snapshot(0, n_decode=4, n_prefill=4)

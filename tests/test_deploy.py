@@ -129,8 +129,8 @@ def test_engine_moves_to_another_replica_when_one_drains() -> None:
     multi-address target; the replica it uses drains (stop with grace, as on SIGTERM). The
     engine keeps getting plans during the grace period, loses at most a few iterations to
     native fallback, and then gets its plans from the other replica."""
-    from clients.remote import GrpcBackend
     from engine_adapter.core import AdapterCore, AdapterSettings
+    from engine_adapter.remote import GrpcBackend
     from tests.grpc_support import mixed_snapshot
 
     a = SchedulerServer(ServerConfig(host="127.0.0.1", port=0, log_level="warning", grace_s=1.0, max_workers=4))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from clients.client import SchedulerClient
+from scheduler_service.client import SchedulerClient
 from scheduler_service.server.engines import EngineTable
 from scheduler_service.server.metrics import Metrics
 

@@ -3,7 +3,7 @@
 * server (:mod:`scheduler_service.server.errors`): a core ``ValidationError`` — bad input
   or bytes that are no message — is INVALID_ARGUMENT naming the fields, anything else is
   INTERNAL with a reference id, on every RPC;
-* client (:mod:`clients.client`, :mod:`clients.errors`): the status comes back as a
+* client (:mod:`scheduler_service.client`, :mod:`clients.errors`): the status comes back as a
   ``SchedulerError`` with its code and fields, and the CLI prints it as one line, exit 2.
 """
 
@@ -17,8 +17,8 @@ import grpc
 import pytest
 
 from clients.cli import main
-from clients.client import SchedulerClient, SchedulerError
 from clients.errors import EXIT_USAGE, CliError, describe
+from scheduler_service.client import SchedulerClient, SchedulerError
 from scheduler_service.core import FieldViolation, ValidationError
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
 from scheduler_service.server import SchedulerServer

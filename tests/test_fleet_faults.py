@@ -1,7 +1,7 @@
 """A simulated engine on the production adapter core keeps serving through service faults.
 
 Each test runs the simulated engine (real trace lengths, ground-truth GPU, outputs capped so
-that a run takes a few seconds) with :class:`~clients.remote.GrpcBackend` against a real
+that a run takes a few seconds) with :class:`~engine_adapter.remote.GrpcBackend` against a real
 server, injects one fault mid-run from the engine's iteration hook, lifts it where the fault
 is transient, and checks:
 
@@ -26,14 +26,14 @@ import numpy as np
 import pytest
 
 from clients.bench.runner import profile_predictor, quiet_logs
-from clients.client import SchedulerClient
-from clients.remote import GrpcBackend
 from clients.workloads import make_workload
 from engine_adapter.core import AdapterCore, AdapterSettings
 from engine_adapter.faults import FaultyPolicy, ServiceProcess, TcpProxy
+from engine_adapter.remote import GrpcBackend
 from engine_adapter.sim.engine import SimResult, SimulatedEngine, Workload
 from engine_adapter.sim.groundtruth import DEFAULT_PROFILE, PROFILES, load_ground_truth
 from engine_adapter.sim.pacing import WallClockPacer
+from scheduler_service.client import SchedulerClient
 from scheduler_service.server import SchedulerServer
 from tests.grpc_support import inject, make_server
 

@@ -54,7 +54,7 @@ from benchmarks.fuzz_service import (
     valid_report,
     valid_request,
 )
-from clients.client import SchedulerClient, SchedulerError
+from scheduler_service.client import SchedulerClient, SchedulerError
 from scheduler_service.core import Snapshot, ValidationError
 from scheduler_service.core.snapshot import MAX_BATCH_TOKENS
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb

@@ -2,6 +2,10 @@
 
 The client stands on the wire layer (``scheduler_service.wire``), never on the server: an
 engine that only talks to the service must not load the server package or prometheus.
+
+Three floors, no import upward: ``scheduler_service`` (core, wire, generated code, server,
+client) at the bottom, ``engine_adapter`` (adapter core, planners, vLLM scheduler class,
+simulator, data, faults) in the middle, ``clients`` (CLI, bench harness, workloads) on top.
 """
 
 from __future__ import annotations
@@ -23,7 +27,16 @@ def _loaded_after(module: str, *watched: str) -> list[str]:
 
 
 def test_client_does_not_load_the_server() -> None:
-    assert _loaded_after("clients.client", "scheduler_service.server", "prometheus_client") == []
+    assert _loaded_after("scheduler_service.client", "scheduler_service.server", "prometheus_client") == []
+
+
+def test_client_stands_on_wire_and_generated_code_only() -> None:
+    loaded = _loaded_after("scheduler_service.client", "scheduler_service", "clients", "engine_adapter",
+                           "prometheus_client")
+    assert [m for m in loaded if not m.startswith(("scheduler_service.core", "scheduler_service.gen",
+                                                   "scheduler_service.wire", "scheduler_service.client",
+                                                   "scheduler_service.settings"))
+            and m != "scheduler_service"] == []
 
 
 @pytest.mark.parametrize("module", ["scheduler_service.wire", "scheduler_service.wire.convert",
@@ -35,12 +48,13 @@ def test_wire_stands_on_core_and_generated_code_only(module: str) -> None:
             and m != "scheduler_service"] == []
 
 
-@pytest.mark.parametrize("module", ["engine_adapter.core", "engine_adapter.sim.engine",
+@pytest.mark.parametrize("module", ["engine_adapter.core", "engine_adapter.remote", "engine_adapter.sim.engine",
                                     "engine_adapter.sim.groundtruth", "engine_adapter.data.traces",
                                     "engine_adapter.faults"])
 def test_adapter_core_and_simulator_stand_below_the_clients(module: str) -> None:
-    """The adapter core is handed its planner; the simulator reads its data from
-    ``engine_adapter.data``: neither imports the clients nor the server."""
+    """The adapter core is handed its planner (the remote one stands on the client, which is
+    below the adapter); the simulator reads its data from ``engine_adapter.data``: none of
+    them imports the clients nor the server."""
     assert _loaded_after(module, "clients", "scheduler_service.server", "tests") == []
 
 
@@ -85,3 +99,28 @@ def test_no_import_circles_at_the_edges() -> None:
 
     for m in sorted(graph):
         visit(m, ())
+
+
+#: What each floor must never import (at the top of a module or inside a function).
+FLOORS = {"scheduler_service": ("engine_adapter", "clients"), "engine_adapter": ("clients",)}
+
+
+def _all_imports(path: Path) -> list[tuple[int, str]]:
+    """Every absolute import in ``path``, wherever it stands (relative ones stay in the package)."""
+    out: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.extend((node.lineno, a.name) for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.append((node.lineno, node.module))
+    return out
+
+
+@pytest.mark.parametrize("floor", sorted(FLOORS))
+def test_no_import_upward(floor: str) -> None:
+    root = Path(__file__).resolve().parents[1]
+    above = FLOORS[floor]
+    bad = [f"{p.relative_to(root)}:{line} imports {name}"
+           for p in sorted((root / floor).rglob("*.py"))
+           for line, name in _all_imports(p) if name.split(".")[0] in above]
+    assert bad == []

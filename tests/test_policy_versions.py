@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 import pytest
 
-from clients.client import SchedulerClient, SchedulerError
+from scheduler_service.client import SchedulerClient, SchedulerError
 from scheduler_service.core import ValidationError, default_predictor, registry
 from scheduler_service.server import ServerConfig
 from scheduler_service.server.deployments import PolicyConfig

@@ -24,7 +24,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from clients.client import (
+from engine_adapter.core import AdapterCore, AdapterSettings, IterationSample
+from engine_adapter.remote import GrpcBackend
+from engine_adapter.vllm.settings import SettingsError, VllmAdapterSettings
+from scheduler_service.client import (
     AsyncSchedulerClient,
     ClientSecurity,
     EngineProfile,
@@ -32,9 +35,6 @@ from clients.client import (
     SchedulerClient,
     SchedulerError,
 )
-from clients.remote import GrpcBackend
-from engine_adapter.core import AdapterCore, AdapterSettings, IterationSample
-from engine_adapter.vllm.settings import SettingsError, VllmAdapterSettings
 from scheduler_service.core import ValidationError, batch_features, default_predictor
 from scheduler_service.server import SchedulerServer
 from scheduler_service.server.security import RateLimiter, TokenStore, hash_token, scoped_key

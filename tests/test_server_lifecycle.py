@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from clients.client import SchedulerClient, SchedulerError
+from scheduler_service.client import SchedulerClient, SchedulerError
 from scheduler_service.core import ValidationError
 from scheduler_service.server import ServerConfig
 from tests.grpc_support import InjectedPolicy, inject, make_server, mixed_snapshot

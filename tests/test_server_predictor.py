@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from clients.client import EngineProfile, IterationReport, SchedulerClient
+from scheduler_service.client import EngineProfile, IterationReport, SchedulerClient
 from scheduler_service.core import batch_features, default_predictor
 from scheduler_service.server import SchedulerServer
 from tests.grpc_support import make_server, mixed_snapshot

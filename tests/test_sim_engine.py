@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 from clients.bench.runner import profile_predictor, quiet_logs
-from clients.remote import GrpcBackend
 from clients.workloads import make_workload
 from engine_adapter.core import AdapterCore, AdapterSettings, IterationSample
 from engine_adapter.inprocess import InProcessBackend
+from engine_adapter.remote import GrpcBackend
 from engine_adapter.sim.engine import EngineConfig, SimResult, SimulatedEngine, Workload
 from engine_adapter.sim.groundtruth import DEFAULT_PROFILE, PROFILES, load_ground_truth
 from scheduler_service.core import Plan, Snapshot

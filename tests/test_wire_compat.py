@@ -36,9 +36,9 @@ from google.protobuf import descriptor_pb2
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from clients.client import SchedulerClient
-from clients.remote import GrpcBackend
 from engine_adapter.core import AdapterCore, AdapterSettings, IterationSample
+from engine_adapter.remote import GrpcBackend
+from scheduler_service.client import SchedulerClient
 from scheduler_service.core import Plan, Snapshot, default_predictor, registry
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
 from scheduler_service.wire.convert import plan_from_pb, snapshot_to_pb

@@ -128,8 +128,11 @@ def run_client(cases: list[dict[str, Any]], target: str, pb: Any) -> dict[str, A
     """Everything an engine of the previous release does against ``target``."""
     import grpc
 
-    from clients.client import IterationReport, SchedulerClient
     from scheduler_service.core import Snapshot
+    try:  # releases before the client moved below the adapter kept it in the clients package
+        from scheduler_service.client import IterationReport, SchedulerClient
+    except ImportError:
+        from clients.client import IterationReport, SchedulerClient  # type: ignore[import-not-found,no-redef]
     try:  # the previous release kept the conversions in the server package
         from scheduler_service.server.convert import plan_from_pb, snapshot_to_pb
     except ImportError:

@@ -30,10 +30,10 @@ from typing import Any
 import numpy as np
 import structlog
 
-from clients.remote import GrpcBackend
 from clients.workloads import Burst, SLOConfig, make_workload
 from engine_adapter.core import AdapterCore, AdapterSettings, SchedulerBackend
 from engine_adapter.inprocess import InProcessBackend
+from engine_adapter.remote import GrpcBackend
 from engine_adapter.sim.engine import EngineConfig, SimulatedEngine
 from engine_adapter.sim.groundtruth import DEFAULT_PROFILE, PROFILES, load_ground_truth
 from engine_adapter.sim.profiling import fit_profile_predictor

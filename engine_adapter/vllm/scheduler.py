@@ -74,9 +74,9 @@ from vllm.v1.core.sched.request_queue import FCFSRequestQueue, SchedulingPolicy 
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from clients.remote import GrpcBackend  # noqa: E402
 from engine_adapter.core import AdapterCore, AdapterSettings, Decision, IterationSample  # noqa: E402
 from engine_adapter.inprocess import InProcessBackend  # noqa: E402
+from engine_adapter.remote import GrpcBackend  # noqa: E402
 from scheduler_service.core import Plan, Snapshot  # noqa: E402
 
 from .settings import (  # noqa: E402
@@ -141,7 +141,7 @@ def _channel_factory(s: VllmAdapterSettings) -> Any:
         ("grpc.initial_reconnect_backoff_ms", min(100, s.reconnect_max_ms)),
         ("grpc.min_reconnect_backoff_ms", min(100, s.reconnect_max_ms)),
         ("grpc.max_reconnect_backoff_ms", s.reconnect_max_ms),
-        # several replicas behind one name: streams spread over them (see clients/client.py)
+        # several replicas behind one name: streams spread over them (see scheduler_service/client.py)
         ("grpc.lb_policy_name", "round_robin"),
     ]
 

@@ -166,11 +166,11 @@ class VllmAdapterSettings:
         return bool(self.tls_ca or self.tls_cert)
 
     def client_security(self) -> Any:
-        """The :class:`clients.client.ClientSecurity` of these settings (TLS files and
+        """The :class:`scheduler_service.client.ClientSecurity` of these settings (TLS files and
         token), or None when neither is set."""
         if not (self.tls or self.token or self.token_file):
             return None
-        from clients.client import ClientSecurity
+        from scheduler_service.client import ClientSecurity
 
         return ClientSecurity(ca_file=self.tls_ca, cert_file=self.tls_cert, key_file=self.tls_key,
                               token=self.token, token_file=self.token_file)

@@ -1,6 +1,6 @@
 """The wire layer: protobuf ↔ core conversion, engine profiles and gRPC error details.
 
-Server (:mod:`scheduler_service.server`) and client (:mod:`clients.client`) both stand on
+Server (:mod:`scheduler_service.server`) and client (:mod:`scheduler_service.client`) both stand on
 it; it imports only the core (:mod:`scheduler_service.core`) and the generated code
 (:mod:`scheduler_service.gen`), so importing the client never loads the server.
 

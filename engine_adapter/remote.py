@@ -1,10 +1,12 @@
-"""The remote planner: the scheduling service, reached with :class:`~clients.client.SchedulerClient`.
+"""The remote planner: the scheduling service, reached with :class:`~scheduler_service.client.SchedulerClient`.
 
 One of the two implementations of the planner interface
 (:class:`engine_adapter.core.SchedulerBackend`) that an :class:`~engine_adapter.core.AdapterCore`
 is handed; the other is the policy in the engine's process
-(:class:`engine_adapter.inprocess.InProcessBackend`).  It lives with the client, which it
-wraps, so that the adapter core never imports the client.
+(:class:`engine_adapter.inprocess.InProcessBackend`).  It lives in its own module, next to
+the core rather than in it, so that the adapter core never imports the client; the client
+(:mod:`scheduler_service.client`) stands below the adapter, so the vLLM scheduler class
+can build this planner itself.
 """
 
 from __future__ import annotations
@@ -14,9 +16,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from engine_adapter.core import AdapterSettings, IterationSample
+from scheduler_service.client import ClientSecurity, IterationReport, SchedulerClient
 from scheduler_service.core import Plan, Snapshot
-
-from .client import ClientSecurity, IterationReport, SchedulerClient
 
 __all__ = ["GrpcBackend"]
 

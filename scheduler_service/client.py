@@ -33,6 +33,7 @@ import numpy as np
 from scheduler_service.core import BatchLatencyPredictor, FieldViolation, Plan, Snapshot
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2_grpc as pb_grpc
+from scheduler_service.settings import FileWatch
 from scheduler_service.wire.convert import (
     plan_from_pb,
     predictor_sample_counts,
@@ -331,24 +332,28 @@ class ClientSecurity:
 
 
 class _TokenFile:
-    """A token file, re-read only when its stat stamp changes (one ``stat`` per call)."""
+    """A token file, re-read only when its stat stamp changes (one ``stat`` per call,
+    through the settings kit's :class:`~scheduler_service.settings.FileWatch`)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._stamp: tuple[int, int, int] | None = None
+        self._watch = FileWatch(path)
+        self._watch.forget()  # the first call reads the file
         self._token = ""
         self._lock = threading.Lock()
 
     def read(self) -> str:
         try:
-            st = os.stat(self.path)
-            stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
             with self._lock:
-                if stamp != self._stamp:
-                    with open(self.path) as fh:
-                        token = fh.read().strip()
-                    _check_token(token, f"token_file {self.path!r}")
-                    self._stamp, self._token = stamp, token
+                if self._watch.changed():
+                    try:
+                        with open(self.path) as fh:
+                            token = fh.read().strip()
+                        _check_token(token, f"token_file {self.path!r}")
+                    except (OSError, ValueError):
+                        self._watch.forget()  # a missing or bad file is read again next call
+                        raise
+                    self._token = token
                 return self._token
         except OSError as e:
             raise SchedulerError(grpc.StatusCode.UNAUTHENTICATED,
