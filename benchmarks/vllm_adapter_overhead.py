@@ -30,6 +30,7 @@ Run: ``VLLM_TARGET_DEVICE=cpu python -m benchmarks.vllm_adapter_overhead [--step
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import tempfile
 import time
@@ -40,6 +41,8 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import numpy as np
 
+from engine_adapter.faults import ServiceProcess
+
 
 def _pct(xs: list[float]) -> tuple[float, float]:
     a = np.asarray(xs)
@@ -47,7 +50,8 @@ def _pct(xs: list[float]) -> tuple[float, float]:
 
 
 def run_case(cls: Any, mdir: str, steps: int, seed: int, warmup: int, step_ms: float) -> dict[str, list[float]]:
-    from tests.vllm.support import build_scheduler, fake_output, make_request
+    # vLLM (the optional ``vllm`` extra) loads here, after main() has quieted its logs
+    from engine_adapter.vllm.testbed import build_scheduler, fake_output, make_request
 
     rng = np.random.default_rng(seed)
     s = build_scheduler(cls, mdir, async_scheduling=False, num_blocks=60_000, max_num_batched_tokens=2048,
@@ -102,14 +106,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--step-ms", type=float, default=30.0, help="simulated GPU step (sleep) per iteration")
     args = ap.parse_args(argv)
-    import logging
-
     logging.getLogger("vllm").setLevel(logging.ERROR)
+    # vLLM is heavy and optional (the ``vllm`` extra): it loads here, once its logs are quiet
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from engine_adapter.faults import ServiceProcess
     from engine_adapter.vllm import RemoteSyncScheduler
-    from tests.vllm.support import model_dir, scheduler_class
+    from engine_adapter.vllm.testbed import model_dir, scheduler_class
 
     tmp = Path(tempfile.mkdtemp())
     mdir = model_dir(tmp)
