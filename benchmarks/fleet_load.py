@@ -72,9 +72,20 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from clients.bench.runner import profile_predictor, quiet_logs
+from clients.workloads import MIXES, make_workload
+from engine_adapter.core import AdapterCore, AdapterSettings, SchedulerBackend
+from engine_adapter.inprocess import InProcessBackend
+from engine_adapter.remote import GrpcBackend
+from engine_adapter.sim.engine import EngineConfig, SimulatedEngine
+from engine_adapter.sim.groundtruth import DEFAULT_PROFILE, PROFILES, load_ground_truth
 from engine_adapter.sim.pacing import WallClockPacer
+from scheduler_service.client import IterationReport, SchedulerClient
+from scheduler_service.core import BatchLatencyPredictor, Snapshot, registry
 
 ROOT = Path(__file__).resolve().parent.parent
 #: N = 8 must meet these (service p99, fallback fraction).
@@ -107,8 +118,6 @@ class EngineJob:
 def _channel_factory(target: str, sink: list[int]) -> Callable[[], Any]:
     """A channel that finds a restarted service quickly and records every reply's
     ``server_us`` (a client interceptor: the public way to see the raw response)."""
-    import grpc
-
     class _TappedCall:
         def __init__(self, call: Any) -> None:
             self._call = call
@@ -179,15 +188,6 @@ def _make_paced_adapter(base: type, speedup: float, counters: Any, slot: int) ->
 
 def run_engine(job: EngineJob, counters: Any = None, on_ready: Callable[[], None] | None = None) -> dict[str, Any]:
     """Run one engine to the end of its workload; its figures (raw samples included)."""
-    from clients.bench.runner import quiet_logs
-    from clients.workloads import make_workload
-    from engine_adapter.core import AdapterCore, AdapterSettings, SchedulerBackend
-    from engine_adapter.inprocess import InProcessBackend
-    from engine_adapter.remote import GrpcBackend
-    from engine_adapter.sim.engine import EngineConfig, SimulatedEngine
-    from engine_adapter.sim.groundtruth import PROFILES, load_ground_truth
-    from scheduler_service.core import BatchLatencyPredictor, Snapshot
-
     quiet_logs()
     pred = BatchLatencyPredictor.from_json(job.predictor_json)
     profile = PROFILES[job.profile]
@@ -321,9 +321,6 @@ class Service:
         self._first_refit()
 
     def _wait_serving(self, timeout: float = 60.0) -> None:
-        import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
         end = time.monotonic() + timeout
         with grpc.insecure_channel(self.target) as ch:
             stub = health_pb2_grpc.HealthStub(ch)
@@ -344,8 +341,6 @@ class Service:
         GIL), which would stall every decision of the first phase seconds once and then never
         again; a phase measures the steady state.  (The engines' profile keeps its bootstrap.)
         """
-        from scheduler_service.client import IterationReport, SchedulerClient
-
         rng = np.random.default_rng(0)
         reports = []
         for _ in range(400):
@@ -638,11 +633,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-reference", action="store_true", help="skip the in-process SLO reference")
     ap.add_argument("--out", help="write all figures as JSON")
     args = ap.parse_args(argv)
-
-    from clients.bench.runner import profile_predictor
-    from clients.workloads import MIXES
-    from engine_adapter.sim.groundtruth import DEFAULT_PROFILE, PROFILES
-    from scheduler_service.core import registry
 
     profile = args.profile or DEFAULT_PROFILE
     if profile not in PROFILES:

@@ -23,8 +23,10 @@ through; a crash leaves ``crash-<sha1>`` with the input, replayable by passing t
 
 from __future__ import annotations
 
+import random
 import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
 try:
@@ -38,6 +40,9 @@ with atheris.instrument_imports(include=["scheduler_service"]):
     from scheduler_service.core import Snapshot, ValidationError, default_predictor, plan_violations, registry
     from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
     from scheduler_service.wire.convert import snapshot_from_pb
+
+# After the block: the campaign's generators (they load the server and the CLI) are not instrumented.
+from benchmarks.fuzz_service import hostile_json, hostile_request, valid_request
 
 MAX_REQUESTS = 32
 PREDICTOR = default_predictor()
@@ -88,11 +93,6 @@ def one_input(data: bytes) -> None:
 def write_seeds(directory: str, n: int = 200) -> None:
     """A seed corpus: valid and hostile requests and JSON from the campaign's generators
     (random bytes alone take libFuzzer a long time to reach a valid snapshot)."""
-    import random
-    from pathlib import Path
-
-    from benchmarks.fuzz_service import hostile_json, hostile_request, valid_request
-
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     rnd = random.Random(0)

@@ -55,6 +55,7 @@ from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from clients.cli import main as cli_main
 from scheduler_service.core import (
     Plan,
     Snapshot,
@@ -886,13 +887,11 @@ def check_json(raw: bytes, must_fail: bool, tally: Tally, *, cli: bool = False, 
 
 
 def _check_cli(raw: bytes, valid: bool, tally: Tally, tmpdir: Path) -> None:
-    from clients.cli import main
-
     path = tmpdir / "snapshot.json"
     path.write_bytes(raw)
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(["plan", "--snapshot", str(path)])
+        code = cli_main(["plan", "--snapshot", str(path)])
     text = err.getvalue()
     plain = not raw.startswith(b"\xef\xbb\xbf") and _utf8(raw)
     if code == 0:
