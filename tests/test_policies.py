@@ -16,7 +16,7 @@ ALL = ["vllm-fcfs", "sarathi", "sarathi-edf", "qoserve", "sarathi-edf+sc", "sara
 
 
 def alloc(plan: Plan) -> dict[str, int]:
-    return plan.as_dict()
+    return plan.tokens_by_id()
 
 
 def check_plan(plan: Plan, name: str) -> None:

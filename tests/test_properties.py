@@ -157,7 +157,7 @@ def test_slidingserve_serves_lost_prefills_only_after_live_ones_fit(snap: Snapsh
     pred = default_predictor()
     pol = registry.create("slidingserve", {"hopeless_factor": factor, "lost_rule": rule})
     plan = pol.plan(snap, pred)
-    a = plan.as_dict()
+    a = plan.tokens_by_id()
     idx = {rid: i for i, rid in enumerate(snap.ids)}
     gone = lost_prefills(snap, pred, pol.params) | (snap.slack <= 0)
 

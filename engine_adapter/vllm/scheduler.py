@@ -531,7 +531,7 @@ class SlidingServeMixin:
         if decision.plan is None:
             self._fallback(decision.reason, core.last_error)
             return None
-        plan = decision.plan.as_dict()
+        plan = decision.plan.tokens_by_id()
         if not plan:
             self._fallback("empty_plan", f"policy path {decision.plan.path!r} schedules nothing")
             return None

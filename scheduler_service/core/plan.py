@@ -54,7 +54,9 @@ class Plan:
             self.allocations,
         )
 
-    def as_dict(self) -> dict[str, int]:
+    def tokens_by_id(self) -> dict[str, int]:
+        """Request id → tokens this iteration (what an engine executes; ``to_dict`` is the
+        whole plan in its JSON form)."""
         return {a.id: a.tokens for a in self.allocations}
 
     def to_dict(self) -> dict[str, Any]:

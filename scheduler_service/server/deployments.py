@@ -319,8 +319,8 @@ class ShadowRunner:
         self._compare(name, job, plan)
 
     def _compare(self, name: str, job: _ShadowJob, plan: Plan) -> None:
-        served = job.served.as_dict()
-        shadow = plan.as_dict()
+        served = job.served.tokens_by_id()
+        shadow = plan.tokens_by_id()
         same = served == shadow
         self.compared += 1
         m = self.metrics
