@@ -57,6 +57,8 @@ def _rewrite_imports(text: str) -> str:
 
 def generate(out: Path) -> None:
     """Run protoc (grpc_tools) into ``out`` and post-process the result."""
+    # Deferred: grpcio-tools is a development-only dependency; the module's text helpers
+    # import without it.
     import grpc_tools
     from grpc_tools import protoc
 

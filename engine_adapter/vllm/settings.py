@@ -170,6 +170,7 @@ class VllmAdapterSettings:
         token), or None when neither is set."""
         if not (self.tls or self.token or self.token_file):
             return None
+        # Deferred: the client loads grpc, which an engine scheduling in process never needs.
         from scheduler_service.client import ClientSecurity
 
         return ClientSecurity(ca_file=self.tls_ca, cert_file=self.tls_cert, key_file=self.tls_key,
