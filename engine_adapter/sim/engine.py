@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from scheduler_service.core import Snapshot
+from scheduler_service.core import Plan, Snapshot
 
 from ..core import AdapterCore, IterationSample
 from .groundtruth import GPUProfile, GroundTruth
@@ -137,6 +137,20 @@ class SimResult:
         }
 
 
+@dataclass(slots=True)
+class _RunTally:
+    """What :meth:`SimulatedEngine.run` accumulates over its iterations."""
+
+    decision_us: list[int] = field(default_factory=list)
+    breakdown: dict[str, float] = field(default_factory=dict)
+    paths: dict[str, int] = field(default_factory=dict)
+    tbt: list[np.ndarray] = field(default_factory=list)
+    iterations: int = 0
+    completed: int = 0
+    out_tokens: int = 0
+    empty_streak: int = 0
+
+
 class SimulatedEngine:
     def __init__(self, workload: Workload, truth: GroundTruth, profile: GPUProfile,
                  adapter: AdapterCore, config: EngineConfig | None = None) -> None:
@@ -229,18 +243,11 @@ class SimulatedEngine:
         w, cfg = self.w, self.cfg
         n = len(w)
         rng = np.random.default_rng(cfg.noise_seed)
-        decision_us: list[int] = []
-        breakdown: dict[str, float] = {}
-        paths: dict[str, int] = {}
-        tbt: list[np.ndarray] = []
-        iterations = 0
-        completed = 0
-        out_tokens = 0
+        tally = _RunTally()
         stopped = False
-        empty_streak = 0
         wall0 = time.perf_counter()
         stop_at = None if cfg.stop_violation_fraction is None else math.floor(cfg.stop_violation_fraction * n)
-        while completed < n:
+        while tally.completed < n:
             arrived = int(np.searchsorted(w.arrival, self.clock, side="right"))
             act = np.flatnonzero(~self.done[:arrived])
             if len(act) == 0:
@@ -251,97 +258,134 @@ class SimulatedEngine:
             if self.clock > cfg.max_sim_time_s:
                 stopped = True
                 break
-            self._preempt_if_needed(act)
-            snap = self._snapshot(act)
-            decision = self.adapter.decide(snap)
-            plan = decision.plan
-            decision_us.append(decision.elapsed_us)
-            paths[plan.path] = paths.get(plan.path, 0) + 1
-            for k, v in plan.breakdown_us.items():
-                breakdown[k] = breakdown.get(k, 0.0) + v
-            if self.on_iteration is not None:
-                self.on_iteration(self, snap, decision)
+            plan = self._plan_iteration(act, tally)
             if not plan.allocations:
-                running = act[self.computed[act] > 0]
-                if len(running) > 1:
-                    # KV is held by partial prefills that cannot finish: free some.
-                    self._preempt(int(running[np.argmax(w.arrival[running] + 1e-12 * running)]))
-                    continue
-                # Nothing runnable: wait for the next arrival, or a millisecond.
-                empty_streak += 1
-                nxt = float(w.arrival[arrived]) if arrived < n else self.clock + 1e-3
-                self.clock = max(self.clock + 1e-3, min(nxt, self.clock + 0.05))
-                if empty_streak > 10_000:
-                    raise RuntimeError("the engine made no progress for 10,000 iterations")
+                self._no_plan(act, arrived, tally)
                 continue
-            empty_streak = 0
-            idx = np.fromiter((self.index[a.id] for a in plan.allocations), dtype=np.int64,
-                              count=len(plan.allocations))
-            tok = np.fromiter((a.tokens for a in plan.allocations), dtype=np.int64,
-                              count=len(plan.allocations))
-            u = self.kv[idx].copy()
-            latency_ms = self.truth.iteration_ms(tok, u, rng)
-            self.clock += latency_ms / 1e3
-            iterations += 1
-            # execute
-            is_dec = self.computed[idx] == self.prompt_eff[idx]
-            self.kv[idx] += tok
-            new_blocks = -(-self.kv[idx] // self.block)
-            self.used_blocks += int((new_blocks - self.blocks[idx]).sum())
-            self.blocks[idx] = new_blocks
-            self.max_used_blocks = max(self.max_used_blocks, self.used_blocks)
-            if self.used_blocks > self.total_blocks:
-                raise AssertionError("KV cache over capacity: the plan check should make this impossible")
-            pre = idx[~is_dec]
-            self.computed[pre] += tok[~is_dec]
-            finished_prefill = pre[self.computed[pre] == self.prompt_eff[pre]]
-            emit = np.concatenate([idx[is_dec], finished_prefill])
-            prefill_tokens = int(tok[~is_dec].sum())
-            if prefill_tokens:
-                obs = prefill_tokens / (latency_ms / 1e3)
-                self.prefill_ema = obs if self.prefill_ema is None else 0.995 * self.prefill_ema + 0.005 * obs
-            if len(emit):
-                k = self.generated[emit]  # tokens before this one
-                due = w.arrival[emit] + w.ttft_slo[emit] + k * w.tbt_slo[emit]
-                self.violated[emit] |= self.clock > due + 1e-9
-                first = k == 0
-                self.first_token[emit[first]] = self.clock
-                gaps = self.clock - self.last_token[emit[~first]]
-                tbt.append(gaps)
-                self.last_token[emit] = self.clock
-                self.generated[emit] += 1
-                out_tokens += len(emit)
-                fin = emit[self.generated[emit] >= w.output_tokens[emit]]
-                if len(fin):
-                    self.done[fin] = True
-                    self.used_blocks -= int(self.blocks[fin].sum())
-                    self.blocks[fin] = 0
-                    completed += len(fin)
-            self.adapter.report(IterationSample(tok, u, latency_ms))
-            if progress is not None and iterations % 256 == 0:
-                progress(completed, n)
-            if stop_at is not None and iterations % 16 == 0 and self._late_count(act) > stop_at:
+            tally.empty_streak = 0
+            self._execute(plan, rng, tally)
+            if progress is not None and tally.iterations % 256 == 0:
+                progress(tally.completed, n)
+            if stop_at is not None and tally.iterations % 16 == 0 and self._late_count(act) > stop_at:
                 stopped = True
                 break
         wall = time.perf_counter() - wall0
+        return self._result(tally, wall, stopped)
+
+    def _plan_iteration(self, act: np.ndarray, tally: _RunTally) -> Plan:
+        """Preempt if KV is short, ask the adapter for a plan and record the decision."""
+        self._preempt_if_needed(act)
+        snap = self._snapshot(act)
+        decision = self.adapter.decide(snap)
+        plan = decision.plan
+        tally.decision_us.append(decision.elapsed_us)
+        tally.paths[plan.path] = tally.paths.get(plan.path, 0) + 1
+        for k, v in plan.breakdown_us.items():
+            tally.breakdown[k] = tally.breakdown.get(k, 0.0) + v
+        if self.on_iteration is not None:
+            self.on_iteration(self, snap, decision)
+        return plan
+
+    def _no_plan(self, act: np.ndarray, arrived: int, tally: _RunTally) -> None:
+        """An empty plan: free KV held by stuck partial prefills, or let time pass."""
+        w = self.w
+        n = len(w)
+        running = act[self.computed[act] > 0]
+        if len(running) > 1:
+            # KV is held by partial prefills that cannot finish: free some.
+            self._preempt(int(running[np.argmax(w.arrival[running] + 1e-12 * running)]))
+            return
+        # Nothing runnable: wait for the next arrival, or a millisecond.
+        tally.empty_streak += 1
+        nxt = float(w.arrival[arrived]) if arrived < n else self.clock + 1e-3
+        self.clock = max(self.clock + 1e-3, min(nxt, self.clock + 0.05))
+        if tally.empty_streak > 10_000:
+            raise RuntimeError("the engine made no progress for 10,000 iterations")
+
+    def _execute(self, plan: Plan, rng: np.random.Generator, tally: _RunTally) -> None:
+        """Run one plan: advance the clock by its true latency, grow KV, advance
+        prefills, emit tokens and report the latency to the adapter."""
+        idx = np.fromiter((self.index[a.id] for a in plan.allocations), dtype=np.int64,
+                          count=len(plan.allocations))
+        tok = np.fromiter((a.tokens for a in plan.allocations), dtype=np.int64,
+                          count=len(plan.allocations))
+        u = self.kv[idx].copy()
+        latency_ms = self.truth.iteration_ms(tok, u, rng)
+        self.clock += latency_ms / 1e3
+        tally.iterations += 1
+        is_dec = self.computed[idx] == self.prompt_eff[idx]
+        self._grow_kv(idx, tok)
+        emit = self._advance_prefills(idx, tok, is_dec, latency_ms)
+        if len(emit):
+            self._emit(emit, tally)
+        self.adapter.report(IterationSample(tok, u, latency_ms))
+
+    def _grow_kv(self, idx: np.ndarray, tok: np.ndarray) -> None:
+        """Add the scheduled tokens to the KV cache, in blocks."""
+        self.kv[idx] += tok
+        new_blocks = -(-self.kv[idx] // self.block)
+        self.used_blocks += int((new_blocks - self.blocks[idx]).sum())
+        self.blocks[idx] = new_blocks
+        self.max_used_blocks = max(self.max_used_blocks, self.used_blocks)
+        if self.used_blocks > self.total_blocks:
+            raise AssertionError("KV cache over capacity: the plan check should make this impossible")
+
+    def _advance_prefills(self, idx: np.ndarray, tok: np.ndarray, is_dec: np.ndarray,
+                          latency_ms: float) -> np.ndarray:
+        """Count prefill progress, update the prefill-throughput estimate and
+        return the requests that emit a token: decodes and finished prefills."""
+        pre = idx[~is_dec]
+        self.computed[pre] += tok[~is_dec]
+        finished_prefill = pre[self.computed[pre] == self.prompt_eff[pre]]
+        emit = np.concatenate([idx[is_dec], finished_prefill])
+        prefill_tokens = int(tok[~is_dec].sum())
+        if prefill_tokens:
+            obs = prefill_tokens / (latency_ms / 1e3)
+            self.prefill_ema = obs if self.prefill_ema is None else 0.995 * self.prefill_ema + 0.005 * obs
+        return emit
+
+    def _emit(self, emit: np.ndarray, tally: _RunTally) -> None:
+        """Emit one token each: check it against its deadline, record TTFT/TBT,
+        and retire the requests that are done (their KV blocks are freed)."""
+        w = self.w
+        k = self.generated[emit]  # tokens before this one
+        due = w.arrival[emit] + w.ttft_slo[emit] + k * w.tbt_slo[emit]
+        self.violated[emit] |= self.clock > due + 1e-9
+        first = k == 0
+        self.first_token[emit[first]] = self.clock
+        gaps = self.clock - self.last_token[emit[~first]]
+        tally.tbt.append(gaps)
+        self.last_token[emit] = self.clock
+        self.generated[emit] += 1
+        tally.out_tokens += len(emit)
+        fin = emit[self.generated[emit] >= w.output_tokens[emit]]
+        if len(fin):
+            self.done[fin] = True
+            self.used_blocks -= int(self.blocks[fin].sum())
+            self.blocks[fin] = 0
+            tally.completed += len(fin)
+
+    def _result(self, tally: _RunTally, wall: float, stopped: bool) -> SimResult:
+        w = self.w
+        n = len(w)
         violated = self.violated | ~self.done
         ttft = self.first_token - w.arrival
         return SimResult(
             n_requests=n,
-            completed=completed,
+            completed=tally.completed,
             violated=violated,
             ttft_s=ttft[~np.isnan(ttft)],
-            tbt_s=np.concatenate(tbt) if tbt else np.zeros(0),
+            tbt_s=np.concatenate(tally.tbt) if tally.tbt else np.zeros(0),
             sim_time_s=self.clock - (float(w.arrival[0]) if n else 0.0),
             wall_time_s=wall,
-            iterations=iterations,
+            iterations=tally.iterations,
             preemptions=self.preemptions,
             stopped_early=stopped,
-            decision_us=np.array(decision_us, dtype=np.float64),
-            breakdown_us={k: v / max(len(decision_us), 1) for k, v in breakdown.items()},
-            paths=paths,
+            decision_us=np.array(tally.decision_us, dtype=np.float64),
+            breakdown_us={k: v / max(len(tally.decision_us), 1) for k, v in tally.breakdown.items()},
+            paths=tally.paths,
             adapter=self.adapter.stats(),
-            output_tokens=out_tokens,
+            output_tokens=tally.out_tokens,
             max_kv_used_blocks=self.max_used_blocks,
             kv_total_blocks=self.total_blocks,
         )
