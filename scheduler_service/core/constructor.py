@@ -94,20 +94,52 @@ def construct_batch(
         return None
     r_all = snap.remaining_prefill[live].astype(np.float64)
     v_all = 1.0 / (s_all / s_all.sum() + r_all / r_all.sum())  # (18)
-    # Anchors and their capacities (17), all at once.
+    cap_of = _anchor_capacities(snap, risky, curve, token_cap, margin)
+    if not cap_of:
+        return None
+    pool = _candidate_pool(snap, live, v_all, np.array(list(cap_of), dtype=risky.dtype), max_candidates)
+    take, anchors = _knapsack_pass(pool, cap_of)
+    best = _best_repaired(snap, pool, take, anchors, seq_cap, margin, predictor, decodes)
+    if best is None:
+        return None
+    (_, total_v, _), chosen = best
+    return ConstructorResult(anchor=chosen[0], chosen=tuple(chosen), value=float(total_v))
+
+
+#: A knapsack key (21): (|Y|, Σv, Σr).
+_Key = tuple[int, float, int]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Pool:
+    """The candidate pool in slack-descending order, with weights r_j and values v_j."""
+
+    idx: np.ndarray
+    w: np.ndarray
+    v: np.ndarray
+    #: v_j by snapshot index.
+    value: dict[int, float]
+
+
+def _anchor_capacities(snap: Snapshot, risky: np.ndarray, curve: BudgetCurve, token_cap: int,
+                       margin: float) -> dict[int, int]:
+    """C_a − r_a (17), (19) of every risky anchor whose own prefill fits, all at once."""
     c_a = np.minimum(curve.prefill_tokens_within_many(snap.slack[risky] * 1e3 / margin), token_cap)
     r_a = snap.remaining_prefill[risky]
     ok = r_a <= c_a
     if not ok.any():
-        return None
-    cap_of = dict(zip(risky[ok].tolist(), (c_a - r_a)[ok].tolist(), strict=True))
-    cmax = max(cap_of.values())
-    # Candidate pool: top values plus anchors, then the slack-descending order.
+        return {}
+    return dict(zip(risky[ok].tolist(), (c_a - r_a)[ok].tolist(), strict=True))
+
+
+def _candidate_pool(snap: Snapshot, live: np.ndarray, v_all: np.ndarray, anchors: np.ndarray,
+                    max_candidates: int) -> _Pool:
+    """Top values plus anchors, then the slack-descending order."""
     if len(live) > max_candidates:
         top = np.argpartition(-v_all, max_candidates - 1)[:max_candidates]
         keep = np.zeros(len(live), dtype=bool)
         keep[top] = True
-        keep |= np.isin(live, risky[ok])
+        keep |= np.isin(live, anchors)
         pool_pos = np.flatnonzero(keep)
     else:
         pool_pos = np.arange(len(live))
@@ -116,14 +148,22 @@ def construct_batch(
     pool = _order_by_slack_desc(snap, live[pool_pos])
     w = snap.remaining_prefill[pool].astype(np.int64)
     v = value_of[pool]
-    value = dict(zip(pool.tolist(), v.tolist(), strict=True))
+    return _Pool(pool, w, v, dict(zip(pool.tolist(), v.tolist(), strict=True)))
+
+
+def _knapsack_pass(pool: _Pool, cap_of: dict[int, int]) -> tuple[np.ndarray, list[tuple[_Key, int, int]]]:
+    """One knapsack pass over the pool: the choice bits, and for every anchor
+    its key (21), its position in the pool and its capacity, read off the DP
+    when the pass reaches it (its candidates are the items before it)."""
+    w, v, value = pool.w, pool.v, pool.value
+    cmax = max(cap_of.values())
     dp = np.zeros(cmax + 1)
     # |Y| and Σr of each dp cell packed in one integer (count << 32 | weight):
     # one array update per item instead of two.
     cw = np.zeros(cmax + 1, dtype=np.int64)
-    take = np.zeros((len(pool), cmax + 1), dtype=bool)
-    anchors: list[tuple[tuple[int, float, int], int, int]] = []  # (key (21), anchor pos, cap)
-    for p, i in enumerate(pool.tolist()):
+    take = np.zeros((len(pool.idx), cmax + 1), dtype=bool)
+    anchors: list[tuple[_Key, int, int]] = []  # (key (21), anchor pos, cap)
+    for p, i in enumerate(pool.idx.tolist()):
         if i in cap_of:
             c = cap_of[i]
             packed = int(cw[c])
@@ -139,34 +179,47 @@ def construct_batch(
         np.copyto(dp[wp:], cand, where=better)
         np.copyto(cw[wp:], cw[:head] + ((1 << 32) + wp), where=better)
     assert anchors
+    return take, anchors
+
+
+def _best_repaired(snap: Snapshot, pool: _Pool, take: np.ndarray, anchors: list[tuple[_Key, int, int]],
+                   seq_cap: int, margin: float, predictor: BatchLatencyPredictor,
+                   decodes: np.ndarray) -> tuple[_Key, list[int]] | None:
+    """Try the anchors in key order; the best repaired selection, or None."""
+    value = pool.value
     slack_ms = snap.slack * 1e3
     u_dec = float(snap.kv_tokens[decodes].sum()) if len(decodes) else 0.0
     base = decode_features(float(len(decodes)), u_dec)
     anchors.sort(key=lambda e: e[0], reverse=True)
-    best: tuple[tuple[int, float, int], list[int]] | None = None
+    best: tuple[_Key, list[int]] | None = None
     for key, pa, c in anchors:
         if best is not None and key <= best[0]:
             break  # repairs only lower keys: nothing left can win
-        chosen = [int(pool[pa])]
-        for p in range(pa - 1, -1, -1):
-            if take[p, c]:
-                chosen.append(int(pool[p]))
-                c -= int(w[p])
-        if len(chosen) > seq_cap:
-            # Rare: more prefills than sequence slots.  Keep the anchor and the
-            # most valuable others.
-            rest = sorted(chosen[1:], key=lambda i: (-value[i], snap.ids[i]))
-            chosen = [chosen[0], *rest[: seq_cap - 1]]
+        chosen = _read_back(snap, pool, take, pa, c, seq_cap)
         fit = _repair(snap, predictor, base, chosen, value, float(slack_ms[chosen].min()), margin)
         if fit is None:
             continue
         rkey = (len(fit), sum(value[i] for i in fit), int(sum(int(snap.remaining_prefill[i]) for i in fit)))
         if best is None or rkey > best[0]:
             best = (rkey, fit)
-    if best is None:
-        return None
-    (_, total_v, _), chosen = best
-    return ConstructorResult(anchor=chosen[0], chosen=tuple(chosen), value=float(total_v))
+    return best
+
+
+def _read_back(snap: Snapshot, pool: _Pool, take: np.ndarray, pa: int, c: int, seq_cap: int) -> list[int]:
+    """The selection of the anchor at pool position ``pa`` with capacity ``c``
+    (anchor first), cut to ``seq_cap`` requests."""
+    chosen = [int(pool.idx[pa])]
+    for p in range(pa - 1, -1, -1):
+        if take[p, c]:
+            chosen.append(int(pool.idx[p]))
+            c -= int(pool.w[p])
+    if len(chosen) > seq_cap:
+        # Rare: more prefills than sequence slots.  Keep the anchor and the
+        # most valuable others.
+        value = pool.value
+        rest = sorted(chosen[1:], key=lambda i: (-value[i], snap.ids[i]))
+        chosen = [chosen[0], *rest[: seq_cap - 1]]
+    return chosen
 
 
 def _repair(snap: Snapshot, predictor: BatchLatencyPredictor, base: np.ndarray, chosen: list[int],
