@@ -419,6 +419,39 @@ def fit_predictor(
     unconstrained per-scenario least-squares fit, missing scenarios falling
     back to the global model.
     """
+    x, s, y = _samples(features, scenario, latency_ms)
+    counts = {name: int((s == k).sum()) for k, name in enumerate(SCENARIOS)}
+    info: dict[str, Any] = {"samples": counts}
+    if not positive:
+        models: dict[str, LinearModel | None] = {}
+        for k, name in enumerate(SCENARIOS):
+            mask = s == k
+            models[name] = _fit_linear(x[mask], y[mask], False) if mask.sum() >= min_samples else None
+        info.update(meta or {})
+        return BatchLatencyPredictor(scenarios=models, global_model=_fit_linear(x, y, False), meta=info)
+    thin = {k for k in (DECODE, PREFILL, MIXED) if (s == k).sum() < min_samples}
+    fitted = _fit_pure_scenarios(x, s, y, thin)
+    n_max, ctx = _sample_domain(x)
+    lower, g, h = _mixed_bounds(fitted, n_max, ctx)
+    mask = s == MIXED if MIXED not in thin else np.ones(len(y), dtype=bool)
+    m = fitted[MIXED] = _fit_bounded(x[mask], y[mask], SCENARIO_FEATURES[MIXED], lower, g, h)
+    for k in (DECODE, PREFILL):
+        if k not in fitted:
+            fitted[k] = _borrow_mixed(m, k)
+    borrowed = [SCENARIOS[k] for k in sorted(thin)]
+    info["monotone_domain"] = {"max_decodes": n_max, "max_context": ctx}
+    if borrowed:
+        info["borrowed"] = borrowed
+    info.update(meta or {})
+    # Every scenario has its own model, so the global one never predicts; it
+    # is the mixed model, the largest of the three.
+    return BatchLatencyPredictor(scenarios={name: fitted[k] for k, name in enumerate(SCENARIOS)},
+                                 global_model=fitted[MIXED], meta=info)
+
+
+def _samples(features: np.ndarray, scenario: np.ndarray,
+             latency_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The samples as float/int arrays, checked for shape and finiteness."""
     x = np.asarray(features, dtype=np.float64)
     s = np.asarray(scenario, dtype=np.int64)
     y = np.asarray(latency_ms, dtype=np.float64)
@@ -428,16 +461,11 @@ def fit_predictor(
         )
     if len(y) < 2 or not np.all(np.isfinite(x)) or not np.all(np.isfinite(y)):
         raise ValidationError.single("samples", "need at least 2 finite samples")
-    counts = {name: int((s == k).sum()) for k, name in enumerate(SCENARIOS)}
-    info: dict[str, Any] = {"samples": counts}
-    models: dict[str, LinearModel | None] = {}
-    if not positive:
-        for k, name in enumerate(SCENARIOS):
-            mask = s == k
-            models[name] = _fit_linear(x[mask], y[mask], False) if mask.sum() >= min_samples else None
-        info.update(meta or {})
-        return BatchLatencyPredictor(scenarios=models, global_model=_fit_linear(x, y, False), meta=info)
-    thin = {k for k in (DECODE, PREFILL, MIXED) if (s == k).sum() < min_samples}
+    return x, s, y
+
+
+def _fit_pure_scenarios(x: np.ndarray, s: np.ndarray, y: np.ndarray, thin: set[int]) -> dict[int, LinearModel]:
+    """The decode-only and prefill-only models, fitted before the mixed one."""
     everything = np.ones(len(y), dtype=bool)
     zero = np.zeros(N_FEATURES + 1)
     fitted: dict[int, LinearModel] = {}
@@ -447,12 +475,22 @@ def fit_predictor(
         if k not in thin or MIXED in thin:
             mask = s == k if k not in thin else everything
             fitted[k] = _fit_bounded(x[mask], y[mask], SCENARIO_FEATURES[k], zero)
-    # The domain the cross-scenario rule covers: the samples' decode counts and
-    # mean decode contexts.
+    return fitted
+
+
+def _sample_domain(x: np.ndarray) -> tuple[float, float]:
+    """The domain the cross-scenario rule covers: the samples' largest decode
+    count and mean decode context."""
     has_d = x[:, 3] > 0
     n_max = float(x[has_d, 3].max()) if has_d.any() else 1.0
     ctx = float((x[has_d, 4] / x[has_d, 3]).max()) if has_d.any() else 0.0
-    domain = {"max_decodes": n_max, "max_context": ctx}
+    return n_max, ctx
+
+
+def _mixed_bounds(fitted: Mapping[int, LinearModel], n_max: float,
+                  ctx: float) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """The cross-scenario constraints of the mixed model given the fitted
+    pure ones: lower bounds on its coefficients and rows g·θ ≥ h."""
     lower = np.zeros(N_FEATURES + 1)
     rows_g, rows_h = [], []
     if PREFILL in fitted:
@@ -470,27 +508,18 @@ def fit_predictor(
         rows_h.extend(dec_part @ np.array([d.intercept_ms, *d.weights]))
     g = np.array(rows_g) if rows_g else None
     h = np.array(rows_h) if rows_h else None
-    mask = s == MIXED if MIXED not in thin else everything
-    m = fitted[MIXED] = _fit_bounded(x[mask], y[mask], SCENARIO_FEATURES[MIXED], lower, g, h)
-    for k in (DECODE, PREFILL):
-        if k not in fitted:
-            # the mixed model on the features this scenario has (x3 = x5 in a
-            # decode-only batch, so their weights merge): never above mixed
-            w = np.zeros(N_FEATURES)
-            for j in SCENARIO_FEATURES[k]:
-                w[j] = m.weights[j]
-            if k == DECODE:
-                w[4] += m.weights[2]
-            fitted[k] = LinearModel(m.intercept_ms, tuple(float(v) for v in w))
-    borrowed = [SCENARIOS[k] for k in sorted(thin)]
-    models = {name: fitted[k] for k, name in enumerate(SCENARIOS)}
-    info["monotone_domain"] = domain
-    if borrowed:
-        info["borrowed"] = borrowed
-    info.update(meta or {})
-    # Every scenario has its own model, so the global one never predicts; it
-    # is the mixed model, the largest of the three.
-    return BatchLatencyPredictor(scenarios=models, global_model=fitted[MIXED], meta=info)
+    return lower, g, h
+
+
+def _borrow_mixed(m: LinearModel, k: int) -> LinearModel:
+    """The mixed model on the features scenario ``k`` has (x3 = x5 in a
+    decode-only batch, so their weights merge): never above mixed."""
+    w = np.zeros(N_FEATURES)
+    for j in SCENARIO_FEATURES[k]:
+        w[j] = m.weights[j]
+    if k == DECODE:
+        w[4] += m.weights[2]
+    return LinearModel(m.intercept_ms, tuple(float(v) for v in w))
 
 
 def evaluate(
