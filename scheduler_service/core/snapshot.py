@@ -122,11 +122,7 @@ class Snapshot:
             errs, now, max_batch_tokens, max_num_seqs, free_kv_tokens, prefill_throughput
         )
         n = len(ids)
-        if n > max_requests:
-            errs.append(
-                FieldViolation("requests", f"has {n} requests, more than the limit {max_requests}")
-            )
-            raise ValidationError(errs)
+        _limit_requests(errs, n, max_requests)
         cols = {
             "arrival": (arrival, np.float64),
             "prompt_tokens": (prompt_tokens, np.int64),
@@ -136,18 +132,7 @@ class Snapshot:
             "tbt_slo": (tbt_slo, np.float64),
             "protected": (protected, np.bool_),
         }
-        arrays: dict[str, np.ndarray] = {}
-        for name, (values, dtype) in cols.items():
-            arr = _column(errs, name, values, dtype, n)
-            if arr is not None:
-                arrays[name] = arr
-        ids_t = tuple(ids)
-        _validate_ids(errs, ids_t)
-        if errs:
-            raise ValidationError(errs)
-        _validate_rows(errs, arrays)
-        if errs:
-            raise ValidationError(errs)
+        ids_t, arrays = _validate_requests(errs, ids, cols, n)
         return cls(
             now=scal[0],
             max_batch_tokens=scal[1],
@@ -197,57 +182,12 @@ class Snapshot:
         cls, data: str | bytes | Mapping[str, Any], *, max_requests: int = DEFAULT_MAX_REQUESTS
     ) -> Snapshot:
         """Parse the JSON form (docs/usage.md) (a string or a decoded object)."""
-        if isinstance(data, str | bytes):
-            try:
-                data = json.loads(data)
-            except (ValueError, RecursionError) as e:
-                # ValueError covers JSONDecodeError, UnicodeDecodeError and integers over
-                # Python's digit limit; RecursionError is deeply nested arrays/objects.
-                raise ValidationError.single("snapshot", f"is not valid JSON: {e}") from None
-        if not isinstance(data, Mapping):
-            raise ValidationError.single("snapshot", "must be a JSON object")
-        known = {
-            "now", "max_batch_tokens", "max_num_seqs", "free_kv_tokens",
-            "prefill_throughput", "requests", "profile",
-        }
-        errs = [FieldViolation(_key(k), "unknown field") for k in data if k not in known]
-        for k in ("now", "max_batch_tokens", "max_num_seqs", "requests"):
-            if k not in data:
-                errs.append(FieldViolation(k, "is required"))
-        reqs = data.get("requests", [])
-        if not isinstance(reqs, list):
-            errs.append(FieldViolation("requests", "must be a list"))
-            reqs = []
-        if len(reqs) > max_requests:
-            errs.append(
-                FieldViolation(
-                    "requests", f"has {len(reqs)} requests, more than the limit {max_requests}"
-                )
-            )
-            raise ValidationError(errs)
-        cols: dict[str, list[Any]] = {k: [] for k in _REQUEST_FIELDS}
-        for i, r in enumerate(reqs):
-            if not isinstance(r, Mapping):
-                errs.append(FieldViolation(f"requests[{i}]", "must be an object"))
-                continue
-            for k in r:
-                if k not in _REQUEST_FIELDS:
-                    errs.append(FieldViolation(f"requests[{i}].{_key(k)}", "unknown field"))
-            for k, (default, required) in _REQUEST_FIELDS.items():
-                if k in r:
-                    cols[k].append(r[k])
-                elif required:
-                    errs.append(FieldViolation(f"requests[{i}].{k}", "is required"))
-                    cols[k].append(default)
-                else:
-                    cols[k].append(default)
+        data = _json_object(data)
+        errs, reqs = _top_level(data, max_requests)
+        cols = _request_columns(errs, reqs)
         if errs:
             raise ValidationError(errs)
-        for i, v in enumerate(cols["id"]):
-            if not isinstance(v, str):
-                errs.append(FieldViolation(f"requests[{i}].id", "must be a string"))
-        if not isinstance(data.get("profile", ""), str | None):
-            errs.append(FieldViolation("profile", "must be a string"))
+        _validate_json_types(errs, data, cols)
         if errs:
             raise ValidationError(errs)
         return cls.from_columns(
@@ -368,6 +308,97 @@ _REQUEST_FIELDS: dict[str, tuple[Any, bool]] = {
     "tbt_slo": (0.0, True),
     "protected": (False, False),
 }
+
+
+def _limit_requests(errs: list[FieldViolation], n: int, max_requests: int) -> None:
+    """Raise (with ``errs`` so far) when there are more than ``max_requests`` requests."""
+    if n > max_requests:
+        errs.append(
+            FieldViolation("requests", f"has {n} requests, more than the limit {max_requests}")
+        )
+        raise ValidationError(errs)
+
+
+def _validate_requests(
+    errs: list[FieldViolation], ids: Sequence[str], cols: Mapping[str, tuple[Any, Any]], n: int
+) -> tuple[tuple[str, ...], dict[str, np.ndarray]]:
+    """The ids and the request columns as arrays; raises :class:`ValidationError`."""
+    arrays: dict[str, np.ndarray] = {}
+    for name, (values, dtype) in cols.items():
+        arr = _column(errs, name, values, dtype, n)
+        if arr is not None:
+            arrays[name] = arr
+    ids_t = tuple(ids)
+    _validate_ids(errs, ids_t)
+    if errs:
+        raise ValidationError(errs)
+    _validate_rows(errs, arrays)
+    if errs:
+        raise ValidationError(errs)
+    return ids_t, arrays
+
+
+def _json_object(data: str | bytes | Mapping[str, Any]) -> Mapping[str, Any]:
+    """``data`` decoded, if text, and checked to be a JSON object."""
+    if isinstance(data, str | bytes):
+        try:
+            data = json.loads(data)
+        except (ValueError, RecursionError) as e:
+            # ValueError covers JSONDecodeError, UnicodeDecodeError and integers over
+            # Python's digit limit; RecursionError is deeply nested arrays/objects.
+            raise ValidationError.single("snapshot", f"is not valid JSON: {e}") from None
+    if not isinstance(data, Mapping):
+        raise ValidationError.single("snapshot", "must be a JSON object")
+    return data
+
+
+def _top_level(data: Mapping[str, Any], max_requests: int) -> tuple[list[FieldViolation], list[Any]]:
+    """Violations among the top-level fields, and the request list (raises
+    when it is over ``max_requests``)."""
+    known = {
+        "now", "max_batch_tokens", "max_num_seqs", "free_kv_tokens",
+        "prefill_throughput", "requests", "profile",
+    }
+    errs = [FieldViolation(_key(k), "unknown field") for k in data if k not in known]
+    for k in ("now", "max_batch_tokens", "max_num_seqs", "requests"):
+        if k not in data:
+            errs.append(FieldViolation(k, "is required"))
+    reqs = data.get("requests", [])
+    if not isinstance(reqs, list):
+        errs.append(FieldViolation("requests", "must be a list"))
+        reqs = []
+    _limit_requests(errs, len(reqs), max_requests)
+    return errs, reqs
+
+
+def _request_columns(errs: list[FieldViolation], reqs: list[Any]) -> dict[str, list[Any]]:
+    """The JSON request objects as columns, defaults filled in; violations go to ``errs``."""
+    cols: dict[str, list[Any]] = {k: [] for k in _REQUEST_FIELDS}
+    for i, r in enumerate(reqs):
+        if not isinstance(r, Mapping):
+            errs.append(FieldViolation(f"requests[{i}]", "must be an object"))
+            continue
+        for k in r:
+            if k not in _REQUEST_FIELDS:
+                errs.append(FieldViolation(f"requests[{i}].{_key(k)}", "unknown field"))
+        for k, (default, required) in _REQUEST_FIELDS.items():
+            if k in r:
+                cols[k].append(r[k])
+            elif required:
+                errs.append(FieldViolation(f"requests[{i}].{k}", "is required"))
+                cols[k].append(default)
+            else:
+                cols[k].append(default)
+    return cols
+
+
+def _validate_json_types(errs: list[FieldViolation], data: Mapping[str, Any], cols: dict[str, list[Any]]) -> None:
+    """String-typed fields the columnar check does not cover: ids and the profile."""
+    for i, v in enumerate(cols["id"]):
+        if not isinstance(v, str):
+            errs.append(FieldViolation(f"requests[{i}].id", "must be a string"))
+    if not isinstance(data.get("profile", ""), str | None):
+        errs.append(FieldViolation("profile", "must be a string"))
 
 
 def _key(k: Any) -> str:
