@@ -112,40 +112,54 @@ def sliding_chunk(
     if reach < 0:
         return 0
     grid = grid_positions(cq, k, granularity, max_points, first_tokens=reach)
-    inf = np.inf
-    in_first = grid <= cq.first_cap
-    best = np.full(len(grid), inf)
-    t1 = cq.segment_time_ms(np.zeros(int(in_first.sum()), dtype=np.int64), grid[in_first])
-    best[in_first] = np.where(t1 <= W[0], t1, inf)
+    best = _first_window(cq, grid, W)
     if not np.isfinite(best).any():
         return 0
     # first[j]: grid index of b_1 on the path chosen into position j, so that
     # ties between equally fast paths go to the larger b_1 at every window.
     first = np.arange(len(grid))
-    parents: list[np.ndarray] = []
     for m in range(1, k - 1):
         best, par = _step(cq, grid, best, first, m, W[m], np.arange(len(grid)))
         first = first[par]
-        parents.append(par)
         if not np.isfinite(best).any():
             return 0
     if k > 1:
-        # Last window: only the largest feasible total matters, so scan the
-        # targets from the top in blocks and stop at the first feasible one.
-        # Blocks of ~8k pair evaluations: numpy's per-call overhead dominates
-        # below that, so one big block usually beats several small ones.
-        rows = int(np.isfinite(best).sum())
-        block = max(8, 8192 // max(rows, 1))
-        hi = len(grid)
-        while hi > 0:
-            cols = np.arange(max(0, hi - block), hi)
-            b, par = _step(cq, grid, best, first, k - 1, W[k - 1], cols, tie_tolerance_ms)
-            ok = np.flatnonzero(np.isfinite(b))
-            if len(ok):
-                return int(grid[first[par[ok[-1]]]])
-            hi -= block
-        return 0  # no split fits the last window
+        return _last_window(cq, grid, best, first, W, tie_tolerance_ms)
     return int(grid[np.flatnonzero(np.isfinite(best))[-1]])
+
+
+def _first_window(cq: CandidateQueue, grid: np.ndarray, W: np.ndarray) -> np.ndarray:
+    """The DP's first step: the time of each position as b_1, infinite where
+    it is past the first iteration's cap or over W_1."""
+    inf = np.inf
+    in_first = grid <= cq.first_cap
+    best = np.full(len(grid), inf)
+    t1 = cq.segment_time_ms(np.zeros(int(in_first.sum()), dtype=np.int64), grid[in_first])
+    best[in_first] = np.where(t1 <= W[0], t1, inf)
+    return best
+
+
+def _last_window(cq: CandidateQueue, grid: np.ndarray, best: np.ndarray, first: np.ndarray,
+                 W: np.ndarray, tie_tolerance_ms: float) -> int:
+    """The DP's last step: b_1 of the largest feasible total, 0 when no split
+    fits the last window.
+
+    Only the largest feasible total matters, so scan the targets from the top
+    in blocks and stop at the first feasible one.  Blocks of ~8k pair
+    evaluations: numpy's per-call overhead dominates below that, so one big
+    block usually beats several small ones."""
+    k = len(W)
+    rows = int(np.isfinite(best).sum())
+    block = max(8, 8192 // max(rows, 1))
+    hi = len(grid)
+    while hi > 0:
+        cols = np.arange(max(0, hi - block), hi)
+        b, par = _step(cq, grid, best, first, k - 1, W[k - 1], cols, tie_tolerance_ms)
+        ok = np.flatnonzero(np.isfinite(b))
+        if len(ok):
+            return int(grid[first[par[ok[-1]]]])
+        hi -= block
+    return 0  # no split fits the last window
 
 
 def _step(
