@@ -26,8 +26,17 @@ def _loaded_after(module: str, *watched: str) -> list[str]:
     return [m for m in out.stdout.strip().split(",") if m]
 
 
-def test_client_does_not_load_the_server() -> None:
-    assert _loaded_after("scheduler_service.client", "scheduler_service.server", "prometheus_client") == []
+@pytest.mark.parametrize("module", ["scheduler_service.client", "clients.client"])
+def test_client_does_not_load_the_server(module: str) -> None:
+    """``clients.client`` is the first release's name for the client, kept for its users."""
+    assert _loaded_after(module, "scheduler_service.server", "prometheus_client") == []
+
+
+def test_the_first_release_name_is_the_same_client() -> None:
+    import clients.client as old
+    import scheduler_service.client as new
+
+    assert all(getattr(old, n) is getattr(new, n) for n in new.__all__)
 
 
 def test_client_stands_on_wire_and_generated_code_only() -> None:
