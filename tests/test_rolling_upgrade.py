@@ -30,5 +30,10 @@ def test_rolling_upgrade_loses_nothing_and_falls_back_briefly(tmp_path: Path) ->
         assert sum(e["fallbacks"].values()) <= 20, e
         assert e["longest_fallback_run"] <= 8, e
         assert set(e["fallbacks"]) <= {"error", "circuit_open", "deadline"}, e
-    # the engines moved between replicas: both restarts were seen by at least one engine
-    assert res["fallback_iterations"] >= 1
+    # both replicas were drained and restarted while the engines ran: a restart may cost an
+    # engine a fallback or two, or none when its stream's drain ends cleanly and the channel
+    # moves to the other replica before the next call
+    msgs = [m for m, _ in res["events"]]
+    for name in ("A", "B"):
+        assert f"replica {name}: SIGTERM (drain)" in msgs and f"replica {name}: SERVING again" in msgs, msgs
+    assert msgs.index("replica B: SERVING again") < msgs.index("all engines finished"), msgs
