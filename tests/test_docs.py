@@ -51,3 +51,9 @@ def test_code_points_only_into_the_repository() -> None:
         assert OUTSIDE not in text, f"{f.relative_to(ROOT)} cites a document not in the repository"
         missing += [f"{f.relative_to(ROOT)}: {ref}" for ref in DOC_REF.findall(text) if not (ROOT / ref).exists()]
     assert not missing, missing
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_page_has_a_title_and_a_body(doc: Path) -> None:
+    text = doc.read_text()
+    assert text.startswith("# ") and len(text) > 300, f"{doc.relative_to(ROOT)} is empty or has no title"
