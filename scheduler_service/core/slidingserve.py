@@ -134,12 +134,12 @@ class SlidingServePolicy:
         return lost & (snap.slack[pre] > 0)
 
     def _plan(self, snap: Snapshot, predictor: BatchLatencyPredictor, t0: int, dec_all: np.ndarray,
-              runnable: np.ndarray, pre: np.ndarray, hopeless: np.ndarray, rho: float) -> Plan:
+              runnable: np.ndarray, pre: np.ndarray, lost: np.ndarray, rho: float) -> Plan:
         p = self.params
         decodes = select_decodes(snap, runnable)
         n_dec = len(decodes)
         if p.order == "mlps":
-            queue = mlps_order(snap, pre, rho, p.alpha, p.epsilon_s, lost=hopeless)
+            queue = mlps_order(snap, pre, rho, p.alpha, p.epsilon_s, lost=lost)
         else:
             queue = edf_order(snap, pre, expired_last=False)
         t1 = time.perf_counter_ns()
@@ -159,7 +159,7 @@ class SlidingServePolicy:
         if p.batch_constructor and cq.first_cap > 0:
             cand = cq.first_cap if W is None else max(curve.prefill_tokens_within(W[0], cq.first_cap), 0)
             t_full = float(curve.times[cand])
-            live = pre[(snap.slack[pre] > 0) & ~hopeless]
+            live = pre[(snap.slack[pre] > 0) & ~lost]
             chosen = construct_batch(
                 snap, live, curve, n_dec, t_full,
                 token_cap=min(cq.iter_cap, cq.kv_cap),
