@@ -13,6 +13,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from time import perf_counter_ns
+from typing import Any
 
 import grpc
 import structlog
@@ -86,6 +87,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         self._shadow = shadow
         self.engines = engines or EngineTable(metrics, config.engine_ttl_s, config.max_engines)
         self.ready = threading.Event()
+        self._metric_children: dict[tuple[str, str], tuple[Any, Any]] = {}
 
     # ------------------------------------------------------------ decisions
     def _decide(self, request: pb.ScheduleRequest, t0: int, tenant: str = DEFAULT_TENANT) -> pb.ScheduleResponse:
@@ -104,9 +106,22 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         self.engines.seen(tenant, request.snapshot.engine_id, version)
         dt = perf_counter_ns() - t0
         resp.server_us = dt // 1000
-        self._metrics.decisions.labels(plan.policy, plan.path).inc()
-        self._metrics.decision_seconds.labels(plan.policy).observe(dt * 1e-9)
+        decisions, seconds = self._decision_metrics(plan.policy, plan.path)
+        decisions.inc()
+        seconds.observe(dt * 1e-9)
         return resp
+
+    def _decision_metrics(self, policy: str, path: str) -> tuple[Any, Any]:
+        """The decision counter and histogram children of (policy, path), looked up once:
+        ``labels()`` validates and locks on every call.  Bounded: policies are registry
+        names and paths a fixed set per policy."""
+        key = (policy, path)
+        children = self._metric_children.get(key)
+        if children is None:
+            children = (self._metrics.decisions.labels(policy, path),
+                        self._metrics.decision_seconds.labels(policy))
+            self._metric_children[key] = children
+        return children
 
     def _check_ready(self, context: grpc.ServicerContext) -> None:
         if not self.ready.is_set():

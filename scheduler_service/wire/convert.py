@@ -14,6 +14,7 @@ error names the field the caller actually set.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -75,9 +76,17 @@ _SCALARS = frozenset({"now", "max_batch_tokens", "max_num_seqs", "free_kv_tokens
 # ---------------------------------------------------------------- profiles
 def profile_from_pb(msg: pb.EngineProfile, field: str = "snapshot.engine_profile") -> EngineProfile:
     try:
-        return EngineProfile(msg.model, msg.hardware, int(msg.tensor_parallel))
+        return _profile(msg.model, msg.hardware, int(msg.tensor_parallel))
     except ValueError as e:
         raise ValidationError.single(field, str(e)) from None
+
+
+@functools.lru_cache(maxsize=1024)
+def _profile(model: str, hardware: str, tensor_parallel: int) -> EngineProfile:
+    """Profiles are immutable and an engine sends the same one every iteration, so its
+    checks run once per distinct profile (bounded: the names come from clients; a
+    ``ValueError`` is not cached)."""
+    return EngineProfile(model, hardware, tensor_parallel)
 
 
 def profile_to_pb(profile: EngineProfile) -> pb.EngineProfile:
@@ -116,42 +125,48 @@ def snapshot_from_pb(
     """Validate a wire snapshot into a core :class:`Snapshot` (profile key set) and its profile."""
     profile = profile_from_pb(msg.engine_profile, f"{prefix}.engine_profile")
     encoding = msg.WhichOneof("requests") or "columns"
-    cols: dict[str, Any]
-    if encoding == "columns":
-        c = msg.columns
-        n = len(c.ids)
-        if n > max_requests:
-            raise ValidationError.single(
-                f"{prefix}.columns", f"has {n} requests, more than the limit {max_requests}"
-            )
-        ids: Sequence[str] = tuple(c.ids)
-        cols = {name: np.array(getattr(c, name), dtype=dt) for name, dt in _COLUMNS}
-    else:
-        rows = msg.rows.requests
-        n = len(rows)
-        if n > max_requests:
-            raise ValidationError.single(
-                f"{prefix}.rows.requests", f"has {n} requests, more than the limit {max_requests}"
-            )
-        ids = tuple(r.id for r in rows)
-        cols = {
-            name: np.array([getattr(r, name) for r in rows], dtype=dt) for name, dt in _COLUMNS
-        }
+    n = len(msg.columns.ids) if encoding == "columns" else len(msg.rows.requests)
+    if n > max_requests:  # before any column is read: the limit bounds the work
+        where = f"{prefix}.columns" if encoding == "columns" else f"{prefix}.rows.requests"
+        raise ValidationError.single(where, f"has {n} requests, more than the limit {max_requests}")
+    scalars: dict[str, Any] = {
+        "now": msg.now,
+        "max_batch_tokens": msg.max_batch_tokens,
+        "max_num_seqs": msg.max_num_seqs,
+        "free_kv_tokens": msg.free_kv_tokens if msg.HasField("free_kv_tokens") else None,
+        "prefill_throughput": msg.prefill_throughput if msg.HasField("prefill_throughput") else None,
+        "profile": profile.key,
+        "max_requests": max_requests,
+    }
     try:
-        snap = Snapshot.from_columns(
-            now=msg.now,
-            max_batch_tokens=msg.max_batch_tokens,
-            max_num_seqs=msg.max_num_seqs,
-            free_kv_tokens=msg.free_kv_tokens if msg.HasField("free_kv_tokens") else None,
-            prefill_throughput=msg.prefill_throughput if msg.HasField("prefill_throughput") else None,
-            profile=profile.key,
-            max_requests=max_requests,
-            ids=ids,
-            **cols,
-        )
+        if encoding == "columns":
+            snap = _columns_snapshot(msg.columns, scalars)
+        else:
+            snap = _rows_snapshot(msg.rows.requests, scalars)
     except ValidationError as e:
         raise _rename(e, prefix, encoding) from None
     return snap, profile
+
+
+def _columns_snapshot(c: pb.RequestColumns, scalars: dict[str, Any]) -> Snapshot:
+    ids, columns = columns_to_arrays(c)
+    return Snapshot.from_arrays(ids=ids, columns=columns, **scalars)
+
+
+def columns_to_arrays(c: pb.RequestColumns) -> tuple[tuple[str, ...], dict[str, np.ndarray]]:
+    """The columnar encoding straight into numpy: each repeated field is one C-level copy
+    (``np.asarray`` on protobuf's typed container; measured as fast as ``np.array`` and
+    10x faster than ``np.fromiter``), no per-request Python object but the id strings.
+    Not validated: :meth:`Snapshot.from_arrays` does that vectorised, relying on the
+    container's type for each element's."""
+    columns = {name: np.asarray(getattr(c, name), dtype=dt) for name, dt in _COLUMNS}
+    return tuple(c.ids), columns
+
+
+def _rows_snapshot(rows: Sequence[pb.Request], scalars: dict[str, Any]) -> Snapshot:
+    """The row encoding: one Python object per request and field (slower; see the module)."""
+    cols: dict[str, Any] = {name: np.array([getattr(r, name) for r in rows], dtype=dt) for name, dt in _COLUMNS}
+    return Snapshot.from_columns(ids=tuple(r.id for r in rows), **scalars, **cols)
 
 
 def snapshot_to_pb(
@@ -222,6 +237,9 @@ def _packed_fixed_columns(snap: Snapshot) -> bytes:
 
 # ------------------------------------------------------------------- plans
 def plan_to_pb(plan: Plan) -> pb.Plan:
+    """Columnar: the allocations split into two tuples in one ``zip`` and handed to the
+    message constructor, which copies each repeated field at C speed."""
+    ids, tokens = zip(*plan.allocations, strict=True) if plan.allocations else ((), ())
     msg = pb.Plan(
         policy=plan.policy,
         policy_version=plan.policy_version,
@@ -230,9 +248,9 @@ def plan_to_pb(plan: Plan) -> pb.Plan:
         token_budget=plan.token_budget,
         predicted_latency_ms=plan.predicted_latency_ms,
         decision_us=plan.decision_us,
+        allocation_ids=ids,
+        allocation_tokens=tokens,
     )
-    msg.allocation_ids.extend([a.id for a in plan.allocations])
-    msg.allocation_tokens.extend([a.tokens for a in plan.allocations])
     if plan.breakdown_us:
         msg.breakdown_us.update({str(k): int(v) for k, v in plan.breakdown_us.items()})
     if plan.deployment:
