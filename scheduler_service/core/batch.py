@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from . import kernels
 from .features import (
     DECODE,
     MIXED,
@@ -46,7 +47,11 @@ from .predictor import BatchLatencyPredictor, LinearModel
 from .snapshot import Snapshot
 from .sorter import ordered
 
-__all__ = ["CandidateQueue", "select_decodes"]
+__all__ = ["BudgetCurve", "CandidateQueue", "select_decodes"]
+
+#: Up to this many minor entries in one call the reference predicts them one by one
+#: in plain Python, beyond it with numpy (``_fix_minor``); the kernels follow suit.
+_SCALAR_MINOR = 8
 
 
 def select_decodes(snap: Snapshot, dec_idx: np.ndarray) -> np.ndarray:
@@ -105,6 +110,8 @@ class CandidateQueue:
     # request's terms under it.
     _model: LinearModel
     _pw: np.ndarray
+    #: The scenario row of that model in the predictor's coefficients (kernels).
+    _fast: int
     _cache: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -125,10 +132,14 @@ class CandidateQueue:
         ``kv_growth_reserve``: KV tokens a new admission must leave free."""
         budget = snap.max_batch_tokens if budget is None else min(budget, snap.max_batch_tokens)
         n_dec = len(decodes)
-        r = snap.remaining_prefill[queue].astype(np.int64)
-        u0 = snap.computed_tokens[queue].astype(np.int64)
-        R = np.zeros(len(queue) + 1, dtype=np.int64)
-        np.cumsum(r, out=R[1:])
+        fast = MIXED if n_dec else PREFILL
+        jit = kernels.jit()
+        if jit is not None:
+            queue = np.asarray(queue, dtype=np.int64)
+            r, u0, R, pf, rbig, pmax, pw = jit.queue_arrays(
+                snap.remaining_prefill, snap.computed_tokens, queue, predictor.coef[fast])
+        else:
+            r, u0, R, pf, rbig, pmax, pw = _queue_arrays(snap, predictor.model(fast), queue)
         seq_left = max(0, snap.max_num_seqs - n_dec)
         iter_cap = max(0, budget - n_dec)
         kv_cont = kv_prefill_cap(snap, n_dec, n_all_decodes, kv_decode_reserve)
@@ -140,15 +151,6 @@ class CandidateQueue:
             # prefills' headroom; past it, only up to the watermark.
             kv_first = min(kv_cont, max(kv_cap, int(R[new[0]]))) if len(new) else kv_cont
         first_cap = min(iter_cap, int(R[min(seq_left, len(queue))]), kv_first)
-        rf = r.astype(np.float64)
-        uf = u0.astype(np.float64)
-        f = piece_features(rf, uf)  # every queued request has r ≥ 1
-        pf = np.zeros((len(r) + 1, f.shape[1]))
-        np.cumsum(f, axis=0, out=pf[1:])
-        rbig = np.ascontiguousarray(f[:, X7])
-        model = predictor.model(MIXED if n_dec else PREFILL)
-        pw = np.zeros(len(r) + 1)
-        np.cumsum(model.piece_ms(rf, uf), out=pw[1:])
         return cls(
             snap=snap,
             predictor=predictor,
@@ -163,10 +165,17 @@ class CandidateQueue:
             kv_cap=int(kv_cap),
             _pf=pf,
             _rbig=rbig,
-            _pmax=np.concatenate([[0.0], np.maximum.accumulate(rbig)]) if len(rbig) else np.zeros(1),
-            _model=model,
+            _pmax=pmax,
+            _model=predictor.model(fast),
             _pw=pw,
+            _fast=fast,
         )
+
+    def kernel_args(self) -> tuple[Any, ...]:
+        """The queue as the compiled kernels take it (coefficients, fast-path row,
+        R, u0, pw, pf, rbig, pmax, n_dec, dec_u)."""
+        return (self.predictor.coef, self._fast, self.R, self.u0, self._pw, self._pf, self._rbig,
+                self._pmax, len(self.decodes), self.dec_u)
 
     @property
     def n_dec(self) -> int:
@@ -258,7 +267,7 @@ class CandidateQueue:
         if not minor.any():
             return
         xs, ys = np.broadcast_to(X, t.shape)[minor], np.broadcast_to(Y, t.shape)[minor]
-        if len(xs) <= 8:  # usually one entry (a one-token fill): numpy calls cost more
+        if len(xs) <= _SCALAR_MINOR:  # usually one entry (a one-token fill): numpy calls cost more
             t[minor] = [self._segment_ms_scalar(int(x), int(y), step) for x, y in zip(xs, ys, strict=True)]
         else:
             f, sc = self.segment_features(xs, ys, step)
@@ -284,6 +293,13 @@ class CandidateQueue:
         """Predicted time of decodes + the greedy fill of P tokens (fast path;
         equal to ``segment_time_ms(0, P)``)."""
         P = np.asarray(P, dtype=np.int64)
+        jit = kernels.jit()
+        if jit is not None:
+            t, minor, n_minor = jit.prefix_times(self.predictor.coef, self._fast, self.R, self.u0, self._pw,
+                                                 self._pf, self._pmax, len(self.decodes), self.dec_u, P)
+            if n_minor > _SCALAR_MINOR:  # the reference predicts these with numpy: so do we
+                self._fix_minor(t, np.zeros_like(P), P, minor, 0)
+            return t
         nq = len(self.r)
         if nq == 0:
             return np.full(len(P), self.decode_only_ms(0))
@@ -369,22 +385,50 @@ class CandidateQueue:
         The curve ignores the sequence and KV caps on purpose: it maps a token
         budget to a time, which BatchConstructor needs beyond the greedy fill.
         """
+        return self.budget_curve(limit).times
+
+    def budget_curve(self, limit: int | None = None) -> BudgetCurve:
+        """The :class:`BudgetCurve` of :meth:`fill_curve_ms` (same ``limit``)."""
         if limit is None:
             limit = min(self.iter_cap, self.supply)
+        jit = kernels.jit()
+        if jit is None:
+            P = np.arange(limit + 1, dtype=np.int64)
+            return BudgetCurve(self.segment_time_ms(np.zeros_like(P), P), len(self.decodes))
+        t, smin, minor, n_minor = jit.fill_curve(self.predictor.coef, self._fast, self.R, self.u0, self._pw,
+                                                 self._pf, self._pmax, len(self.decodes), self.dec_u, limit)
+        if n_minor <= _SCALAR_MINOR:
+            return BudgetCurve(t, len(self.decodes), smin)
         P = np.arange(limit + 1, dtype=np.int64)
-        return self.segment_time_ms(np.zeros_like(P), P)
+        self._fix_minor(t, np.zeros_like(P), P, minor, 0)  # as the reference predicts them
+        return BudgetCurve(t, len(self.decodes))
 
     def fill(self, prefill_tokens: int) -> list[tuple[int, int]]:
-        """(snapshot index, tokens) of the greedy fill of ``prefill_tokens``."""
-        out = []
-        left = prefill_tokens
-        for j, idx in enumerate(self.queue):
-            if left <= 0:
-                break
-            take = int(min(self.r[j], left))
-            out.append((int(idx), take))
-            left -= take
-        return out
+        """(snapshot index, tokens) of the greedy fill of ``prefill_tokens``: every
+        request that starts before it takes min(r, what is left)."""
+        n = min(len(self.queue), int(np.searchsorted(self.R, prefill_tokens, side="left")))
+        takes = np.minimum(self.r[:n], prefill_tokens - self.R[:n])
+        return list(zip(self.queue[:n].tolist(), takes.tolist(), strict=True))
+
+
+def _queue_arrays(snap: Snapshot, model: LinearModel, queue: np.ndarray) -> tuple[np.ndarray, ...]:
+    """r, u0, R, the prefix sums of the full requests' feature rows, their x7
+    column, its running max and the prefix sums of their times under ``model``
+    (the reference of ``kernels.queue_arrays``)."""
+    r = snap.remaining_prefill[queue].astype(np.int64)
+    u0 = snap.computed_tokens[queue].astype(np.int64)
+    R = np.zeros(len(queue) + 1, dtype=np.int64)
+    np.cumsum(r, out=R[1:])
+    rf = r.astype(np.float64)
+    uf = u0.astype(np.float64)
+    f = piece_features(rf, uf)  # every queued request has r ≥ 1
+    pf = np.zeros((len(r) + 1, f.shape[1]))
+    np.cumsum(f, axis=0, out=pf[1:])
+    rbig = np.ascontiguousarray(f[:, X7])
+    pmax = np.concatenate([[0.0], np.maximum.accumulate(rbig)]) if len(rbig) else np.zeros(1)
+    pw = np.zeros(len(r) + 1)
+    np.cumsum(model.piece_ms(rf, uf), out=pw[1:])
+    return r, u0, R, pf, rbig, pmax, pw
 
 
 class BudgetCurve:
@@ -397,10 +441,14 @@ class BudgetCurve:
 
     __slots__ = ("n_dec", "suffix_min", "times")
 
-    def __init__(self, times: np.ndarray, n_dec: int):
+    def __init__(self, times: np.ndarray, n_dec: int, suffix_min: np.ndarray | None = None):
+        """``suffix_min`` when the caller computed it (the fill-curve kernel)."""
         self.times = times
         self.n_dec = n_dec
-        self.suffix_min = np.minimum.accumulate(times[::-1])[::-1]
+        if suffix_min is None:
+            # contiguous: the compiled window search takes it as it is
+            suffix_min = np.ascontiguousarray(np.minimum.accumulate(times[::-1])[::-1])
+        self.suffix_min = suffix_min
 
     def prefill_tokens_within(self, t_ms: float, limit: int | None = None) -> int:
         """Largest prefill token count P (≤ ``limit``) with T̂(decodes + P) ≤

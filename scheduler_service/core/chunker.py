@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import kernels
 from .batch import BudgetCurve, CandidateQueue
 from .snapshot import Snapshot
 
@@ -104,10 +105,18 @@ def sliding_chunk(
     k = len(W)
     if cq.supply == 0 or cq.first_cap == 0:
         return 0
+    if curve is None:
+        curve = cq.budget_curve(cq.first_cap)
+    jit = kernels.jit()
+    if jit is not None:
+        p1 = jit.sliding_chunk(*cq.kernel_args(), cq.first_cap, cq.iter_cap, np.asarray(W, dtype=np.float64),
+                               int(granularity), int(max_points), curve.times, curve.suffix_min,
+                               float(tie_tolerance_ms), MAX_BOUNDARIES + 1)
+        if p1 >= 0:
+            return int(p1)
+        # -1: the search meets batches the reference predicts with numpy; so must we.
     if _drain(cq, W):
         return cq.supply
-    if curve is None:
-        curve = BudgetCurve(cq.fill_curve_ms(cq.first_cap), cq.n_dec)
     reach = curve.prefill_tokens_within(float(W[0]), cq.first_cap)
     if reach < 0:
         return 0

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import kernels
 from .batch import BudgetCurve
 from .features import combine_sets, decode_features, piece_features
 from .predictor import BatchLatencyPredictor
@@ -157,6 +158,15 @@ def _knapsack_pass(pool: _Pool, cap_of: dict[int, int]) -> tuple[np.ndarray, lis
     when the pass reaches it (its candidates are the items before it)."""
     w, v, value = pool.w, pool.v, pool.value
     cmax = max(cap_of.values())
+    jit = kernels.jit()
+    if jit is not None:
+        idx = pool.idx.tolist()
+        cap = np.array([cap_of.get(i, -1) for i in idx], dtype=np.int64)
+        take, adp, acw = jit.knapsack_pass(w, v, cap, int(cmax))
+        at = np.flatnonzero(cap >= 0).tolist()
+        return take, [(((packed >> 32) + 1, d + value[idx[p]], (packed & 0xFFFFFFFF) + wp), p, c)
+                      for p, d, packed, wp, c in zip(at, adp[at].tolist(), acw[at].tolist(), w[at].tolist(),
+                                                     cap[at].tolist(), strict=True)]
     dp = np.zeros(cmax + 1)
     # |Y| and Σr of each dp cell packed in one integer (count << 32 | weight):
     # one array update per item instead of two.
@@ -208,11 +218,15 @@ def _best_repaired(snap: Snapshot, pool: _Pool, take: np.ndarray, anchors: list[
 def _read_back(snap: Snapshot, pool: _Pool, take: np.ndarray, pa: int, c: int, seq_cap: int) -> list[int]:
     """The selection of the anchor at pool position ``pa`` with capacity ``c``
     (anchor first), cut to ``seq_cap`` requests."""
-    chosen = [int(pool.idx[pa])]
-    for p in range(pa - 1, -1, -1):
-        if take[p, c]:
-            chosen.append(int(pool.idx[p]))
-            c -= int(pool.w[p])
+    jit = kernels.jit()
+    if jit is not None:
+        chosen = [int(pool.idx[pa]), *pool.idx[jit.read_back(take, pool.w, pa, c)].tolist()]
+    else:
+        chosen = [int(pool.idx[pa])]
+        for p in range(pa - 1, -1, -1):
+            if take[p, c]:
+                chosen.append(int(pool.idx[p]))
+                c -= int(pool.w[p])
     if len(chosen) > seq_cap:
         # Rare: more prefills than sequence slots.  Keep the anchor and the
         # most valuable others.

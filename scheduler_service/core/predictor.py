@@ -72,8 +72,13 @@ class LinearModel:
     # carries its predicted time, so a reordered sum would change plans.
 
     def predict_one_ms(self, x: Sequence[float]) -> float:
-        """Prediction for the features ``x`` of one batch, summed in plain Python."""
-        return float(self.intercept_ms + sum(w * f for w, f in zip(self.weights, x, strict=True)))
+        """Prediction for the features ``x`` of one batch, summed in plain Python left
+        to right (an explicit loop, not ``sum``: Python 3.12 made ``sum`` of floats
+        compensated, and the compiled kernels reproduce this order)."""
+        acc = 0.0
+        for w, f in zip(self.weights, x, strict=True):
+            acc += w * f
+        return float(self.intercept_ms + acc)
 
     def base_ms(self, n_decodes: float, decode_u: float) -> float:
         """Intercept plus the terms of ``n_decodes`` decodes of total context
@@ -127,6 +132,12 @@ class BatchLatencyPredictor:
             object.__setattr__(self, "version", self._content_version())
 
     # --------------------------------------------------------------- predict
+    @property
+    def coef(self) -> np.ndarray:
+        """(3, 8) read-only: per scenario (decode, prefill, mixed) the intercept and the
+        weights of x1..x7 of the model that predicts it (what the kernels take)."""
+        return self._coef
+
     def model(self, scenario: int) -> LinearModel:
         """The model that predicts batches of ``scenario`` (its own or the
         global fallback)."""

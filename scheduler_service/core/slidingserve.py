@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import kernels
 from .assemble import assemble_plan, in_queue_order
-from .batch import BudgetCurve, CandidateQueue, select_decodes
+from .batch import CandidateQueue, select_decodes
 from .chunker import sliding_chunk, window_limits_ms
 from .constructor import construct_batch
 from .params import param
@@ -33,6 +34,8 @@ from .sorter import edf_order, late_set, mlps_order, prefill_indices
 __all__ = ["SlidingServeParams", "SlidingServePolicy"]
 
 VERSION = "1.0.0"
+#: Paths whose plan gives tokens to a prefill.
+_PREFILL_PATHS = ("batch_constructor", "sliding_chunker")
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +115,7 @@ class SlidingServePolicy:
                 out |= s <= 0
             if out.any():
                 plan = self._plan(snap, predictor, t0, dec_all, dec_all[~out], pre, lost, rho)
-                if any(not snap.is_decoding[snap.index_of[a.id]] for a in plan.allocations):
+                if plan.path in _PREFILL_PATHS:  # a prefill got the room
                     return plan
                 # No prefill could use the room (KV, limits): sitting out would only idle decodes.
         return self._plan(snap, predictor, t0, dec_all, dec_all, pre, lost, rho)
@@ -125,6 +128,11 @@ class SlidingServePolicy:
         lost = np.zeros(len(pre), dtype=bool)
         if len(pre) == 0:
             return lost
+        jit = kernels.jit()
+        if jit is not None:
+            rho_max = predictor.prefill_throughput(snap.max_batch_tokens) if p.hopeless_factor > 0 else 0.0
+            return jit.lost_mask(pre, snap.remaining_prefill, snap.slack, snap.protected, float(rho),
+                                 float(rho_max), float(p.hopeless_factor), p.lost_rule == "moore")
         if p.hopeless_factor > 0:
             # Optimistic: the request alone with the whole budget, at the predictor's rate.
             rho_max = predictor.prefill_throughput(snap.max_batch_tokens)
@@ -132,6 +140,18 @@ class SlidingServePolicy:
         if p.lost_rule == "moore":
             lost |= late_set(snap, pre, rho)
         return lost & (snap.slack[pre] > 0)
+
+    def _windows(self, snap: Snapshot, decodes: np.ndarray) -> np.ndarray | None:
+        """W_1..W_k over the decodes, divided by the margin; None without a safe decode."""
+        p = self.params
+        jit = kernels.jit()
+        if jit is not None:
+            W = jit.window_limits(snap.slack, snap.tbt_slo, decodes, p.window, p.margin)
+            return W if len(W) else None
+        W = window_limits_ms(snap, decodes, p.window)
+        if W is not None and p.margin != 1.0:
+            W = W / p.margin
+        return W
 
     def _plan(self, snap: Snapshot, predictor: BatchLatencyPredictor, t0: int, dec_all: np.ndarray,
               runnable: np.ndarray, pre: np.ndarray, lost: np.ndarray, rho: float) -> Plan:
@@ -148,10 +168,8 @@ class SlidingServePolicy:
             n_all_decodes=len(dec_all), kv_decode_reserve=p.kv_decode_reserve,
             kv_growth_reserve=p.kv_growth_iters * int(np.count_nonzero(snap.computed_tokens > 0)),
         )
-        curve = BudgetCurve(cq.fill_curve_ms(), n_dec)
-        W = window_limits_ms(snap, decodes, p.window)
-        if W is not None and p.margin != 1.0:
-            W = W / p.margin
+        curve = cq.budget_curve()
+        W = self._windows(snap, decodes)
         t2 = time.perf_counter_ns()
 
         chosen = None

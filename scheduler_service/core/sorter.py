@@ -7,14 +7,20 @@ by id, so the same snapshot always yields the same queue.
 from __future__ import annotations
 
 import heapq
+from typing import Any
 
 import numpy as np
 
+from . import kernels
 from .snapshot import Snapshot
 
 __all__ = [
     "edf_order", "fcfs_order", "id_rank", "late_set", "mlps_keys", "mlps_order", "ordered", "prefill_indices",
 ]
+
+
+#: ``lost`` when there is none, for the compiled MLPS sort.
+_NO_MASK = np.zeros(0, dtype=bool)
 
 
 def prefill_indices(snap: Snapshot) -> np.ndarray:
@@ -35,6 +41,11 @@ def ordered(snap: Snapshot, idx: np.ndarray, *keys: np.ndarray) -> np.ndarray:
     Ids only break exact ties, which are rare; building the id ranks costs
     more than the sort itself, so it happens only when a tie exists.
     """
+    jit = kernels.jit()
+    if jit is not None and len(keys) <= 2 and len(idx) > 1:
+        out = _ordered_compiled(jit, snap, idx, keys)
+        if out is not None:
+            return out
     cols = (snap.arrival[idx], *reversed(keys))
     perm = np.lexsort(cols)
     if len(perm) > 1:
@@ -45,6 +56,27 @@ def ordered(snap: Snapshot, idx: np.ndarray, *keys: np.ndarray) -> np.ndarray:
         if tie.any():
             perm = np.lexsort((id_rank(snap, idx), *cols))
     return idx[perm]
+
+
+def _ordered_compiled(jit: Any, snap: Snapshot, idx: np.ndarray, keys: tuple[np.ndarray, ...]
+                      ) -> np.ndarray | None:
+    """``ordered`` by the compiled sort for up to two keys that int64 then float64
+    hold exactly (an integer key, then a float or small-integer one); None when it
+    cannot (other key types, or a tie that ids must break)."""
+    zi, zf = np.zeros(len(idx), dtype=np.int64), np.zeros(len(idx))
+    if len(keys) == 2:
+        k0, k1 = keys
+    elif keys and keys[0].dtype.kind in "biu":
+        k0, k1 = keys[0], zf
+    else:
+        k0, k1 = zi, (keys[0] if keys else zf)
+    if k0.dtype.kind not in "biu" or k0.dtype == np.uint64:
+        return None
+    if k1.dtype.kind not in "bf" and not (k1.dtype.kind in "iu" and k1.dtype.itemsize < 8):
+        return None
+    out, tie = jit.lex_order(np.asarray(idx, dtype=np.int64), k0.astype(np.int64), k1.astype(np.float64),
+                             snap.arrival)
+    return None if tie else out
 
 
 def mlps_keys(
@@ -76,6 +108,13 @@ def mlps_order(
     """
     if len(idx) == 0:
         return idx
+    jit = kernels.jit()
+    if jit is not None:
+        out, tie = jit.mlps_order(np.asarray(idx, dtype=np.int64), snap.remaining_prefill, snap.slack,
+                                  snap.protected, snap.arrival, float(throughput), float(alpha), float(eps),
+                                  bool(expired_last), _NO_MASK if lost is None else lost)
+        if not tie:
+            return out
     g, e, r = mlps_keys(snap, idx, throughput, alpha, eps)
     late = snap.slack[idx] <= 0 if expired_last else np.zeros(len(idx), dtype=bool)
     if lost is not None:
@@ -97,6 +136,10 @@ def late_set(snap: Snapshot, idx: np.ndarray, throughput: float) -> np.ndarray:
     lost = np.zeros(len(idx), dtype=bool)
     if len(idx) == 0:
         return lost
+    jit = kernels.jit()
+    if jit is not None:
+        return jit.late_set(np.asarray(idx, dtype=np.int64), snap.remaining_prefill, snap.slack,
+                            snap.protected, float(throughput))
     r = snap.remaining_prefill[idx].astype(np.float64) / throughput
     s = snap.slack[idx]
     prot = snap.protected[idx]

@@ -1,0 +1,114 @@
+"""Which implementation of the policy hot path runs: compiled kernels or plain numpy.
+
+The numpy code in :mod:`..batch`, :mod:`..chunker`, :mod:`..constructor` and
+:mod:`..sorter` is the reference.  :mod:`._compiled` holds numba kernels that compute
+the same plans bit for bit (same operations in the same order wherever a rounding
+could flip a comparison; ``tests/test_kernels.py`` holds the two equal), in a few
+calls per decision instead of a few hundred numpy calls.
+
+``SLIDINGSERVE_KERNELS=numba|numpy`` selects one (default numba).  numba is imported
+on first use, not with the package: the client and the CLI stand on the core and
+must not pay its import.  If it cannot be imported the numpy path runs, with one
+logged warning.  :func:`warm_up` compiles (or loads from numba's on-disk cache,
+``NUMBA_CACHE_DIR`` when set) every kernel, so that no request ever waits for the
+compiler: the service and the in-process engine backend call it at start-up.
+
+A kernel can decline a rare input whose reference result it cannot reproduce
+exactly (it then returns a sentinel and the caller runs the numpy path): see
+:mod:`._compiled`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterator
+from types import ModuleType
+
+__all__ = ["BACKENDS", "ENV", "backend", "jit", "use", "using", "warm_up"]
+
+ENV = "SLIDINGSERVE_KERNELS"
+BACKENDS = ("numba", "numpy")
+
+_log = logging.getLogger(__name__)
+_UNSET = object()
+#: The compiled-kernel module while the numba backend is active, None for numpy,
+#: _UNSET until the first call decides.
+_active: object = _UNSET
+_requested: str | None = None
+_warmed: dict[str, float] = {}
+
+
+def _wanted() -> str:
+    name = _requested if _requested is not None else os.environ.get(ENV, "").strip().lower() or "numba"
+    if name not in BACKENDS:
+        _log.warning("%s=%r is not one of %s; using numba", ENV, name, "|".join(BACKENDS))
+        name = "numba"
+    return name
+
+
+def _resolve() -> ModuleType | None:
+    global _active
+    mod: ModuleType | None = None
+    if _wanted() == "numba":
+        try:
+            from . import _compiled as mod
+        except ImportError as e:  # numba missing or broken: the reference path still works
+            _log.warning("numba kernels unavailable (%s); the policy core runs on numpy", e)
+            mod = None
+    _active = mod
+    return mod
+
+
+def jit() -> ModuleType | None:
+    """The compiled kernels when the numba backend is active, else None (run numpy).
+    Called on every hot-path step, so it is one global read once decided."""
+    m = _active
+    if m is _UNSET:
+        return _resolve()
+    return m  # type: ignore[return-value]
+
+
+def backend() -> str:
+    """The implementation in use: ``"numba"`` or ``"numpy"``."""
+    return "numpy" if jit() is None else "numba"
+
+
+def use(name: str | None) -> str:
+    """Select ``name`` (``"numba"``/``"numpy"``; None = the environment's choice) and
+    return the backend actually in use (numpy when numba cannot be imported)."""
+    global _requested, _active
+    if name is not None and name not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {name!r}; valid: {', '.join(BACKENDS)}")
+    _requested = name
+    _active = _UNSET
+    return backend()
+
+
+@contextlib.contextmanager
+def using(name: str) -> Iterator[str]:
+    """``with using("numpy"): ...`` runs the block on one backend (tests compare them)."""
+    before = _requested
+    try:
+        yield use(name)
+    finally:
+        use(before)
+
+
+def warm_up() -> float:
+    """Compile or load every kernel now; seconds spent (about 0 the second time).
+
+    Runs each policy on a few tiny snapshots that reach every kernel with the argument
+    types a real decision passes (numba compiles one version per type signature), so
+    the first real request finds them all compiled.  A no-op on the numpy backend."""
+    mod = jit()
+    if mod is None or "done" in _warmed:
+        return 0.0
+    t = time.perf_counter()
+    from ._warm import exercise  # deferred: it builds snapshots and policies
+
+    exercise()
+    _warmed["done"] = time.perf_counter() - t
+    return _warmed["done"]

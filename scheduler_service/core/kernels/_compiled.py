@@ -1,0 +1,689 @@
+"""numba kernels of the policy hot path: the reference numpy code, one loop at a time.
+
+Every kernel reproduces its numpy reference exactly, not approximately: a plan carries
+its predicted time, and a last-bit difference in a time compared against a slack could
+choose another batch.  So each floating-point expression here is the reference's, in
+the reference's order (``a + b + c`` is ``(a + b) + c``; prefix sums run left to right
+as ``np.cumsum`` does; sums of integer-valued features are exact in any order).  numba
+compiles without fast-math, so no reassociation or fused multiply-add changes them.
+
+One thing is out of reach: the reference predicts a few "minor" batches (no prefill
+chunk, or a one-token piece that changes the scenario) with ``np.einsum`` when more than
+eight of them occur in one call, and einsum's summation order is numpy's business.
+Kernels therefore count those entries and, past eight, either hand them back to the
+numpy code (the fill curve) or return -1 so that the caller runs the reference (the
+window search).  Both are rare: they need queues of one-token remainders.
+
+Model coefficients come as the predictor's ``_coef`` (3, 8): per scenario (decode,
+prefill, mixed) the intercept and the weights of x1..x7.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+__all__ = [
+    "fill_curve",
+    "knapsack_pass",
+    "late_set",
+    "lex_order",
+    "lost_mask",
+    "mlps_order",
+    "prefix_times",
+    "queue_arrays",
+    "read_back",
+    "sliding_chunk",
+    "window_limits",
+]
+
+_jit = nb.njit(cache=True, nogil=True)
+#: Scenario rows of the coefficient matrix (``features.DECODE`` ...).
+_DECODE, _PREFILL, _MIXED = 0, 1, 2
+#: More minor entries than this in one reference call go through ``np.einsum``.
+_SCALAR_MINOR = 8
+
+
+# --------------------------------------------------------------------- the model
+@_jit
+def _piece(w: np.ndarray, c: float, u: float) -> float:
+    """``LinearModel.piece_ms`` of one piece (w: a coefficient row)."""
+    a = c * (w[1] * (u + c) + w[2] * c + w[6]) if c > 1 else 0.0
+    b = w[3] * u if c > 0 else 0.0
+    d = w[4] + w[5] * u if c == 1 else 0.0
+    return a + b + d
+
+
+@_jit
+def _base(w: np.ndarray, n: int, du: float) -> float:
+    """``LinearModel.base_ms``: intercept plus n decodes of total context du."""
+    return w[0] + w[3] * du + w[4] * n + w[5] * du
+
+
+@_jit
+def _decode_only(coef: np.ndarray, n_dec: int, dec_u: float, step: int) -> float:
+    """``CandidateQueue.decode_only_ms``."""
+    if n_dec == 0:
+        return 0.0
+    return _base(coef[_DECODE], n_dec, dec_u + step * n_dec)
+
+
+@_jit
+def _scalar_segment(coef: np.ndarray, R: np.ndarray, u0: np.ndarray, n_dec: int, dec_u: float,
+                    x: int, y: int, step: int) -> float:
+    """``CandidateQueue._segment_ms_scalar``: decodes + stream segment [x, y), its
+    features summed piece by piece and weighed as ``predict_one_ms`` does."""
+    du = dec_u + step * n_dec
+    f = np.array([0.0, 0.0, du, float(n_dec), du, 0.0, 0.0])
+    j = np.searchsorted(R, x, side="right") - 1
+    pos = x
+    while pos < y:
+        end = min(y, R[j + 1])
+        c = end - pos
+        u = u0[j] + pos - R[j]
+        if c > 1:
+            f[0] += c * (u + c)
+            f[1] += c * c
+            f[5] += c
+            f[6] = max(f[6], float(c))
+        else:
+            f[3] += 1
+            f[4] += u
+        f[2] += u
+        pos = end
+        j += 1
+    if f[3] == 0 and f[5] == 0:
+        return 0.0
+    s = _DECODE if f[5] == 0 else (_PREFILL if f[3] == 0 else _MIXED)
+    acc = 0.0
+    for i in range(7):
+        acc += coef[s, 1 + i] * f[i]
+    return coef[s, 0] + acc
+
+
+# ------------------------------------------------------------- candidate queue
+@_jit
+def queue_arrays(remaining: np.ndarray, computed: np.ndarray, queue: np.ndarray, w: np.ndarray):  # type: ignore[no-untyped-def]
+    """The arrays of ``CandidateQueue.build``: r, u0, R, the prefix sums of the
+    pieces' feature rows, their x7 column, its running max and the prefix sums of
+    the pieces' times under the fast-path model row ``w``."""
+    n = len(queue)
+    r = np.empty(n, dtype=np.int64)
+    u0 = np.empty(n, dtype=np.int64)
+    R = np.zeros(n + 1, dtype=np.int64)
+    pf = np.zeros((n + 1, 7))
+    rbig = np.zeros(n)
+    pmax = np.zeros(n + 1)
+    pw = np.zeros(n + 1)
+    for j in range(n):
+        r[j] = remaining[queue[j]]
+        u0[j] = computed[queue[j]]
+        R[j + 1] = R[j] + r[j]
+        c, u = float(r[j]), float(u0[j])
+        big = c > 1
+        row = (c * (u + c) if big else 0.0, c * c if big else 0.0, u, 0.0 if big else 1.0,
+               0.0 if big else u, c if big else 0.0, c if big else 0.0)
+        for k in range(7):
+            pf[j + 1, k] = pf[j, k] + row[k]
+        rbig[j] = row[6]
+        pmax[j + 1] = max(pmax[j], rbig[j]) if j else rbig[j]
+        pw[j + 1] = pw[j] + _piece(w, c, u)
+    return r, u0, R, pf, rbig, pmax, pw
+
+
+@_jit
+def _prefix_one(coef: np.ndarray, fast: int, R: np.ndarray, u0: np.ndarray, pw: np.ndarray,
+                pf: np.ndarray, pmax: np.ndarray, n_dec: int, dec_u: float, base: float,
+                P: int, j: int):  # type: ignore[no-untyped-def]
+    """Time of decodes + the first P stream tokens (``prefix_time_ms``'s fast
+    formula; j = the request P falls in, nq when past the end) and whether the
+    reference treats it as a minor entry."""
+    nq = len(R) - 1
+    w = coef[fast]
+    jc = min(j, nq - 1)
+    c = float(P - R[jc]) if j < nq else 0.0
+    t = base + pw[j] + _piece(w, c, float(u0[jc])) + w[7] * max(pmax[j], c if c > 1 else 0.0)
+    minor = pf[j, 5] == 0 and c <= 1
+    if n_dec == 0:
+        minor = minor or pf[j, 3] > 0 or c == 1
+    return t, minor and P > 0
+
+
+@_jit
+def prefix_times(coef: np.ndarray, fast: int, R: np.ndarray, u0: np.ndarray, pw: np.ndarray,  # type: ignore[no-untyped-def]
+                 pf: np.ndarray, pmax: np.ndarray, n_dec: int, dec_u: float, P: np.ndarray):
+    """``CandidateQueue.prefix_time_ms`` of the budgets P: (times, minor mask,
+    minor count).  Minor entries hold the scalar reference value; past
+    ``_SCALAR_MINOR`` of them the caller recomputes them the reference's way."""
+    nq = len(R) - 1
+    t = np.empty(len(P))
+    minor = np.zeros(len(P), dtype=np.bool_)
+    d0 = _decode_only(coef, n_dec, dec_u, 0)
+    if nq == 0:
+        t[:] = d0
+        return t, minor, 0
+    base = _base(coef[fast], n_dec, dec_u)
+    n_minor = 0
+    for i in range(len(P)):
+        j = min(np.searchsorted(R, P[i], side="right") - 1, nq)
+        t[i], minor[i] = _prefix_one(coef, fast, R, u0, pw, pf, pmax, n_dec, dec_u, base, P[i], j)
+        if minor[i]:
+            n_minor += 1
+            t[i] = _scalar_segment(coef, R, u0, n_dec, dec_u, 0, P[i], 0)
+        if P[i] == 0:
+            t[i] = d0
+    return t, minor, n_minor
+
+
+@_jit
+def fill_curve(coef: np.ndarray, fast: int, R: np.ndarray, u0: np.ndarray, pw: np.ndarray,  # type: ignore[no-untyped-def]
+               pf: np.ndarray, pmax: np.ndarray, n_dec: int, dec_u: float, limit: int):
+    """``prefix_times`` of P = 0..limit, walking the stream once, with the suffix
+    minimum of ``BudgetCurve``."""
+    P = np.arange(limit + 1)
+    nq = len(R) - 1
+    if nq == 0:
+        t, minor, n_minor = prefix_times(coef, fast, R, u0, pw, pf, pmax, n_dec, dec_u, P)
+    else:
+        t = np.empty(limit + 1)
+        minor = np.zeros(limit + 1, dtype=np.bool_)
+        base = _base(coef[fast], n_dec, dec_u)
+        n_minor = 0
+        j = 0
+        for p in range(limit + 1):
+            while j < nq and R[j + 1] <= p:
+                j += 1
+            t[p], minor[p] = _prefix_one(coef, fast, R, u0, pw, pf, pmax, n_dec, dec_u, base, p, j)
+            if minor[p]:
+                n_minor += 1
+                t[p] = _scalar_segment(coef, R, u0, n_dec, dec_u, 0, p, 0)
+        t[0] = _decode_only(coef, n_dec, dec_u, 0)
+    smin = np.empty(limit + 1)
+    m = np.inf
+    for p in range(limit, -1, -1):
+        m = min(m, t[p])
+        smin[p] = m
+    return t, smin, minor, n_minor
+
+
+# ---------------------------------------------------------------------- orders
+@_jit
+def _before(k0: np.ndarray, k1: np.ndarray, k2: np.ndarray, a: int, b: int) -> bool:
+    """Position a sorts strictly before b by (k0, k1, k2)."""
+    if k0[a] != k0[b]:
+        return k0[a] < k0[b]
+    if k1[a] != k1[b]:
+        return k1[a] < k1[b]
+    return k2[a] < k2[b]
+
+
+@_jit
+def _merge_order(k0: np.ndarray, k1: np.ndarray, k2: np.ndarray) -> np.ndarray:
+    """Stable argsort by (k0, k1, k2): what ``np.lexsort((k2, k1, k0))`` returns (a
+    bottom-up merge sort; equal keys keep their positions' order)."""
+    n = len(k0)
+    a = np.arange(n)
+    b = np.empty(n, dtype=np.int64)
+    width = 1
+    while width < n:
+        for lo in range(0, n, 2 * width):
+            mid, hi = min(lo + width, n), min(lo + 2 * width, n)
+            i, j, o = lo, mid, lo
+            while i < mid and j < hi:
+                if _before(k0, k1, k2, a[j], a[i]):
+                    b[o] = a[j]
+                    j += 1
+                else:
+                    b[o] = a[i]
+                    i += 1
+                o += 1
+            b[o:o + mid - i] = a[i:mid]
+            o += mid - i
+            b[o:o + hi - j] = a[j:hi]
+        a, b = b, a
+        width *= 2
+    return a
+
+
+@_jit
+def _ordered(idx: np.ndarray, k0: np.ndarray, k1: np.ndarray, k2: np.ndarray):  # type: ignore[no-untyped-def]
+    """idx sorted by (k0, k1, k2), and whether two neighbours tie on all three (the
+    caller then breaks ties by id, as ``sorter.ordered`` does)."""
+    perm = _merge_order(k0, k1, k2)
+    tie = False
+    for i in range(1, len(perm)):
+        a, b = perm[i - 1], perm[i]
+        if k0[a] == k0[b] and k1[a] == k1[b] and k2[a] == k2[b]:
+            tie = True
+            break
+    return idx[perm], tie
+
+
+@_jit
+def lex_order(idx: np.ndarray, k0: np.ndarray, k1: np.ndarray, arrival: np.ndarray):  # type: ignore[no-untyped-def]
+    """``ordered(snap, idx, k0, k1)``: an integer key, a float key (both over idx),
+    then arrival."""
+    k2 = np.empty(len(idx))
+    for i in range(len(idx)):
+        k2[i] = arrival[idx[i]]
+    return _ordered(idx, k0, k1, k2)
+
+
+@_jit
+def mlps_order(idx: np.ndarray, remaining: np.ndarray, slack: np.ndarray, protected: np.ndarray,  # type: ignore[no-untyped-def]
+               arrival: np.ndarray, throughput: float, alpha: float, eps: float,
+               expired_last: bool, lost: np.ndarray):
+    """``sorter.mlps_order``: the key (expired, 1 − g, 1 − e, r) packed in one integer
+    (r < 2^41), then arrival.  ``lost`` is a mask over idx (empty = none)."""
+    n = len(idx)
+    k0 = np.empty(n, dtype=np.int64)
+    k2 = np.empty(n)
+    for i in range(n):
+        q = idx[i]
+        r = remaining[q]
+        s = slack[q]
+        u = r / (throughput * max(s, eps))
+        late = (expired_last and s <= 0) or (len(lost) > 0 and lost[i])
+        k0[i] = (int(late) << 43) | (int(not protected[q]) << 42) | (int(not u > alpha) << 41) | r
+        k2[i] = arrival[q]
+    return _ordered(idx, k0, np.zeros(n), k2)
+
+
+# ------------------------------------------------------------------ lost set
+@_jit
+def _heap_less(hp: np.ndarray, hr: np.ndarray, hj: np.ndarray, a: int, b: int) -> bool:
+    if hp[a] != hp[b]:
+        return hp[a] < hp[b]
+    if hr[a] != hr[b]:
+        return hr[a] < hr[b]
+    return hj[a] < hj[b]
+
+
+@_jit
+def _heap_swap(hp: np.ndarray, hr: np.ndarray, hj: np.ndarray, a: int, b: int) -> None:
+    hp[a], hp[b] = hp[b], hp[a]
+    hr[a], hr[b] = hr[b], hr[a]
+    hj[a], hj[b] = hj[b], hj[a]
+
+
+@_jit
+def _heap_push(hp: np.ndarray, hr: np.ndarray, hj: np.ndarray, n: int, p: int, r: float, j: int) -> int:
+    hp[n], hr[n], hj[n] = p, r, j
+    i = n
+    while i > 0:
+        up = (i - 1) // 2
+        if not _heap_less(hp, hr, hj, i, up):
+            break
+        _heap_swap(hp, hr, hj, i, up)
+        i = up
+    return n + 1
+
+
+@_jit
+def _heap_pop(hp: np.ndarray, hr: np.ndarray, hj: np.ndarray, n: int) -> int:
+    """Remove the root (read it first); the new size."""
+    n -= 1
+    _heap_swap(hp, hr, hj, 0, n)
+    i = 0
+    while True:
+        m, a, b = i, 2 * i + 1, 2 * i + 2
+        if a < n and _heap_less(hp, hr, hj, a, m):
+            m = a
+        if b < n and _heap_less(hp, hr, hj, b, m):
+            m = b
+        if m == i:
+            return n
+        _heap_swap(hp, hr, hj, i, m)
+        i = m
+
+
+@_jit
+def late_set(idx: np.ndarray, remaining: np.ndarray, slack: np.ndarray, protected: np.ndarray,
+             throughput: float) -> np.ndarray:
+    """``sorter.late_set``."""
+    rem = np.empty(len(idx))
+    for i in range(len(idx)):
+        rem[i] = remaining[idx[i]]
+    return _late_set(rem / throughput, slack[idx], protected[idx])
+
+
+@_jit
+def _late_set(r: np.ndarray, s: np.ndarray, prot: np.ndarray) -> np.ndarray:
+    """``sorter.late_set`` on gathered columns (r already divided by the rate): the
+    same heap order (unprotected first, then longest, then position), so the same
+    requests are dropped and the same running sums compared."""
+    n = len(r)
+    lost = s <= 0
+    order = np.argsort(s, kind="mergesort")
+    hp = np.empty(n, dtype=np.int64)
+    hr = np.empty(n)
+    hj = np.empty(n, dtype=np.int64)
+    size = 0
+    t = 0.0
+    for j in order:
+        if s[j] <= 0:
+            continue
+        size = _heap_push(hp, hr, hj, size, int(prot[j]), -r[j], j)
+        t += r[j]
+        while t > s[j] and size:
+            t += hr[0]
+            lost[hj[0]] = True
+            size = _heap_pop(hp, hr, hj, size)
+    return lost
+
+
+@_jit
+def lost_mask(pre: np.ndarray, remaining: np.ndarray, slack: np.ndarray, protected: np.ndarray,
+              rho: float, rho_max: float, hopeless_factor: float, moore: bool) -> np.ndarray:
+    """``SlidingServePolicy._lost``: hopeless prefills, then the Moore–Hodgson lost
+    set, live ones only."""
+    n = len(pre)
+    rem = np.empty(n)
+    s = np.empty(n)
+    prot = np.empty(n, dtype=np.bool_)
+    lost = np.zeros(n, dtype=np.bool_)
+    for i in range(n):
+        rem[i] = remaining[pre[i]]
+        s[i] = slack[pre[i]]
+        prot[i] = protected[pre[i]]
+        if hopeless_factor > 0:
+            lost[i] = remaining[pre[i]] > rho_max * s[i] * hopeless_factor
+    if moore and n:
+        lost |= _late_set(rem / rho, s, prot)
+    return lost & (s > 0)
+
+
+@_jit
+def window_limits(slack: np.ndarray, tbt: np.ndarray, decodes: np.ndarray, k: int,
+                  margin: float) -> np.ndarray:
+    """``chunker.window_limits_ms`` / margin; empty when no decode is safe (None)."""
+    W = np.full(k, np.inf)
+    safe = False
+    for i in decodes:
+        s = slack[i]
+        if s > 0:
+            safe = True
+            for m in range(k):
+                W[m] = min(W[m], s + m * tbt[i])
+    if not safe:
+        return np.zeros(0)
+    W *= 1e3
+    if margin != 1.0:
+        W /= margin
+    return W
+
+
+# ------------------------------------------------------------- window search
+@_jit
+def _within(times: np.ndarray, smin: np.ndarray, t: float, limit: int) -> int:
+    """``BudgetCurve.prefill_tokens_within``."""
+    p = int(np.searchsorted(smin, t, side="right")) - 1
+    if p > limit:
+        for q in range(limit, -1, -1):
+            if times[q] <= t:
+                return q
+        return -1
+    return p
+
+
+@_jit
+def _grid(R: np.ndarray, k: int, granularity: int, max_points: int, first_cap: int, iter_cap: int,
+          reach: int, n_bounds: int) -> np.ndarray:
+    """``chunker.grid_positions`` with ``first_tokens=reach``."""
+    supply = R[-1]
+    per_iter = max(1, min(reach, first_cap))
+    xmax = min(supply, per_iter + (k - 1) * iter_cap)
+    g = max(1, granularity)
+    if per_iter > g * max_points:
+        g *= (per_iter + g * max_points - 1) // (g * max_points)
+    nb_ = min(n_bounds, len(R))
+    pts = np.empty(xmax // g + 1 + nb_ + 3, dtype=np.int64)
+    n = 0
+    for x in range(0, xmax + 1, g):
+        pts[n] = x
+        n += 1
+    pts[n:n + nb_] = R[:nb_]
+    n += nb_
+    pts[n], pts[n + 1], pts[n + 2] = first_cap, per_iter, xmax
+    grid = np.unique(pts)
+    return grid[grid <= xmax]
+
+
+@_jit
+def _ends(grid: np.ndarray, R: np.ndarray, u0: np.ndarray, pw: np.ndarray, pf: np.ndarray,  # type: ignore[no-untyped-def]
+          w: np.ndarray):
+    """Per grid position, its terms as a segment's start (head piece) and as a
+    segment's end (tail piece): the vectors ``pair_times_ms`` broadcasts."""
+    nq = len(R) - 1
+    G = len(grid)
+    jh = np.empty(G, dtype=np.int64)
+    jt = np.empty(G, dtype=np.int64)
+    hv = np.empty((G, 5))  # uh, ch_full, head piece, its x7 share, pw[jh + 1]
+    tv = np.empty((G, 4))  # ct, tail piece, its x7 share, pw[jt]
+    h4 = np.empty(G)
+    h6 = np.empty(G)
+    t4 = np.empty(G)
+    t6 = np.empty(G)
+    for i in range(G):
+        x = grid[i]
+        a = min(max(np.searchsorted(R, x, side="right") - 1, 0), nq - 1)
+        b = min(max(np.searchsorted(R, x - 1, side="right") - 1, 0), nq - 1)
+        jh[i], jt[i] = a, b
+        uh = float(u0[a] + (x - R[a]))
+        ch = float(R[a + 1] - x)
+        hv[i, 0], hv[i, 1], hv[i, 2] = uh, ch, _piece(w, ch, uh)
+        hv[i, 3], hv[i, 4] = (ch if ch > 1 else 0.0), pw[a + 1]
+        h6[i], h4[i] = pf[a + 1, 5], pf[a + 1, 3]
+        ct = float(x - R[b])
+        tv[i, 0], tv[i, 1] = ct, _piece(w, ct, float(u0[b]))
+        tv[i, 2], tv[i, 3] = (ct if ct > 1 else 0.0), pw[b]
+        t6[i], t4[i] = pf[b, 5], pf[b, 3]
+    return jh, jt, hv, tv, h4, h6, t4, t6
+
+
+@_jit
+def _pair_row(a: int, cols: np.ndarray, out: np.ndarray, grid: np.ndarray, R: np.ndarray,  # type: ignore[no-untyped-def]
+              u0: np.ndarray, rbig: np.ndarray, coef: np.ndarray, fast: int, n_dec: int, dec_u: float,
+              step: int, ends) -> int:  # type: ignore[no-untyped-def]
+    """``pair_times_ms`` of the segments [grid[a], grid[c]) for the ascending ``cols``
+    into ``out``; returns how many of them are minor (scalar values written)."""
+    jh, jt, hv, tv, h4, h6, t4, t6 = ends
+    w = coef[fast]
+    base = _base(w, n_dec, dec_u + step * n_dec)
+    d_only = _decode_only(coef, n_dec, dec_u, step)
+    X = grid[a]
+    uh, chf, head, bigh, pwh = hv[a, 0], hv[a, 1], hv[a, 2], hv[a, 3], hv[a, 4]
+    inner, nxt = 0.0, jh[a] + 1  # running max of rbig over (jh, jt)
+    n_minor = 0
+    for o in range(len(cols)):
+        c = cols[o]
+        Y = grid[c]
+        if Y < X:
+            out[o] = np.inf
+            continue
+        if Y == X:
+            out[o] = d_only
+            continue
+        while nxt < jt[c]:
+            inner = max(inner, rbig[nxt])
+            nxt += 1
+        ct, tail, bigt, pwt = tv[c, 0], tv[c, 1], tv[c, 2], tv[c, 3]
+        if jt[c] > jh[a]:
+            x7 = max(max(inner, bigh), bigt)
+            out[o] = base + (head + (pwt - pwh) + tail + w[7] * x7)
+            minor = t6[c] - h6[a] <= 0 and bigh == 0 and bigt == 0
+            if n_dec == 0:
+                minor = minor or t4[c] - h4[a] > 0 or chf == 1 or ct == 1
+        else:
+            c1 = float(Y - X)
+            out[o] = base + (_piece(w, c1, uh) + w[7] * (c1 if c1 > 1 else 0.0))
+            minor = c1 <= 1
+        if minor:
+            n_minor += 1
+            out[o] = _scalar_segment(coef, R, u0, n_dec, dec_u, X, Y, step)
+    return n_minor
+
+
+@_jit
+def _step(best: np.ndarray, first: np.ndarray, cols: np.ndarray, w_m: float, tol: float, step: int,  # type: ignore[no-untyped-def]
+          grid: np.ndarray, R: np.ndarray, u0: np.ndarray, rbig: np.ndarray, coef: np.ndarray, fast: int,
+          n_dec: int, dec_u: float, iter_cap: int, ends):  # type: ignore[no-untyped-def]
+    """``chunker._step``: per target in ``cols`` the cumulative time and the chosen
+    source, and the number of minor pair entries the reference would have fixed."""
+    src = np.flatnonzero(np.isfinite(best))
+    nc = len(cols)
+    out_t = np.full(nc, np.inf)
+    out_p = np.zeros(nc, dtype=np.int64)
+    if len(src) == 0:
+        return out_t, out_p, 0
+    G = len(grid)
+    tot = np.empty((len(src), nc))
+    n_minor = 0
+    for i in range(len(src)):
+        a = src[i]
+        row = tot[i]
+        n_minor += _pair_row(a, cols, row, grid, R, u0, rbig, coef, fast, n_dec, dec_u, step, ends)
+        for o in range(nc):
+            row[o] = best[a] + row[o]
+            if grid[cols[o]] - grid[a] > iter_cap or row[o] > w_m:
+                row[o] = np.inf
+    for o in range(nc):
+        lo = np.inf
+        for i in range(len(src)):
+            lo = min(lo, tot[i, o])
+        thr = lo + tol
+        arg, top = 0, -1
+        for i in range(len(src)):
+            if tot[i, o] <= thr:
+                rank = first[src[i]] * (G + 1) + src[i]
+                if rank > top:
+                    arg, top = i, rank
+        out_t[o], out_p[o] = tot[arg, o], src[arg]
+    return out_t, out_p, n_minor
+
+
+@_jit
+def _drain(coef: np.ndarray, fast: int, R: np.ndarray, u0: np.ndarray, pw: np.ndarray, pf: np.ndarray,
+           pmax: np.ndarray, n_dec: int, dec_u: float, first_cap: int, W: np.ndarray) -> bool:
+    """``chunker._drain``: the whole queue now, then decode-only iterations, fit every window."""
+    supply = R[-1]
+    if supply == 0 or supply > first_cap:
+        return False
+    t, _, _ = prefix_times(coef, fast, R, u0, pw, pf, pmax, n_dec, dec_u, np.array([supply]))
+    total = t[0]
+    if total > W[0]:
+        return False
+    for m in range(1, len(W)):
+        total += _decode_only(coef, n_dec, dec_u, m)
+        if total > W[m]:
+            return False
+    return True
+
+
+@_jit
+def _last_window(best: np.ndarray, first: np.ndarray, W: np.ndarray, tol: float, grid: np.ndarray,  # type: ignore[no-untyped-def]
+                 R: np.ndarray, u0: np.ndarray, rbig: np.ndarray, coef: np.ndarray, fast: int, n_dec: int,
+                 dec_u: float, iter_cap: int, ends) -> int:
+    """``chunker._last_window``, block by block from the top as the reference does
+    (its blocks decide which minor entries it fixes the einsum way: -1 then)."""
+    k = len(W)
+    rows = int(np.isfinite(best).sum())
+    block = max(8, 8192 // max(rows, 1))
+    hi = len(grid)
+    while hi > 0:
+        cols = np.arange(max(0, hi - block), hi)
+        b, par, n_minor = _step(best, first, cols, W[k - 1], tol, k - 1, grid, R, u0, rbig, coef, fast,
+                                n_dec, dec_u, iter_cap, ends)
+        if n_minor > _SCALAR_MINOR:
+            return -1
+        for o in range(len(cols) - 1, -1, -1):
+            if np.isfinite(b[o]):
+                return grid[first[par[o]]]
+        hi -= block
+    return 0
+
+
+@_jit
+def sliding_chunk(coef: np.ndarray, fast: int, R: np.ndarray, u0: np.ndarray, pw: np.ndarray,
+                  pf: np.ndarray, rbig: np.ndarray, pmax: np.ndarray, n_dec: int, dec_u: float,
+                  first_cap: int, iter_cap: int, W: np.ndarray, granularity: int, max_points: int,
+                  times: np.ndarray, smin: np.ndarray, tol: float, n_bounds: int) -> int:
+    """``chunker.sliding_chunk`` from the queue's arrays and its fill curve; -1 when
+    the reference must decide (more than eight minor entries in one of its calls)."""
+    k = len(W)
+    if R[-1] == 0 or first_cap == 0:
+        return 0
+    if _drain(coef, fast, R, u0, pw, pf, pmax, n_dec, dec_u, first_cap, W):
+        return R[-1]
+    reach = _within(times, smin, W[0], first_cap)
+    if reach < 0:
+        return 0
+    grid = _grid(R, k, granularity, max_points, first_cap, iter_cap, reach, n_bounds)
+    ends = _ends(grid, R, u0, pw, pf, coef[fast])
+    n_in = 0
+    while n_in < len(grid) and grid[n_in] <= first_cap:
+        n_in += 1
+    t1, _, n_minor = prefix_times(coef, fast, R, u0, pw, pf, pmax, n_dec, dec_u, grid[:n_in])
+    if n_minor > _SCALAR_MINOR:
+        return -1
+    best = np.full(len(grid), np.inf)
+    for i in range(n_in):
+        if t1[i] <= W[0]:
+            best[i] = t1[i]
+    if not np.isfinite(best).any():
+        return 0
+    first = np.arange(len(grid))
+    every = np.arange(len(grid))
+    for m in range(1, k - 1):
+        best, par, n_minor = _step(best, first, every, W[m], 0.0, m, grid, R, u0, rbig, coef, fast,
+                                   n_dec, dec_u, iter_cap, ends)
+        if n_minor > _SCALAR_MINOR:
+            return -1
+        first = first[par]
+        if not np.isfinite(best).any():
+            return 0
+    if k > 1:
+        return _last_window(best, first, W, tol, grid, R, u0, rbig, coef, fast, n_dec, dec_u, iter_cap, ends)
+    return grid[np.flatnonzero(np.isfinite(best))[-1]]
+
+
+# ------------------------------------------------------------ batch constructor
+@_jit
+def knapsack_pass(w: np.ndarray, v: np.ndarray, cap: np.ndarray, cmax: int):  # type: ignore[no-untyped-def]
+    """``constructor._knapsack_pass``: the choice bits, and per pool position with an
+    anchor capacity (cap ≥ 0) the dp value and packed (count, weight) cell the pass
+    read when it reached it.  Cells are updated from the top down, so each item
+    reads the values before it (the reference's copy)."""
+    n = len(w)
+    dp = np.zeros(cmax + 1)
+    cw = np.zeros(cmax + 1, dtype=np.int64)
+    take = np.zeros((n, cmax + 1), dtype=np.bool_)
+    adp = np.zeros(n)
+    acw = np.zeros(n, dtype=np.int64)
+    for p in range(n):
+        if cap[p] >= 0:
+            adp[p], acw[p] = dp[cap[p]], cw[cap[p]]
+        wp = w[p]
+        if wp > cmax:
+            continue
+        inc = (1 << 32) + wp
+        for c in range(cmax, wp - 1, -1):
+            cand = dp[c - wp] + v[p]
+            if cand > dp[c]:
+                dp[c] = cand
+                cw[c] = cw[c - wp] + inc
+                take[p, c] = True
+    return take, adp, acw
+
+
+@_jit
+def read_back(take: np.ndarray, w: np.ndarray, pa: int, c: int) -> np.ndarray:
+    """Pool positions the knapsack chose before ``pa`` at capacity c (nearest first)."""
+    out = np.empty(pa, dtype=np.int64)
+    n = 0
+    for p in range(pa - 1, -1, -1):
+        if take[p, c]:
+            out[n] = p
+            n += 1
+            c -= w[p]
+    return out[:n]

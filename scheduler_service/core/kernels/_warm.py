@@ -1,0 +1,60 @@
+"""What :func:`~scheduler_service.core.kernels.warm_up` runs: every policy on tiny snapshots.
+
+numba compiles one version of a kernel per argument-type signature, so the surest way
+to have each one compiled for the types a real decision passes is to make real
+decisions: snapshots built the way the service builds them (read-only columns), every
+registered policy, paths from idle to BatchConstructor.  :func:`missing` names the
+kernels that did not run (a test keeps it empty).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import default_predictor, registry
+from ..snapshot import Snapshot
+from ..sorter import late_set, prefill_indices
+from . import _compiled
+
+__all__ = ["exercise", "missing", "snapshots"]
+
+
+def snapshots(n_snapshots: int = 24, n: int = 24) -> list[Snapshot]:
+    """Small snapshots, deterministic: decodes, waiting and part-prefilled requests,
+    slacks around zero (risky anchors, expired requests), tight KV on some."""
+    out = []
+    for seed in range(n_snapshots):
+        rng = np.random.default_rng(seed)
+        prompt = rng.integers(1, 120, n)
+        kind = rng.random(n)
+        decoding = kind < 0.35
+        started = (kind >= 0.35) & (kind < 0.55) & (prompt > 1)
+        computed = np.where(decoding, prompt, np.where(started, (prompt * rng.random(n)).astype(np.int64), 0))
+        computed = np.where(started, np.clip(computed, 1, prompt - 1), computed)
+        out.append(Snapshot.from_columns(
+            now=10.0, max_batch_tokens=int(rng.choice([32, 64, 256])), max_num_seqs=int(rng.choice([4, 64])),
+            free_kv_tokens=None if seed % 3 else int(rng.integers(50, 2000)),
+            prefill_throughput=None if seed % 2 else 2000.0,
+            ids=[f"w{i}" for i in range(n)], arrival=10.0 - rng.uniform(0.0, 1.0, n),
+            prompt_tokens=prompt, computed_tokens=computed,
+            output_tokens=np.where(decoding, rng.integers(1, 20, n), 0),
+            ttft_slo=rng.uniform(0.05, 1.5, n), tbt_slo=rng.uniform(0.01, 0.2, n),
+            protected=rng.random(n) < 0.15,
+        ))
+    return out
+
+
+def exercise() -> None:
+    """Plan every snapshot with every registered policy, windows 1 to 4."""
+    pred = default_predictor()
+    policies = [registry.create(name) for name in registry.names()]
+    policies += [registry.create("slidingserve", {"window": k}) for k in (1, 3, 4)]
+    for snap in snapshots():
+        for pol in policies:
+            pol.plan(snap, pred)
+        late_set(snap, prefill_indices(snap), 1000.0)  # the policy fuses it into lost_mask
+
+
+def missing() -> list[str]:
+    """Public kernels with no compiled signature yet."""
+    return [name for name in _compiled.__all__ if not getattr(_compiled, name).signatures]
