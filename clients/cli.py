@@ -246,7 +246,7 @@ def cmd_health(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     config = ServerConfig.from_file(args.config) if args.config else ServerConfig()
     overrides = {k: v for k, v in (("port", args.port), ("host", args.host),
-                                    ("metrics_port", args.metrics_port)) if v is not None}
+                                    ("metrics_port", args.metrics_port), ("workers", args.workers)) if v is not None}
     if overrides:
         config = config.replace(**overrides)
     serve(config)
@@ -263,6 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", help="bind address (default from config: [::])")
     s.add_argument("--metrics-port", type=int, help="Prometheus port, 0 disables")
     s.add_argument("--config", help="YAML/TOML/JSON server config file")
+    s.add_argument("--workers", type=int,
+                   help="worker processes sharing the port (default from config: 1); see docs/operations.md")
     s.set_defaults(func=cmd_serve)
 
     s = sub.add_parser("health", help="gRPC health check of a running service; exit 0 when SERVING")

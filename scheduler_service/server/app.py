@@ -15,6 +15,7 @@ of serving without the protection the operator configured.
 
 from __future__ import annotations
 
+import gc
 import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +39,7 @@ from .metrics import Metrics
 from .predictors import PredictorRegistry, RefitSettings
 from .security import CertificateReloader, SecurityInterceptor, build_interceptor, server_credentials
 from .servicer import PolicyCache, SchedulerServicer
+from .workers import PredictorBoard, serve_workers
 
 __all__ = ["SERVICE_NAME", "SchedulerServer", "serve"]
 
@@ -54,11 +56,26 @@ def _load_predictor(config: ServerConfig) -> BatchLatencyPredictor:
     return BatchLatencyPredictor.from_json(text)
 
 
+def _warm_kernels() -> None:
+    """Compile the policy core's kernels now, before SERVING, so that no engine's first
+    decision pays for it (compilation is cached on disk; this loads or builds it)."""
+    try:
+        from scheduler_service.core.kernels import warm_up  # deferred: may pull in the compiler
+    except ImportError:  # a core without compiled kernels: nothing to warm
+        return
+    warm_up()
+
+
 class SchedulerServer:
     """``with SchedulerServer(ServerConfig(port=0)) as srv: ... srv.port ...``"""
 
-    def __init__(self, config: ServerConfig | None = None) -> None:
+    def __init__(self, config: ServerConfig | None = None, *, reuse_port: bool = False) -> None:
+        """``reuse_port``: bind with SO_REUSEPORT, as one of several workers on one port
+        (:mod:`.workers`); off by default, so that a second server on a taken port fails."""
         self.config = config or ServerConfig()
+        self._reuse_port = int(reuse_port)
+        #: Refits shared with the other workers (``config.predictor_dir``), None without.
+        self.board: PredictorBoard | None = None
         self.metrics = Metrics()
         self.port = 0
         self.metrics_port = 0
@@ -104,7 +121,11 @@ class SchedulerServer:
                           cfg.refit_min_samples, cfg.max_profiles,
                           max_profiles_per_tenant=cfg.max_profiles_per_tenant),
             self.metrics,
+            on_publish=self._publish,
         )
+        if cfg.predictor_dir:  # before serving: a restarted worker starts from the latest refits
+            self.board = PredictorBoard(cfg.predictor_dir, self.predictors, cfg.predictor_sync_s)
+            self.board.poll()
         policies = PolicyCache()
         # policy versions: a bad config fails the start (before binding), like a bad predictor
         try:
@@ -122,10 +143,14 @@ class SchedulerServer:
             options=[
                 ("grpc.max_receive_message_length", cfg.max_message_bytes),
                 ("grpc.max_send_message_length", cfg.max_message_bytes),
-                ("grpc.so_reuseport", 0),
+                ("grpc.so_reuseport", self._reuse_port),
             ],
             interceptors=[self.security] if self.security is not None else None,
         )
+        if self._reuse_port:
+            # One of several workers on the port: the kernel gives new connections to every
+            # socket listening there, so a worker joins only once it can decide (workers.py).
+            self._load_or_stop(policies)
         add_servicer(self.servicer, server)  # never-raising request decoding (handlers.py)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -144,11 +169,8 @@ class SchedulerServer:
             self._start_health_server()
         server.start()
         self._server = server
-        try:
-            self._load(policies)
-        except Exception:
-            self.stop(0)
-            raise
+        if not self._reuse_port:  # alone on the port: live (NOT_SERVING) while it loads
+            self._load_or_stop(policies)
         if cfg.metrics_port:
             self.metrics_port = self.metrics.serve_http(
                 "127.0.0.1" if self.target.startswith("127.") else cfg.host.strip("[]"),
@@ -158,6 +180,8 @@ class SchedulerServer:
             self.policy_watcher = PolicyConfigWatcher(
                 cfg.policy_config, self.policies, self.metrics, cfg.policy_config_poll_s,
                 on_swap=self._note_policy_config).start()
+        if self.board is not None:
+            self.board.start()
         self.servicer.ready.set()
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("server_started", address=cfg.address, port=self.port, metrics_port=self.metrics_port,
@@ -170,7 +194,7 @@ class SchedulerServer:
         """Plaintext, health-only: probes (kubelet's gRPC probe, load balancers) speak
         neither TLS nor mutual TLS, and this port reveals nothing but SERVING/NOT_SERVING."""
         hs = grpc.server(ThreadPoolExecutor(max_workers=2, thread_name_prefix="grpc-health"),
-                         options=[("grpc.so_reuseport", 0)])
+                         options=[("grpc.so_reuseport", self._reuse_port)])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, hs)
         address = f"{self.config.host}:{self.config.health_port}"
         self.health_port = hs.add_insecure_port(address)
@@ -181,10 +205,22 @@ class SchedulerServer:
         hs.start()
         self._health_server = hs
 
+    def _publish(self, key: str, predictor: BatchLatencyPredictor) -> None:
+        """A local refit was published: tell the other workers (no-op without a board)."""
+        if self.board is not None:
+            self.board.publish(key, predictor)
+
     def _note_policy_config(self, c: PolicyConfig | None) -> None:
         if c is not None:
             self.metrics.policy_config.info({"digest": c.digest, "default": c.default, "shadow": c.shadow,
                                              "versions": ",".join(sorted(c.versions))})
+
+    def _load_or_stop(self, policies: PolicyCache) -> None:
+        try:
+            self._load(policies)
+        except Exception:
+            self.stop(0)
+            raise
 
     def _load(self, policies: PolicyCache) -> None:
         """Load the default policy and warm the decision path (first-call numpy costs)."""
@@ -197,6 +233,7 @@ class SchedulerServer:
             computed_tokens=np.array([8, 0]), output_tokens=np.array([2, 0]),
             ttft_slo=np.array([1.0, 1.0]), tbt_slo=np.array([0.1, 0.1]), protected=np.array([False, False]),
         )
+        _warm_kernels()
         policy.plan(snap, self.predictors.bootstrap)
         # The first refit would import scikit-learn (about a second, mostly holding the GIL)
         # in the middle of serving; pay it here, before the server reports SERVING.
@@ -213,6 +250,8 @@ class SchedulerServer:
             self._server.stop(g).wait()
         if self._health_server is not None:
             self._health_server.stop(0).wait()
+        if self.board is not None:
+            self.board.close()
         if self.policy_watcher is not None:
             self.policy_watcher.close()
         if self.shadow is not None:
@@ -236,7 +275,8 @@ class SchedulerServer:
 
 
 def serve(config: ServerConfig) -> None:
-    """Run until SIGTERM/SIGINT, then shut down gracefully (``config.grace_s``)."""
+    """Run until SIGTERM/SIGINT, then shut down gracefully (``config.grace_s``); with
+    ``config.workers`` > 1 as a supervisor of that many worker processes (:mod:`.workers`)."""
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -244,11 +284,18 @@ def serve(config: ServerConfig) -> None:
         stop.set()
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    server = SchedulerServer(config).start()
     try:
-        while not stop.wait(0.5):
-            pass
+        if config.workers > 1:
+            configure_logging(config.log_level)
+            serve_workers(config, stop)
+            return
+        server = SchedulerServer(config).start()
+        gc.freeze()  # start-up objects (modules, policies, predictors) are never scanned again
+        try:
+            while not stop.wait(0.5):
+                pass
+        finally:
+            server.stop()
     finally:
-        server.stop()
         for s, h in old.items():
             signal.signal(s, h)

@@ -63,6 +63,17 @@ class ServerConfig:
     policy_config: str = ""
     #: Seconds between checks of the policy config file for changes.
     policy_config_poll_s: float = 2.0
+    # several processes (scheduler_service/server/workers.py, docs/operations.md)
+    #: Worker processes sharing the gRPC port (SO_REUSEPORT); 1 = one process, as before.
+    #: Decisions hold the GIL, so decisions/s grow with workers up to the cores.
+    workers: int = 1
+    #: Directory where workers publish refitted predictors for each other; empty = a fresh
+    #: temporary directory, removed at exit.  A directory that outlives the service makes a
+    #: restarted service start from the predictors last published.
+    predictor_dir: str = ""
+    #: Seconds between a worker's looks at the other workers' publications: a refit on one
+    #: worker is served by all within about this long.
+    predictor_sync_s: float = 0.5
     #: An engine unseen this long is dropped from the engine table (metrics, logs).
     engine_ttl_s: float = 300.0
     #: Most engines tracked; beyond it the least recently seen is evicted (bounded memory).
@@ -116,6 +127,8 @@ class ServerConfig:
         check("max_workers", 1 <= self.max_workers <= 4096, "must be in [1, 4096]")
         check("log_level", self.log_level in LOG_LEVELS, f"must be one of {list(LOG_LEVELS)}")
         check("policy_config_poll_s", 0.05 <= self.policy_config_poll_s <= 3600, "must be in [0.05, 3600]")
+        check("workers", 1 <= self.workers <= 256, "must be in [1, 256]")
+        check("predictor_sync_s", 0.01 <= self.predictor_sync_s <= 3600, "must be in [0.01, 3600]")
         check("engine_ttl_s", 0.01 <= self.engine_ttl_s <= 86400 * 30, "must be in [0.01, 2592000]")
         check("max_engines", 1 <= self.max_engines <= 10_000_000, "must be in [1, 10000000]")
         # security

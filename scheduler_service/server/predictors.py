@@ -146,6 +146,29 @@ class PredictorRegistry:
                     self._cv.notify_all()
         return abs(pred - latency_ms)
 
+    # ------------------------------------------------------ other workers
+    def install(self, key: str, predictor: BatchLatencyPredictor, *, tenant: str = "") -> bool:
+        """Serve ``predictor`` for ``key`` from now on: a refit another worker of the same
+        service published (:mod:`.workers`).  It becomes the baseline that this worker's
+        own next refit of ``key`` must beat; the local report window is kept.  Returns
+        False when ``key`` is new here and ``max_profiles`` is reached (memory stays bounded;
+        the profile keeps the bootstrap predictor on this worker)."""
+        st = self._states.get(key)
+        if st is None:
+            with self._states_lock:
+                st = self._states.get(key)
+                if st is None:
+                    if len(self._states) >= self.settings.max_profiles:
+                        return False
+                    st = ProfileState(key, predictor, deque(maxlen=self.settings.window), tenant)
+                    self._states[key] = st
+                    self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
+        with st.lock:
+            st.current = predictor  # atomic reference swap, as a local publication
+        if self._metrics:
+            self._metrics.predictor_version.labels(profile=key).info({"version": predictor.version})
+        return True
+
     # --------------------------------------------------------------- refit
     def wait_idle(self, timeout: float = 10.0) -> bool:
         """Block until no refit is queued or running (tests, shutdown)."""

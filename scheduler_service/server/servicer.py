@@ -9,6 +9,7 @@ classification per message on ``ScheduleStream``).
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
@@ -44,6 +45,8 @@ __all__ = ["PolicyCache", "SchedulerServicer"]
 
 log = structlog.get_logger("slidingserve.server")
 
+#: Trailing metadata of GetPredictor: the pid of the worker process that answered.
+WORKER_PID_KEY = "slidingserve-worker-pid"
 #: At most this many rejection reasons travel back in a ReportSummary.
 MAX_REASONS = 10
 
@@ -196,6 +199,9 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
 
     @rpc_errors(ready=False, log_rejected=False)
     def GetPredictor(self, request: pb.GetPredictorRequest, context: grpc.ServicerContext) -> pb.GetPredictorResponse:
+        # Which process answered: with several workers (workers.py) each has its own
+        # predictors until the next board poll, so an operator can tell them apart.
+        context.set_trailing_metadata(((WORKER_PID_KEY, str(os.getpid())),))
         profile = profile_from_pb(request.engine_profile, "engine_profile")
         key = scoped_key(tenant_of(context), profile.key)  # only the caller's tenant
         p = self._predictors.current(key)
