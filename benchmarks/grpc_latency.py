@@ -1,6 +1,6 @@
 """Scheduling over real loopback gRPC: unary vs stream, columnar vs row encoding.
 
-    .venv/bin/python -m benchmarks.grpc_latency [--iters 500] [--seeds 3] [--in-process]
+    .venv/bin/python -m benchmarks.grpc_latency [--iters 500] [--seeds 3] [--in-process] [--workers N]
 
 The snapshot is a loaded engine's: 256 decodes + 512 waiting/prefilling requests with
 ShareGPT lengths (``benchmarks.snapshots.busy_snapshot``, seeded).  The server runs in a
@@ -9,6 +9,12 @@ GIL); ``--in-process`` embeds it instead.  Figures:
 
 * encode (core Snapshot → protobuf bytes) and decode (bytes → validated core Snapshot)
   per encoding, plus the message size — the choice of wire encoding;
+* per field of the columnar snapshot and of the plan: bytes on the wire and the time to
+  decode it (server) or encode it (client / server);
+* the server side of a call step by step, in this process with the server's own functions:
+  parse (protobuf bytes → message), decode (message → numpy columns), validate
+  (``Snapshot.from_arrays``; the generic ``Snapshot.from_columns`` beside it, the path
+  before the columnar decoder), plan, encode (plan → response bytes);
 * end-to-end p50/p99 of ``SchedulerClient.schedule`` (unary) and of one long-lived
   ``ScheduleStream``, each including client encode and plan decode, with policy
   slidingserve; ``server`` is the server-side time from the response (decode, validate,
@@ -33,11 +39,12 @@ import numpy as np
 
 from benchmarks.snapshots import busy_snapshot
 from scheduler_service.client import SchedulerClient
-from scheduler_service.core import Snapshot, default_predictor, registry
+from scheduler_service.core import Plan, Snapshot, default_predictor, registry
+from scheduler_service.core.snapshot import COLUMN_DTYPES
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler_service.server import SchedulerServer, ServerConfig
-from scheduler_service.wire.convert import snapshot_from_pb, snapshot_to_pb
+from scheduler_service.wire.convert import columns_to_arrays, plan_to_pb, snapshot_from_pb, snapshot_to_pb
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -70,6 +77,76 @@ def bench_codec(snaps: list[Snapshot], iters: int) -> list[tuple[str, float, flo
         d = timed(lambda b: snapshot_from_pb(pb.Snapshot.FromString(b), max_requests=100_000), blobs, iters)
         rows.append((enc, *pct(e), *pct(d), len(blobs[0])))
     return rows
+
+
+COLUMN_FIELDS = ("ids", "arrival", "prompt_tokens", "computed_tokens", "output_tokens", "ttft_slo", "tbt_slo",
+                 "protected")
+
+
+def _decode_field(c: pb.RequestColumns, name: str) -> object:
+    """What the server's decoder does with one column (``columns_to_arrays``)."""
+    if name == "ids":
+        return tuple(c.ids)
+    return np.asarray(getattr(c, name), dtype=COLUMN_DTYPES[name])
+
+
+def bench_fields(snaps: list[Snapshot], plan: Plan, iters: int) -> list[tuple[str, int, float, float]]:
+    """(field, bytes, decode µs p50, encode µs p50) per snapshot column and plan field.
+
+    Bytes are the field's share of the serialized message (tag, length and payload);
+    decode is the server's conversion of the parsed field to numpy (or the id tuple),
+    encode the client's (snapshot) or server's (plan) filling of the field."""
+    msgs = [pb.Snapshot.FromString(snapshot_to_pb(s).SerializeToString()).columns for s in snaps]
+    rows = []
+    for name in COLUMN_FIELDS:
+        size = pb.RequestColumns(**{name: getattr(msgs[0], name)}).ByteSize()
+        dec = timed(lambda c, name=name: _decode_field(c, name), msgs, iters)
+        values = [list(s.ids) if name == "ids" else getattr(s, name).tolist() for s in snaps]
+        enc = timed(lambda v, name=name: pb.RequestColumns(**{name: v}), values, iters)
+        rows.append((f"snapshot.columns.{name}", size, pct(dec)[0] * 1e3, pct(enc)[0] * 1e3))
+    pm = plan_to_pb(plan)
+    parsed = pb.Plan.FromString(pm.SerializeToString())
+    ids, toks = [a.id for a in plan.allocations], [a.tokens for a in plan.allocations]
+    for name, values in (("allocation_ids", ids), ("allocation_tokens", toks)):
+        size = pb.Plan(**{name: values}).ByteSize()
+        dec = timed(lambda m, name=name: list(getattr(m, name)), [parsed], iters)
+        enc = timed(lambda v, name=name: pb.Plan(**{name: v}), [values], iters)
+        rows.append((f"plan.{name}", size, pct(dec)[0] * 1e3, pct(enc)[0] * 1e3))
+    rest = pm.ByteSize() - sum(r[1] for r in rows[-2:])
+    rows.append(("plan (other fields)", rest, 0.0, 0.0))
+    return rows
+
+
+def bench_server_steps(snaps: list[Snapshot], policy: str, iters: int) -> list[tuple[str, float, float]]:
+    """The server side of a call, step by step, with the server's own functions, on fresh
+    messages each call (as the server sees them).  ``validate (generic)`` is the same
+    snapshot through ``Snapshot.from_columns``, the path before the columnar decoder."""
+    pol, pred = registry.create(policy), default_predictor()
+    blobs = [pb.ScheduleRequest(snapshot=snapshot_to_pb(s), policy=policy).SerializeToString() for s in snaps]
+    steps: dict[str, list[float]] = {k: [] for k in (
+        "parse", "decode", "validate", "validate (generic, before)", "plan", "encode", "total (parse+…+encode)")}
+    for i in range(iters):
+        t0 = time.perf_counter()
+        req = pb.ScheduleRequest.FromString(blobs[i % len(blobs)])
+        t1 = time.perf_counter()
+        ids, cols = columns_to_arrays(req.snapshot.columns)
+        t2 = time.perf_counter()
+        scal = {"now": req.snapshot.now, "max_batch_tokens": req.snapshot.max_batch_tokens,
+                "max_num_seqs": req.snapshot.max_num_seqs, "free_kv_tokens": req.snapshot.free_kv_tokens}
+        generic = {k: v.copy() for k, v in cols.items()}
+        t3 = time.perf_counter()
+        snap = Snapshot.from_arrays(ids=ids, columns=cols, **scal)
+        t4 = time.perf_counter()
+        Snapshot.from_columns(ids=ids, **generic, **scal)  # same data, just as warm in cache
+        t5 = time.perf_counter()
+        plan = pol.plan(snap, pred)
+        t6 = time.perf_counter()
+        pb.ScheduleResponse(request_id=req.request_id, plan=plan_to_pb(plan), server_us=1).SerializeToString()
+        t7 = time.perf_counter()
+        parts = (t1 - t0, t2 - t1, t4 - t3, t5 - t4, t6 - t5, t7 - t6, t7 - t0 - (t5 - t4) - (t3 - t2))
+        for k, dt in zip(steps, parts, strict=True):
+            steps[k].append(dt)
+    return [(k, *pct(v)) for k, v in steps.items()]
 
 
 def serve_child(port_file: str) -> None:
@@ -124,6 +201,12 @@ def main() -> None:
         print(f"  {enc:24s}  {e50:7.3f} / {e99:7.3f}       {d50:7.3f} / {d99:7.3f}          {size}")
 
     pol, pred = registry.create(args.policy), default_predictor()
+    print("\nper field (seed 0)                 bytes   decode p50 µs   encode p50 µs")
+    for name, size, dec, enc in bench_fields(snaps, pol.plan(snaps[0], pred), args.iters):
+        print(f"  {name:32s} {size:7d}   {dec:13.1f}   {enc:13.1f}")
+    print("\nserver side, step by step (in this process)   p50 ms   p99 ms")
+    for name, p50, p99 in bench_server_steps(snaps, args.policy, args.iters):
+        print(f"  {name:44s} {p50:7.3f}  {p99:7.3f}")
     # Fresh Snapshot objects per call, as a server sees them (no memoised derived columns).
     fresh = [snapshot_from_pb(snapshot_to_pb(s), max_requests=100_000)[0] for s in snaps for _ in range(50)]
     inproc = timed(lambda s: pol.plan(s, pred), fresh, min(args.iters, len(fresh)))
