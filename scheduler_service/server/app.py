@@ -30,6 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from scheduler_service.core import BatchLatencyPredictor, Snapshot, ValidationError, default_predictor
+from scheduler_service.core.kernels import warm_up as warm_kernels
 
 from .config import ServerConfig
 from .deployments import PolicyConfig, PolicyConfigWatcher, PolicySet, ShadowRunner
@@ -54,16 +55,6 @@ def _load_predictor(config: ServerConfig) -> BatchLatencyPredictor:
     except OSError as e:
         raise ValidationError.single("predictor_file", f"cannot read {config.predictor_file}: {e}") from None
     return BatchLatencyPredictor.from_json(text)
-
-
-def _warm_kernels() -> None:
-    """Compile the policy core's kernels now, before SERVING, so that no engine's first
-    decision pays for it (compilation is cached on disk; this loads or builds it)."""
-    try:
-        from scheduler_service.core.kernels import warm_up  # deferred: may pull in the compiler
-    except ImportError:  # a core without compiled kernels: nothing to warm
-        return
-    warm_up()
 
 
 class SchedulerServer:
@@ -233,7 +224,9 @@ class SchedulerServer:
             computed_tokens=np.array([8, 0]), output_tokens=np.array([2, 0]),
             ttft_slo=np.array([1.0, 1.0]), tbt_slo=np.array([0.1, 0.1]), protected=np.array([False, False]),
         )
-        _warm_kernels()
+        # Compile (or load from the on-disk cache) the policy kernels now, before this
+        # process is SERVING or joins a shared port, never on an engine's first decision.
+        warm_kernels()
         policy.plan(snap, self.predictors.bootstrap)
         # The first refit would import scikit-learn (about a second, mostly holding the GIL)
         # in the middle of serving; pay it here, before the server reports SERVING.
