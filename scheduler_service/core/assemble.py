@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from itertools import repeat
 
 import numpy as np
 
@@ -23,6 +22,26 @@ def in_queue_order(chosen: Iterable[int], queue: np.ndarray) -> list[int]:
     return queue[pos].tolist()
 
 
+#: ``Allocation(id, 1)`` of running decodes, shared between decisions: a decode keeps its
+#: id and its one token for hundreds of iterations, and building some 256 named tuples
+#: per decision was the largest pure-Python cost left in it.  Allocations are immutable
+#: and compare by value, so sharing changes no plan.  Bounded (cleared when full);
+#: dict reads and writes are atomic, so threads may share it.
+_ONE_TOKEN: dict[str, Allocation] = {}
+_ONE_TOKEN_MAX = 1 << 16
+
+
+def _decode_allocations(ids: list[str]) -> list[Allocation]:
+    out = list(map(_ONE_TOKEN.get, ids))
+    if None in out:
+        if len(_ONE_TOKEN) > _ONE_TOKEN_MAX:
+            _ONE_TOKEN.clear()
+        for k, a in enumerate(out):
+            if a is None:
+                out[k] = _ONE_TOKEN[ids[k]] = Allocation(ids[k], 1)
+    return out  # type: ignore[return-value]
+
+
 def assemble_plan(
     policy: Policy,
     snap: Snapshot,
@@ -36,27 +55,28 @@ def assemble_plan(
 ) -> Plan:
     """Build the plan and predict the latency of exactly the batch it names
     (``predicted_ms`` when the caller already knows it)."""
-    idx = decodes.tolist() + [i for i, _ in pre_alloc]
-    tok = [1] * len(decodes) + [t for _, t in pre_alloc]
+    ids = snap.ids
+    dec = decodes.tolist()
     if predicted_ms is not None:
         pred = predicted_ms
-    elif idx:
-        c = np.array(tok, dtype=np.float64)
+    elif dec or pre_alloc:
+        idx = dec + [i for i, _ in pre_alloc]
+        c = np.array([1] * len(dec) + [t for _, t in pre_alloc], dtype=np.float64)
         u = snap.kv_tokens[np.array(idx)].astype(np.float64)
         x, s = batch_features(c, u)
         pred = float(predictor.predict_ms(x[None, :], np.array([s]))[0])
     else:
         pred = 0.0
-    # tuple.__new__ straight from C: an Allocation per request without a Python call each
-    allocs = tuple(map(tuple.__new__, repeat(Allocation), zip(map(snap.ids.__getitem__, idx), tok, strict=True)))
+    allocs = _decode_allocations(list(map(ids.__getitem__, dec)))
+    allocs += [Allocation(ids[i], t) for i, t in pre_alloc]
     return Plan(
         policy=policy.name,
         policy_version=policy.version,
         predictor_version=predictor.version,
         path=path,
-        token_budget=int(sum(tok)),
+        token_budget=len(dec) + int(sum(t for _, t in pre_alloc)),
         predicted_latency_ms=pred,
-        allocations=allocs,
+        allocations=tuple(allocs),
         decision_us=(time.perf_counter_ns() - t0) // 1000,
         breakdown_us={k: v // 1000 for k, v in breakdown_ns.items()},
     )

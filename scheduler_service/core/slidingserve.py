@@ -129,7 +129,7 @@ class SlidingServePolicy:
         if len(pre) == 0:
             return lost
         jit = kernels.jit()
-        if jit is not None:
+        if jit is not None and len(pre) < jit.MAX_LATE_SET:
             rho_max = predictor.prefill_throughput(snap.max_batch_tokens) if p.hopeless_factor > 0 else 0.0
             return jit.lost_mask(pre, snap.remaining_prefill, snap.slack, snap.protected, float(rho),
                                  float(rho_max), float(p.hopeless_factor), p.lost_rule == "moore")

@@ -137,7 +137,7 @@ def late_set(snap: Snapshot, idx: np.ndarray, throughput: float) -> np.ndarray:
     if len(idx) == 0:
         return lost
     jit = kernels.jit()
-    if jit is not None:
+    if jit is not None and len(idx) < jit.MAX_LATE_SET:
         return jit.late_set(np.asarray(idx, dtype=np.int64), snap.remaining_prefill, snap.slack,
                             snap.protected, float(throughput))
     r = snap.remaining_prefill[idx].astype(np.float64) / throughput

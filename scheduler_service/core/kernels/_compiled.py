@@ -132,14 +132,13 @@ def queue_arrays(remaining: np.ndarray, computed: np.ndarray, queue: np.ndarray,
 
 
 @_jit
-def _prefix_one(coef: np.ndarray, fast: int, R: np.ndarray, u0: np.ndarray, pw: np.ndarray,
-                pf: np.ndarray, pmax: np.ndarray, n_dec: int, dec_u: float, base: float,
-                P: int, j: int):  # type: ignore[no-untyped-def]
+def _prefix_one(w: np.ndarray, R: np.ndarray, u0: np.ndarray, pw: np.ndarray, pf: np.ndarray,
+                pmax: np.ndarray, n_dec: int, base: float, P: int, j: int):  # type: ignore[no-untyped-def]
     """Time of decodes + the first P stream tokens (``prefix_time_ms``'s fast
-    formula; j = the request P falls in, nq when past the end) and whether the
-    reference treats it as a minor entry."""
+    formula under the model row w; j = the request P falls in, nq when past the
+    end) and whether the reference treats it as a minor entry.  Takes the row, not
+    the matrix: slicing it here, once per token, cost more than the formula."""
     nq = len(R) - 1
-    w = coef[fast]
     jc = min(j, nq - 1)
     c = float(P - R[jc]) if j < nq else 0.0
     t = base + pw[j] + _piece(w, c, float(u0[jc])) + w[7] * max(pmax[j], c if c > 1 else 0.0)
@@ -162,11 +161,12 @@ def prefix_times(coef: np.ndarray, fast: int, R: np.ndarray, u0: np.ndarray, pw:
     if nq == 0:
         t[:] = d0
         return t, minor, 0
-    base = _base(coef[fast], n_dec, dec_u)
+    w = coef[fast]
+    base = _base(w, n_dec, dec_u)
     n_minor = 0
     for i in range(len(P)):
         j = min(np.searchsorted(R, P[i], side="right") - 1, nq)
-        t[i], minor[i] = _prefix_one(coef, fast, R, u0, pw, pf, pmax, n_dec, dec_u, base, P[i], j)
+        t[i], minor[i] = _prefix_one(w, R, u0, pw, pf, pmax, n_dec, base, P[i], j)
         if minor[i]:
             n_minor += 1
             t[i] = _scalar_segment(coef, R, u0, n_dec, dec_u, 0, P[i], 0)
@@ -187,13 +187,14 @@ def fill_curve(coef: np.ndarray, fast: int, R: np.ndarray, u0: np.ndarray, pw: n
     else:
         t = np.empty(limit + 1)
         minor = np.zeros(limit + 1, dtype=np.bool_)
-        base = _base(coef[fast], n_dec, dec_u)
+        w = coef[fast]
+        base = _base(w, n_dec, dec_u)
         n_minor = 0
         j = 0
         for p in range(limit + 1):
             while j < nq and R[j + 1] <= p:
                 j += 1
-            t[p], minor[p] = _prefix_one(coef, fast, R, u0, pw, pf, pmax, n_dec, dec_u, base, p, j)
+            t[p], minor[p] = _prefix_one(w, R, u0, pw, pf, pmax, n_dec, base, p, j)
             if minor[p]:
                 n_minor += 1
                 t[p] = _scalar_segment(coef, R, u0, n_dec, dec_u, 0, p, 0)
@@ -208,16 +209,6 @@ def fill_curve(coef: np.ndarray, fast: int, R: np.ndarray, u0: np.ndarray, pw: n
 
 # ---------------------------------------------------------------------- orders
 @_jit
-def _before(k0: np.ndarray, k1: np.ndarray, k2: np.ndarray, a: int, b: int) -> bool:
-    """Position a sorts strictly before b by (k0, k1, k2)."""
-    if k0[a] != k0[b]:
-        return k0[a] < k0[b]
-    if k1[a] != k1[b]:
-        return k1[a] < k1[b]
-    return k2[a] < k2[b]
-
-
-@_jit
 def _merge_order(k0: np.ndarray, k1: np.ndarray, k2: np.ndarray) -> np.ndarray:
     """Stable argsort by (k0, k1, k2): what ``np.lexsort((k2, k1, k0))`` returns (a
     bottom-up merge sort; equal keys keep their positions' order)."""
@@ -230,11 +221,19 @@ def _merge_order(k0: np.ndarray, k1: np.ndarray, k2: np.ndarray) -> np.ndarray:
             mid, hi = min(lo + width, n), min(lo + 2 * width, n)
             i, j, o = lo, mid, lo
             while i < mid and j < hi:
-                if _before(k0, k1, k2, a[j], a[i]):
-                    b[o] = a[j]
+                x, y = a[i], a[j]
+                # y strictly before x takes y; ties keep x (stability)
+                if k0[y] != k0[x]:
+                    later = k0[y] < k0[x]
+                elif k1[y] != k1[x]:
+                    later = k1[y] < k1[x]
+                else:
+                    later = k2[y] < k2[x]
+                if later:
+                    b[o] = y
                     j += 1
                 else:
-                    b[o] = a[i]
+                    b[o] = x
                     i += 1
                 o += 1
             b[o:o + mid - i] = a[i:mid]
@@ -286,89 +285,124 @@ def mlps_order(idx: np.ndarray, remaining: np.ndarray, slack: np.ndarray, protec
         late = (expired_last and s <= 0) or (len(lost) > 0 and lost[i])
         k0[i] = (int(late) << 43) | (int(not protected[q]) << 42) | (int(not u > alpha) << 41) | r
         k2[i] = arrival[q]
-    return _ordered(idx, k0, np.zeros(n), k2)
+    return _order2(idx, k0, k2)
+
+
+@_jit
+def _order2(idx: np.ndarray, k0: np.ndarray, k1: np.ndarray):  # type: ignore[no-untyped-def]
+    """idx sorted by (k0, k1) and whether two neighbours tie on both.  Unstable sorts
+    suffice: without a tie the order is unique, and with one the caller re-sorts by
+    id anyway.  Quicksort on k0, then each run of equal k0 by k1: a few times faster
+    than the merge sort on queues of distinct lengths."""
+    p = np.argsort(k0)
+    n = len(p)
+    tie = False
+    i = 0
+    while i < n:
+        j = i + 1
+        while j < n and k0[p[j]] == k0[p[i]]:
+            j += 1
+        if j - i > 1:
+            run = p[i:j].copy()
+            p[i:j] = run[np.argsort(k1[run])]
+            for m in range(i + 1, j):
+                tie = tie or k1[p[m]] == k1[p[m - 1]]
+        i = j
+    return idx[p], tie
+
+
+@_jit
+def _argsort_by_pos(key: np.ndarray) -> np.ndarray:
+    """Stable argsort (ties by position, as ``np.lexsort((arange, key))``): quicksort,
+    then each run of equal keys back in position order."""
+    p = np.argsort(key)
+    n = len(p)
+    i = 0
+    while i < n:
+        j = i + 1
+        while j < n and key[p[j]] == key[p[i]]:
+            j += 1
+        if j - i > 1:
+            p[i:j] = np.sort(p[i:j])
+        i = j
+    return p
 
 
 # ------------------------------------------------------------------ lost set
-@_jit
-def _heap_less(hp: np.ndarray, hr: np.ndarray, hj: np.ndarray, a: int, b: int) -> bool:
-    if hp[a] != hp[b]:
-        return hp[a] < hp[b]
-    if hr[a] != hr[b]:
-        return hr[a] < hr[b]
-    return hj[a] < hj[b]
+#: ``late_set``'s heap holds one int64 per request: protected << 61 | (2^40 − r) << 20
+#: | position, so that the smallest key is the reference's smallest tuple (unprotected
+#: first, then the most remaining tokens, then the first position).  Remaining tokens
+#: order as remaining / rate does (a division by one positive rate of integers below
+#: 2^41 keeps them apart); positions below 2^20 (the caller checks).
+_POS_BITS = 20
+#: The most requests ``late_set`` and ``lost_mask`` take (the glue checks).
+MAX_LATE_SET = 1 << _POS_BITS
 
 
 @_jit
-def _heap_swap(hp: np.ndarray, hr: np.ndarray, hj: np.ndarray, a: int, b: int) -> None:
-    hp[a], hp[b] = hp[b], hp[a]
-    hr[a], hr[b] = hr[b], hr[a]
-    hj[a], hj[b] = hj[b], hj[a]
-
-
-@_jit
-def _heap_push(hp: np.ndarray, hr: np.ndarray, hj: np.ndarray, n: int, p: int, r: float, j: int) -> int:
-    hp[n], hr[n], hj[n] = p, r, j
+def _heap_push(h: np.ndarray, n: int, key: int) -> int:
     i = n
     while i > 0:
         up = (i - 1) // 2
-        if not _heap_less(hp, hr, hj, i, up):
+        if h[up] <= key:
             break
-        _heap_swap(hp, hr, hj, i, up)
+        h[i] = h[up]
         i = up
+    h[i] = key
     return n + 1
 
 
 @_jit
-def _heap_pop(hp: np.ndarray, hr: np.ndarray, hj: np.ndarray, n: int) -> int:
+def _heap_pop(h: np.ndarray, n: int) -> int:
     """Remove the root (read it first); the new size."""
     n -= 1
-    _heap_swap(hp, hr, hj, 0, n)
+    last = h[n]
     i = 0
     while True:
-        m, a, b = i, 2 * i + 1, 2 * i + 2
-        if a < n and _heap_less(hp, hr, hj, a, m):
-            m = a
-        if b < n and _heap_less(hp, hr, hj, b, m):
-            m = b
-        if m == i:
-            return n
-        _heap_swap(hp, hr, hj, i, m)
-        i = m
+        c = 2 * i + 1
+        if c >= n:
+            break
+        if c + 1 < n and h[c + 1] < h[c]:
+            c += 1
+        if last <= h[c]:
+            break
+        h[i] = h[c]
+        i = c
+    h[i] = last
+    return n
 
 
 @_jit
 def late_set(idx: np.ndarray, remaining: np.ndarray, slack: np.ndarray, protected: np.ndarray,
              throughput: float) -> np.ndarray:
     """``sorter.late_set``."""
-    rem = np.empty(len(idx))
+    rem = np.empty(len(idx), dtype=np.int64)
     for i in range(len(idx)):
         rem[i] = remaining[idx[i]]
-    return _late_set(rem / throughput, slack[idx], protected[idx])
+    return _late_set(rem, rem / throughput, slack[idx], protected[idx])
 
 
 @_jit
-def _late_set(r: np.ndarray, s: np.ndarray, prot: np.ndarray) -> np.ndarray:
-    """``sorter.late_set`` on gathered columns (r already divided by the rate): the
-    same heap order (unprotected first, then longest, then position), so the same
-    requests are dropped and the same running sums compared."""
-    n = len(r)
+def _late_set(rem: np.ndarray, r: np.ndarray, s: np.ndarray, prot: np.ndarray) -> np.ndarray:
+    """``sorter.late_set`` on gathered columns (r = rem / rate): the same heap order,
+    so the same requests are dropped and the same running sums compared."""
     lost = s <= 0
-    order = np.argsort(s, kind="mergesort")
-    hp = np.empty(n, dtype=np.int64)
-    hr = np.empty(n)
-    hj = np.empty(n, dtype=np.int64)
+    order = _argsort_by_pos(s)
+    h = np.empty(len(r), dtype=np.int64)
+    mask = (1 << _POS_BITS) - 1
     size = 0
     t = 0.0
     for j in order:
         if s[j] <= 0:
             continue
-        size = _heap_push(hp, hr, hj, size, int(prot[j]), -r[j], j)
+        key = (int(prot[j]) << 61) | (((1 << 40) - rem[j]) << _POS_BITS) | j
+        size = _heap_push(h, size, key)
         t += r[j]
         while t > s[j] and size:
-            t += hr[0]
-            lost[hj[0]] = True
-            size = _heap_pop(hp, hr, hj, size)
+            k = h[0] & mask
+            t += -r[k]
+            lost[k] = True
+            size = _heap_pop(h, size)
     return lost
 
 
@@ -378,7 +412,7 @@ def lost_mask(pre: np.ndarray, remaining: np.ndarray, slack: np.ndarray, protect
     """``SlidingServePolicy._lost``: hopeless prefills, then the Moore–Hodgson lost
     set, live ones only."""
     n = len(pre)
-    rem = np.empty(n)
+    rem = np.empty(n, dtype=np.int64)
     s = np.empty(n)
     prot = np.empty(n, dtype=np.bool_)
     lost = np.zeros(n, dtype=np.bool_)
@@ -389,7 +423,7 @@ def lost_mask(pre: np.ndarray, remaining: np.ndarray, slack: np.ndarray, protect
         if hopeless_factor > 0:
             lost[i] = remaining[pre[i]] > rho_max * s[i] * hopeless_factor
     if moore and n:
-        lost |= _late_set(rem / rho, s, prot)
+        lost |= _late_set(rem, rem / rho, s, prot)
     return lost & (s > 0)
 
 
