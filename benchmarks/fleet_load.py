@@ -1,12 +1,12 @@
 """Many engines, one service: N simulated engines share one scheduling service over gRPC.
 
     .venv/bin/python -m benchmarks.fleet_load [--engines 1,4,8,16] [--duration 30] [--speedup 1]
-        [--rate 1.6] [--workload mixed-v1] [--policy slidingserve] [--saturate] [--profile-server]
-        [--out fleet.json]
+        [--rate 1.6] [--workload mixed-v1] [--policy slidingserve] [--workers 1] [--saturate]
+        [--profile-server] [--out fleet.json]
 
 Set-up, and why:
 
-* The service is a real ``slidingserve serve`` subprocess (started fresh for every phase so
+* The service is a real ``slidingserve serve [--workers N]`` subprocess (started fresh for every phase so
   that no phase inherits the predictor refits or the CPU time of the one before), bound to
   loopback.  It is never in the benchmark's own process, so the engines' GIL cannot hide or
   inflate the server's.  Before the clock starts it is made to refit once under a spare
@@ -84,8 +84,11 @@ from engine_adapter.remote import GrpcBackend
 from engine_adapter.sim.engine import EngineConfig, SimulatedEngine
 from engine_adapter.sim.groundtruth import DEFAULT_PROFILE, PROFILES, load_ground_truth
 from engine_adapter.sim.pacing import WallClockPacer
-from scheduler_service.client import IterationReport, SchedulerClient
+from scheduler_service.client import EngineProfile, IterationReport, SchedulerClient
 from scheduler_service.core import BatchLatencyPredictor, Snapshot, registry
+from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
+from scheduler_service.gen.slidingserve.v1 import scheduler_pb2_grpc as pb_grpc
+from scheduler_service.server.servicer import WORKER_PID_KEY
 
 ROOT = Path(__file__).resolve().parent.parent
 #: N = 8 must meet these (service p99, fallback fraction).
@@ -292,6 +295,12 @@ def _reference(job: EngineJob) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ the service
+def _worker_pid(ch: grpc.Channel) -> str:
+    """The pid of the worker process behind ``ch``'s connection (GetPredictor's trailer)."""
+    _, call = pb_grpc.SchedulerServiceStub(ch).GetPredictor.with_call(pb.GetPredictorRequest(), timeout=30)
+    return str(dict(call.trailing_metadata()).get(WORKER_PID_KEY, ""))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -302,15 +311,16 @@ class Service:
     """``slidingserve serve`` in a subprocess on a loopback port, with the offline predictor
     of the engines' profile as its bootstrap (as in the in-process reference)."""
 
-    def __init__(self, predictor_json: str, engines: int, workdir: Path) -> None:
+    def __init__(self, predictor_json: str, engines: int, workdir: Path, workers: int = 1) -> None:
         self.port = _free_port()
         self.target = f"127.0.0.1:{self.port}"
+        self.workers = workers
         pfile = workdir / "predictor.json"
         pfile.write_text(predictor_json)
         cfg = workdir / "server.json"
         # One worker thread per open stream (a ScheduleStream per engine, plus report streams).
-        cfg.write_text(json.dumps({"host": "127.0.0.1", "port": self.port, "log_level": "warning",
-                                   "predictor_file": str(pfile), "grace_s": 0.5,
+        cfg.write_text(json.dumps({"host": "127.0.0.1", "port": self.port, "log_level": "info",
+                                   "predictor_file": str(pfile), "grace_s": 0.5, "workers": workers,
                                    "max_workers": max(32, 3 * engines + 8)}))
         self.log = (workdir / "server.log").open("w")
         self.proc = subprocess.Popen(
@@ -318,7 +328,20 @@ class Service:
             env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=self.log, stderr=subprocess.STDOUT,
         )
         self._wait_serving()
+        self._wait_all_workers()
         self._first_refit()
+
+    def _wait_all_workers(self, timeout: float = 180.0) -> None:
+        """With several workers the port answers once the first is up; the supervisor logs
+        ``server_started`` with ``workers`` once every one is."""
+        if self.workers == 1:
+            return
+        end = time.monotonic() + timeout
+        path = Path(self.log.name)
+        while '"workers": ' not in path.read_text() or '"server_started"' not in path.read_text():
+            if self.proc.poll() is not None or time.monotonic() > end:
+                raise SystemExit(f"the {self.workers} workers did not start; see {self.log.name}")
+            time.sleep(0.1)
 
     def _wait_serving(self, timeout: float = 60.0) -> None:
         end = time.monotonic() + timeout
@@ -347,21 +370,45 @@ class Service:
             c = rng.integers(1, 512, rng.integers(1, 32))
             u = rng.integers(0, 2048, len(c))
             reports.append(IterationReport(latency_ms=5.0 + 0.02 * float(c.sum()) + 1e-4 * float(u.sum()), c=c, u=u))
-        with SchedulerClient(self.target, timeout_s=30.0, profile="fleet-load-warmup") as client:
-            client.report(reports)
-            end = time.monotonic() + timeout
-            while client.get_predictor("fleet-load-warmup").refits < 1:
-                if time.monotonic() > end:
-                    raise SystemExit("the service did not refit its warm-up profile")
-                time.sleep(0.1)
+        warmed: set[str] = set()
+        end = time.monotonic() + timeout
+        while len(warmed) < self.workers:  # one connection per worker (the kernel picks it)
+            if time.monotonic() > end:
+                raise SystemExit(f"warm-up reports reached only {len(warmed)} of {self.workers} workers")
+            ch = grpc.insecure_channel(self.target, options=[("grpc.use_local_subchannel_pool", 1)])
+            with SchedulerClient(self.target, timeout_s=30.0, channel=ch) as client:
+                pid = _worker_pid(ch)
+                if pid in warmed:
+                    continue
+                profile = f"fleet-load-warmup-{len(warmed)}"
+                client.report([replace(r, profile=EngineProfile(model=profile)) for r in reports])
+                while client.get_predictor(EngineProfile(model=profile)).refits < 1:
+                    if time.monotonic() > end:
+                        raise SystemExit("the service did not refit its warm-up profile")
+                    time.sleep(0.1)
+                warmed.add(pid)
+
+    def pids(self) -> list[int]:
+        """The service's processes: the supervisor and its workers (or the one server)."""
+        out, todo = [], [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            out.append(pid)
+            with contextlib.suppress(OSError):
+                todo += [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+        return out
 
     def cpu_s(self) -> float:
-        """CPU seconds (user + system) the service process has used so far."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        """CPU seconds (user + system) the service's processes have used so far."""
+        total = 0
+        for pid in self.pids():
+            with contextlib.suppress(OSError):
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])
+        return total / os.sysconf("SC_CLK_TCK")
 
     def threads(self) -> int:
-        return len(os.listdir(f"/proc/{self.proc.pid}/task"))
+        return sum(len(os.listdir(f"/proc/{pid}/task")) for pid in self.pids() if Path(f"/proc/{pid}").exists())
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -425,6 +472,7 @@ def profiled(service: Service, seconds: float, out: Path | None) -> Iterator[dic
         return
     rate, duration = 250, max(2, int(seconds))
     proc = subprocess.Popen([spy, "record", "--pid", str(service.proc.pid), "--gil", "--nonblocking",
+                             *(["--subprocesses"] if service.workers > 1 else []),
                              "--rate", str(rate), "--format", "raw", "--output", str(out),
                              "--duration", str(duration)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -451,6 +499,7 @@ def profiled(service: Service, seconds: float, out: Path | None) -> Iterator[dic
 class Phase:
     engines: int
     speedup: float
+    workers: int = 1
 
 
 def _pct(a: np.ndarray, q: float) -> float:
@@ -459,14 +508,14 @@ def _pct(a: np.ndarray, q: float) -> float:
 
 def run_phase(phase: Phase, base: EngineJob, workdir: Path, spy_dir: Path | None) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
-    service = Service(base.predictor_json, phase.engines, workdir)
+    service = Service(base.predictor_json, phase.engines, workdir, phase.workers)
     counters = ctx.Array("q", 3 * phase.engines, lock=False)
     events = ctx.Queue()
     start = ctx.Event()
     jobs = [replace(base, index=i, seed=base.seed + i, target=service.target, speedup=phase.speedup)
             for i in range(phase.engines)]
     procs = [ctx.Process(target=_engine_process, args=(j, counters, events, start), daemon=True) for j in jobs]
-    label = f"N={phase.engines:<2d} x{phase.speedup:g}"
+    label = f"N={phase.engines:<2d} x{phase.speedup:g} workers={phase.workers}"
     results: dict[int, dict[str, Any]] = {}
     failures: dict[int, str] = {}
     try:
@@ -525,6 +574,7 @@ def run_phase(phase: Phase, base: EngineJob, workdir: Path, spy_dir: Path | None
     out = {
         "engines": phase.engines,
         "speedup": phase.speedup,
+        "workers": phase.workers,
         "wall_s": round(wall, 2),
         "decisions": decisions,
         "decisions_per_s": round(sum(r["decisions"] / r["wall_s"] for r in rs), 1),
@@ -578,7 +628,7 @@ def run_phase(phase: Phase, base: EngineJob, workdir: Path, spy_dir: Path | None
 
 
 # ------------------------------------------------------------------ report
-HEADER = (f"{'N':>3} {'speed':>5} {'dec/s':>7} {'it/s/eng':>8} {'svc p50':>7} {'svc p99':>7} "
+HEADER = (f"{'N':>3} {'wk':>2} {'speed':>5} {'dec/s':>7} {'it/s/eng':>8} {'svc p50':>7} {'svc p99':>7} "
           f"{'pol p50':>7} {'rtt p50':>7} {'rtt p99':>7} {'fallback':>9} {'err':>4} {'lag p99':>7} "
           f"{'svc cpu':>7} {'SLO fleet':>9} {'SLO inproc':>10}  target")
 
@@ -586,7 +636,7 @@ HEADER = (f"{'N':>3} {'speed':>5} {'dec/s':>7} {'it/s/eng':>8} {'svc p50':>7} {'
 def row(p: dict[str, Any]) -> str:
     fb = f"{100 * p['fallback_rate']:.2f}%"
     ref = p.get("slo_attainment_inproc")
-    return (f"{p['engines']:>3} {p['speedup']:>5g} {p['decisions_per_s']:>7,.0f} "
+    return (f"{p['engines']:>3} {p.get('workers', 1):>2} {p['speedup']:>5g} {p['decisions_per_s']:>7,.0f} "
             f"{p['per_engine_iterations_per_s']:>8.1f} {p['service_ms']['p50']:>7.2f} "
             f"{p['service_ms']['p99']:>7.2f} {p['policy_ms']['p50']:>7.2f} {p['round_trip_ms']['p50']:>7.2f} "
             f"{p['round_trip_ms']['p99']:>7.2f} {fb:>9} {p['errors']:>4} {p['lag_p99_ms']:>7.1f} "
@@ -625,6 +675,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--policy", default="slidingserve")
     ap.add_argument("--profile", default="", help="GPU profile (default: the simulator's default)")
     ap.add_argument("--deadline-ms", type=_positive, default=20.0)
+    ap.add_argument("--workers", type=_ints, default=[1],
+                    help="service worker processes per phase, e.g. 1,2 (every engine count runs with each)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--saturate", action="store_true",
                     help="then double the speedup at the largest N until the target breaks")
@@ -648,7 +700,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                      predictor_json=profile_predictor(profile).to_json())
     print(f"fleet load: {args.workload} at {args.rate:g} rps per engine, {requests} requests each "
           f"(~{args.duration:g} simulated s), policy {args.policy}, deadline {args.deadline_ms:g} ms, "
-          f"profile {profile}; one service process; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}",
+          f"profile {profile}; service workers {','.join(map(str, args.workers))}; {os.cpu_count()} CPUs, "
+          f"load {os.getloadavg()[0]:.1f}",
           file=sys.stderr)
     phases: list[dict[str, Any]] = []
     if args.out:
@@ -665,15 +718,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(row(res), file=sys.stderr)
             return res
 
-        for n in args.engines:
-            go(Phase(n, args.speedup))
+        for w in args.workers:
+            for n in args.engines:
+                go(Phase(n, args.speedup, w))
         saturation: dict[str, Any] = {}
         if args.saturate:
-            n, s = max(args.engines), args.speedup
+            n, s, w = max(args.engines), args.speedup, max(args.workers)
             last_ok = next((p for p in phases[::-1] if p["engines"] == n and p["meets_target"]), None)
             while s * 2 <= args.max_speedup:
                 s *= 2
-                res = go(Phase(n, s))
+                res = go(Phase(n, s, w))
                 if not res["engines_keep_pace"] and res["meets_target"]:
                     saturation = {"engines": n, "speedup": s, "decisions_per_s": res["decisions_per_s"],
                                   "limited_by": "the engines: they could not keep real-time pace on this "

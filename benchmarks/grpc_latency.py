@@ -44,6 +44,7 @@ from scheduler_service.core.snapshot import COLUMN_DTYPES
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler_service.server import SchedulerServer, ServerConfig
+from scheduler_service.server.workers import MultiProcessServer
 from scheduler_service.wire.convert import columns_to_arrays, plan_to_pb, snapshot_from_pb, snapshot_to_pb
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -149,21 +150,23 @@ def bench_server_steps(snaps: list[Snapshot], policy: str, iters: int) -> list[t
     return [(k, *pct(v)) for k, v in steps.items()]
 
 
-def serve_child(port_file: str) -> None:
-    """Child process: serve until stdin closes."""
-    with SchedulerServer(ServerConfig(host="127.0.0.1", port=0, log_level="warning")) as srv:
+def serve_child(port_file: str, workers: int) -> None:
+    """Child process: serve until stdin closes (one server, or a supervisor of ``workers``)."""
+    cfg = ServerConfig(host="127.0.0.1", port=0, log_level="warning", workers=workers)
+    with (SchedulerServer(cfg) if workers == 1 else MultiProcessServer(cfg)) as srv:
         Path(port_file).write_text(str(srv.port))
         sys.stdin.read()
 
 
-def start_server(in_process: bool) -> tuple[str, Callable[[], None]]:
+def start_server(in_process: bool, workers: int = 1) -> tuple[str, Callable[[], None]]:
     if in_process:
         srv = SchedulerServer(ServerConfig(host="127.0.0.1", port=0, log_level="warning")).start()
         return srv.target, lambda: srv.stop(0)
     port_file = Path(tempfile.mkdtemp()) / "port"
-    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.grpc_latency", "--serve-child", str(port_file)],
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.grpc_latency", "--serve-child", str(port_file),
+                             "--workers", str(workers)],
                             cwd=ROOT, stdin=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 180
     while not (port_file.exists() and port_file.read_text()):
         if proc.poll() is not None or time.monotonic() > deadline:
             raise SystemExit("benchmark server did not start")
@@ -177,6 +180,90 @@ def start_server(in_process: bool) -> tuple[str, Callable[[], None]]:
     return f"127.0.0.1:{port_file.read_text()}", stop
 
 
+# ------------------------------------------------------------- decisions per second
+SCHEDULE_STREAM = "/slidingserve.v1.SchedulerService/ScheduleStream"
+
+
+def _load_client(target: str, pid: str, blobs: list[bytes], seconds: float, out: Any, start: Any) -> None:
+    """One closed-loop engine stand-in: a connection to worker ``pid`` (reconnecting until
+    the kernel hands one to it), one ScheduleStream of pre-encoded requests, raw bytes both
+    ways so that the client spends as little CPU as possible; puts its decision count."""
+    import queue  # deferred: only the load clients need these
+
+    from benchmarks.fleet_load import _worker_pid  # fleet_load imports the engine adapter
+
+    for _ in range(256):
+        ch = grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+        if _worker_pid(ch) == pid:
+            break
+        ch.close()
+    call = ch.stream_stream(SCHEDULE_STREAM, request_serializer=None, response_deserializer=None)
+    start.wait()  # every client connected: all run over the same seconds
+    end, done = time.monotonic() + seconds, 0
+    q: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+    q.put(blobs[0])
+    for done, _reply in enumerate(call(iter(q.get, None)), 1):  # the next request once answered
+        q.put(None if time.monotonic() >= end else blobs[done % len(blobs)])
+    ch.close()
+    out.put(done)
+
+
+def bench_throughput(snaps: list[Snapshot], workers: int, clients: int, seconds: float,
+                     policy: str) -> tuple[float, list[int], float]:
+    """Decisions/s of ``slidingserve serve --workers N`` under ``clients`` closed-loop
+    streams spread evenly over the workers; returns (decisions/s, decisions per client,
+    cores the service's processes used)."""
+    import multiprocessing as mp  # deferred: only this figure uses it
+
+    from benchmarks.fleet_load import Service, _worker_pid
+
+    blobs = [pb.ScheduleRequest(snapshot=snapshot_to_pb(s), policy=policy).SerializeToString() for s in snaps]
+    with tempfile.TemporaryDirectory(prefix="grpc-throughput-") as tmp:
+        service = Service(default_predictor().to_json(), clients, Path(tmp), workers)
+        try:
+            pids: list[str] = []
+            while len(pids) < workers:
+                with grpc.insecure_channel(service.target, options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
+                    pid = _worker_pid(ch)
+                if pid not in pids:
+                    pids.append(pid)
+            ctx = mp.get_context("spawn")
+            out, start = ctx.Queue(), ctx.Barrier(clients + 1)
+            procs = [ctx.Process(target=_load_client,
+                                 args=(service.target, pids[i % workers], blobs, seconds, out, start))
+                     for i in range(clients)]
+            for p in procs:
+                p.start()
+            start.wait(timeout=180)
+            cpu0 = service.cpu_s()
+            counts = [out.get(timeout=seconds + 120) for _ in procs]
+            cpu = service.cpu_s() - cpu0
+            for p in procs:
+                p.join(10)
+        finally:
+            service.stop()
+    return sum(counts) / seconds, counts, cpu / seconds
+
+
+def _spin(seconds: float) -> int:
+    n, end = 0, time.monotonic() + seconds
+    while time.monotonic() < end:
+        n += 1
+    return n
+
+
+def free_cores(seconds: float = 2.0) -> float:
+    """How many cores this machine gives two busy processes right now, relative to one
+    (2.0 on an idle 2-core box; less when other work shares it): the ceiling of any
+    two-worker speed-up measured at the same time."""
+    import multiprocessing as mp  # deferred: only this figure uses it
+
+    one = _spin(seconds)
+    with mp.get_context("spawn").Pool(2) as pool:
+        two = pool.map(_spin, [seconds, seconds])
+    return sum(two) / one
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--decodes", type=int, default=256)
@@ -185,10 +272,14 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--policy", default="slidingserve")
     ap.add_argument("--in-process", action="store_true", help="embed the server in this process")
+    ap.add_argument("--workers", type=int, default=1, help="worker processes of the benchmark server")
+    ap.add_argument("--throughput", metavar="N,N", help="also measure decisions/s with these worker counts, e.g. 1,2")
+    ap.add_argument("--clients", type=int, default=4, help="closed-loop streams for --throughput")
+    ap.add_argument("--seconds", type=float, default=20.0, help="duration of each --throughput run")
     ap.add_argument("--serve-child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_child:
-        serve_child(args.serve_child)
+        serve_child(args.serve_child, args.workers)
         return
 
     snaps = [busy_snapshot(args.decodes, args.queued, seed=s) for s in range(args.seeds)]
@@ -211,7 +302,7 @@ def main() -> None:
     fresh = [snapshot_from_pb(snapshot_to_pb(s), max_requests=100_000)[0] for s in snaps for _ in range(50)]
     inproc = timed(lambda s: pol.plan(s, pred), fresh, min(args.iters, len(fresh)))
 
-    target, stop = start_server(args.in_process)
+    target, stop = start_server(args.in_process, args.workers)
     results = []
     try:
         for enc in ("columns", "rows"):
@@ -236,6 +327,16 @@ def main() -> None:
     print(f"  {'server-side (decode+validate+plan+encode)':52s}  {pct(srv_times)[0]:7.3f}  {pct(srv_times)[1]:7.3f}")
     for name, p50, p99 in results:
         print(f"  {name:52s}  {p50:7.3f}  {p99:7.3f}")
+    if args.throughput:
+        print(f"\ndecisions/s, {args.clients} closed-loop streams spread over the workers, {args.seconds:g} s each; "
+              f"{os.cpu_count()} CPUs, two busy processes get {free_cores():.2f} cores now")
+        base = None
+        for w in (int(x) for x in args.throughput.split(",")):
+            rate, counts, cores = bench_throughput(snaps, w, args.clients, args.seconds, args.policy)
+            base = base or rate
+            print(f"  workers {w}: {rate:8,.0f} decisions/s  ({rate / base:.2f}x the first)  service used {cores:.2f} "
+                  f"cores, {1e3 * cores / max(rate, 1e-9):.2f} CPU-ms per decision; per stream {counts}")
+        print(f"  (machine after: two busy processes get {free_cores():.2f} cores)")
 
 
 if __name__ == "__main__":
