@@ -24,7 +24,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from scheduler_service.client import SchedulerClient
+from scheduler_service.client import SchedulerClient, SchedulerError
 from scheduler_service.core import default_predictor
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2_grpc as pb_grpc
@@ -34,6 +34,9 @@ from tests.grpc_support import mixed_snapshot
 from tests.test_server_predictor import WINDOW, A, reports, truth_f
 
 ROOT = Path(__file__).resolve().parents[1]
+#: The client's reconnect options (scheduler_service/client.py), so that recovery is timed as an engine's.
+RECONNECT = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+             ("grpc.max_reconnect_backoff_ms", 1000)]
 pytestmark = pytest.mark.timeout(240)
 
 
@@ -179,6 +182,36 @@ def test_a_killed_worker_is_restarted_while_the_other_answers(service: Service) 
     assert exited["exit_code"] == -signal.SIGKILL
     channels = _one_channel_per_worker(service)
     assert set(channels) == {survivor, restarted["pid"]}
+
+
+def test_a_stream_survives_the_death_of_its_worker(service: Service) -> None:
+    """The engine's path (docs/operations.md): the call on the dead worker's connection fails
+    once, the stream reopens, the channel reconnects, and decisions resume on a live worker."""
+    channels = _one_channel_per_worker(service)
+    victim = next(iter(channels))
+    for ch in channels.values():
+        ch.close()
+    ch = grpc.insecure_channel(service.target, options=[
+        ("grpc.use_local_subchannel_pool", 1), *RECONNECT])
+    while _worker_of(ch) != victim:  # a connection on the worker about to die
+        ch.close()
+        ch = grpc.insecure_channel(service.target, options=[("grpc.use_local_subchannel_pool", 1), *RECONNECT])
+    snap = mixed_snapshot(4)
+    with SchedulerClient(service.target, timeout_s=5.0, channel=ch) as cl, cl.stream() as st:
+        assert st.schedule(snap).allocations
+        os.kill(victim, signal.SIGKILL)
+        failed, t0 = 0, time.monotonic()
+        while True:
+            try:
+                plan = st.schedule(snap)
+                break
+            except SchedulerError as e:
+                assert e.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), e
+                failed += 1
+                assert time.monotonic() - t0 < 30, "the stream did not come back"
+                time.sleep(0.05)
+        assert plan.allocations and failed >= 1
+        assert _worker_of(ch) != victim  # now on a live worker (the survivor or the restarted one)
 
 
 def test_sigterm_drains_every_worker(service: Service) -> None:
