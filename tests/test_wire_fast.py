@@ -134,3 +134,16 @@ def test_busy_round_trip_any_size(decodes: int, queued: int) -> None:
     snap = busy_snapshot(decodes, queued, seed=decodes * 41 + queued)
     back, _ = snapshot_from_pb(pb.Snapshot.FromString(snapshot_to_pb(snap).SerializeToString()), max_requests=1000)
     assert back.to_dict() == {**snap.to_dict(), "profile": "||tp1"}  # the default profile's key
+
+
+@pytest.mark.parametrize("scalars", [
+    {"now": 1.5}, {"now": -1e12}, {"now": 1e13}, {"now": float("inf")}, {"now": 3},
+    {"max_batch_tokens": True}, {"max_batch_tokens": 1 << 20}, {"max_batch_tokens": (1 << 20) + 1},
+    {"max_num_seqs": np.int64(4)}, {"max_num_seqs": 0}, {"free_kv_tokens": 0}, {"free_kv_tokens": -1},
+    {"free_kv_tokens": None}, {"prefill_throughput": 1e-3}, {"prefill_throughput": 1e-4},
+    {"prefill_throughput": float("nan")}, {"prefill_throughput": 1e12}, {"prefill_throughput": 5},
+])
+def test_same_scalars_as_generic_path(scalars: dict[str, object]) -> None:
+    snap = busy_snapshot(2, 2, seed=7)
+    generic, fast = _both(snap.ids, _arrays(snap), **{**_scalars(snap), **scalars})
+    assert fast == generic
