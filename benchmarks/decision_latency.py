@@ -1,21 +1,64 @@
-"""In-process decision time per policy on a loaded engine's snapshot.
+"""In-process decision time per policy on a loaded engine's snapshot, compiled vs numpy.
 
     .venv/bin/python -m benchmarks.decision_latency [--decodes 256] [--queued 512] [--iters 300]
+                                                    [--no-native]
 
-Prints p50/p99 decision time per policy and SlidingServe's breakdown by
-component.  Several snapshots (seeds) are rotated so that no single queue
-shape decides the figure.  Target (issue 2): slidingserve p50 <= 0.5 ms.
+Compiles (or loads from numba's disk cache) the kernels first, as the service does at
+start-up, then times every policy on both backends in the same run, decision by
+decision in turn (numba, then numpy, on the same snapshot), so that a noisy machine
+moves both columns together.  Prints p50/p99 per backend, their ratio, SlidingServe's
+breakdown by component, and vLLM's native ``schedule()`` on a comparable queue when
+vLLM is installed (``benchmarks/vllm_native.py``).  Several snapshots (seeds) are
+rotated so that no single queue shape decides the figure.  Targets (issue 13):
+slidingserve p50 <= 0.25 ms, p99 <= 1 ms.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 import numpy as np
 
 from benchmarks.snapshots import busy_snapshot
-from scheduler_service.core import default_predictor, registry
+from scheduler_service.core import Snapshot, default_predictor, kernels, registry
+
+
+def _time_policy(name: str, snaps: list[Snapshot], iters: int, backends: list[str]) -> dict[str, Any]:
+    """Per backend: decision times (ms), paths taken, breakdown samples (us)."""
+    pred = default_predictor()
+    pol = registry.create(name)
+    out: dict[str, Any] = {b: {"t": [], "paths": {}, "parts": {}} for b in backends}
+    for b in backends:
+        with kernels.using(b):
+            for s in snaps:
+                pol.plan(s, pred)  # warm the snapshot's memos and the allocator
+    for i in range(iters):
+        s = snaps[i % len(snaps)]
+        for b in backends:
+            with kernels.using(b):
+                t = time.perf_counter()
+                plan = pol.plan(s, pred)
+                dt = time.perf_counter() - t
+            r = out[b]
+            r["t"].append(dt * 1e3)
+            r["paths"][plan.path] = r["paths"].get(plan.path, 0) + 1
+            for k, v in plan.breakdown_us.items():
+                r["parts"].setdefault(k, []).append(v)
+    return out
+
+
+def _native(decodes: int, queued: int) -> str:
+    try:
+        from benchmarks.vllm_native import native_schedule_ms
+    except ImportError:
+        return "vLLM native schedule(): benchmarks/vllm_native.py not available"
+    r = native_schedule_ms(decodes, queued)
+    if r is None:
+        return "vLLM native schedule(): vLLM not installed (the vllm extra)"
+    return (f"vLLM native schedule() in the same run: p50 {r['p50']:.3f} ms, p99 {r['p99']:.3f} ms "
+            f"(~{r['running']:.0f} running + {queued} waiting)")
 
 
 def main() -> None:
@@ -25,31 +68,35 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--policies", default=",".join(registry.names()))
+    ap.add_argument("--no-native", action="store_true", help="skip vLLM's native schedule()")
     args = ap.parse_args()
+    default = kernels.backend()
+    with kernels.using("numba") as compiled:
+        warm = kernels.warm_up()
+    backends = ["numba", "numpy"] if compiled == "numba" else ["numpy"]
+    print(f"kernels: {default} by default ({kernels.ENV}=numba|numpy); warm-up {warm:.2f} s; "
+          f"timing {' and '.join(backends)}")
     snaps = [busy_snapshot(args.decodes, args.queued, seed=s) for s in range(args.seeds)]
-    pred = default_predictor()
     print(f"snapshot: {args.decodes} decodes + {args.queued} waiting/prefilling (ShareGPT lengths), "
-          f"{args.seeds} seeds x {args.iters} decisions")
-    print(f"{'policy':22s} {'p50 ms':>8s} {'p99 ms':>8s}  paths")
+          f"{args.seeds} seeds x {args.iters} decisions per backend")
+    head = "".join(f" {b + ' p50':>10s} {b + ' p99':>10s}" for b in backends)
+    print(f"{'policy':22s}{head} {'numpy/numba p50':>16s}  paths")
+    sliding = None
     for name in args.policies.split(","):
-        pol = registry.create(name)
-        for s in snaps:
-            pol.plan(s, pred)  # warm-up
-        times, paths, parts = [], {}, {}
-        for i in range(args.iters):
-            s = snaps[i % len(snaps)]
-            t = time.perf_counter()
-            plan = pol.plan(s, pred)
-            times.append(time.perf_counter() - t)
-            paths[plan.path] = paths.get(plan.path, 0) + 1
-            for k, v in plan.breakdown_us.items():
-                parts.setdefault(k, []).append(v)
-        t = np.array(times) * 1e3
-        path_s = ", ".join(f"{k} {v}" for k, v in sorted(paths.items()))
-        print(f"{name:22s} {np.percentile(t, 50):8.3f} {np.percentile(t, 99):8.3f}  {path_s}")
+        res = _time_policy(name, snaps, args.iters, backends)
+        q = {b: (np.percentile(res[b]["t"], 50), np.percentile(res[b]["t"], 99)) for b in backends}
+        cols = "".join(f" {q[b][0]:10.3f} {q[b][1]:10.3f}" for b in backends)
+        ratio = f"{q['numpy'][0] / q['numba'][0]:15.1f}x" if len(backends) == 2 else f"{'-':>16s}"
+        paths = ", ".join(f"{k} {v}" for k, v in sorted(res[backends[0]]["paths"].items()))
+        print(f"{name:22s}{cols} {ratio}  {paths}")
         if name == "slidingserve":
-            br = ", ".join(f"{k} {np.median(v):.0f} us" for k, v in parts.items())
-            print(f"{'':22s} median breakdown: {br}")
+            sliding = res
+    if sliding is not None:
+        for b in backends:
+            br = ", ".join(f"{k} {np.median(v):.0f} us" for k, v in sliding[b]["parts"].items())
+            print(f"slidingserve median breakdown ({b}): {br}")
+    if not args.no_native:
+        print(_native(args.decodes, args.queued))
 
 
 if __name__ == "__main__":

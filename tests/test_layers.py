@@ -67,6 +67,44 @@ def test_adapter_core_and_simulator_stand_below_the_clients(module: str) -> None
     assert _loaded_after(module, "clients", "scheduler_service.server", "tests") == []
 
 
+@pytest.mark.parametrize("module", ["scheduler_service.core", "scheduler_service.client"])
+def test_numba_loads_with_the_first_decision_not_with_the_core(module: str) -> None:
+    """The compiled kernels import numba on first use (or at the server's warm-up): an
+    engine's client and the CLI stand on the core and must not pay for it."""
+    assert _loaded_after(module, "numba", "llvmlite") == []
+
+
+#: The one module of the core that may import numba.
+KERNEL_MODULE = "scheduler_service/core/kernels/_compiled.py"
+
+
+def test_core_imports_numpy_and_the_standard_library_only() -> None:
+    """The policy core is numpy and the standard library; scipy and scikit-learn only
+    inside the functions that fit predictors (deferred imports), numba only in the
+    compiled-kernel module."""
+    root = Path(__file__).resolve().parents[1]
+    bad = []
+    for path in sorted((root / "scheduler_service" / "core").rglob("*.py")):
+        rel = str(path.relative_to(root))
+        tree = ast.parse(path.read_text())
+        top = {id(node) for node in tree.body}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                pkg = name.split(".")[0]
+                if (pkg in sys.stdlib_module_names or pkg == "numpy"
+                        or (pkg == "numba" and rel == KERNEL_MODULE)
+                        or (pkg in ("scipy", "sklearn") and id(node) not in top)):
+                    continue
+                bad.append(f"{rel}:{node.lineno} imports {name}")
+    assert bad == []
+
+
 EDGES = ("scheduler_service/wire", "scheduler_service/server", "engine_adapter", "clients")
 
 

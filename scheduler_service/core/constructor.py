@@ -140,7 +140,9 @@ def _candidate_pool(snap: Snapshot, live: np.ndarray, v_all: np.ndarray, anchors
         top = np.argpartition(-v_all, max_candidates - 1)[:max_candidates]
         keep = np.zeros(len(live), dtype=bool)
         keep[top] = True
-        keep |= np.isin(live, anchors)
+        anchor = np.zeros(len(snap), dtype=bool)  # np.isin(live, anchors), without its sort
+        anchor[anchors] = True
+        keep |= anchor[live]
         pool_pos = np.flatnonzero(keep)
     else:
         pool_pos = np.arange(len(live))

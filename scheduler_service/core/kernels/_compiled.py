@@ -209,53 +209,37 @@ def fill_curve(coef: np.ndarray, fast: int, R: np.ndarray, u0: np.ndarray, pw: n
 
 # ---------------------------------------------------------------------- orders
 @_jit
-def _merge_order(k0: np.ndarray, k1: np.ndarray, k2: np.ndarray) -> np.ndarray:
-    """Stable argsort by (k0, k1, k2): what ``np.lexsort((k2, k1, k0))`` returns (a
-    bottom-up merge sort; equal keys keep their positions' order)."""
-    n = len(k0)
-    a = np.arange(n)
-    b = np.empty(n, dtype=np.int64)
-    width = 1
-    while width < n:
-        for lo in range(0, n, 2 * width):
-            mid, hi = min(lo + width, n), min(lo + 2 * width, n)
-            i, j, o = lo, mid, lo
-            while i < mid and j < hi:
-                x, y = a[i], a[j]
-                # y strictly before x takes y; ties keep x (stability)
-                if k0[y] != k0[x]:
-                    later = k0[y] < k0[x]
-                elif k1[y] != k1[x]:
-                    later = k1[y] < k1[x]
-                else:
-                    later = k2[y] < k2[x]
-                if later:
-                    b[o] = y
-                    j += 1
-                else:
-                    b[o] = x
-                    i += 1
-                o += 1
-            b[o:o + mid - i] = a[i:mid]
-            o += mid - i
-            b[o:o + hi - j] = a[j:hi]
-        a, b = b, a
-        width *= 2
-    return a
+def _sort_runs(p: np.ndarray, a: np.ndarray, b: np.ndarray, key: np.ndarray) -> None:
+    """Within each run of p whose a and b are equal, order p by key (in place)."""
+    n = len(p)
+    i = 0
+    while i < n:
+        j = i + 1
+        while j < n and a[p[j]] == a[p[i]] and b[p[j]] == b[p[i]]:
+            j += 1
+        if j - i > 1:
+            run = p[i:j].copy()
+            p[i:j] = run[np.argsort(key[run])]
+        i = j
 
 
 @_jit
 def _ordered(idx: np.ndarray, k0: np.ndarray, k1: np.ndarray, k2: np.ndarray):  # type: ignore[no-untyped-def]
     """idx sorted by (k0, k1, k2), and whether two neighbours tie on all three (the
-    caller then breaks ties by id, as ``sorter.ordered`` does)."""
-    perm = _merge_order(k0, k1, k2)
+    caller then breaks ties by id, as ``sorter.ordered`` does).  Unstable sorts
+    suffice: without a tie the order is unique, and with one the caller re-sorts.
+    Quicksort on k0, then runs of equal k0 by k1, then runs of equal (k0, k1) by k2:
+    a few times faster than a merge sort on queues of mostly distinct keys."""
+    p = np.argsort(k0)
+    _sort_runs(p, k0, k0, k1)
+    _sort_runs(p, k0, k1, k2)
     tie = False
-    for i in range(1, len(perm)):
-        a, b = perm[i - 1], perm[i]
+    for i in range(1, len(p)):
+        a, b = p[i - 1], p[i]
         if k0[a] == k0[b] and k1[a] == k1[b] and k2[a] == k2[b]:
             tie = True
             break
-    return idx[perm], tie
+    return idx[p], tie
 
 
 @_jit
@@ -285,30 +269,7 @@ def mlps_order(idx: np.ndarray, remaining: np.ndarray, slack: np.ndarray, protec
         late = (expired_last and s <= 0) or (len(lost) > 0 and lost[i])
         k0[i] = (int(late) << 43) | (int(not protected[q]) << 42) | (int(not u > alpha) << 41) | r
         k2[i] = arrival[q]
-    return _order2(idx, k0, k2)
-
-
-@_jit
-def _order2(idx: np.ndarray, k0: np.ndarray, k1: np.ndarray):  # type: ignore[no-untyped-def]
-    """idx sorted by (k0, k1) and whether two neighbours tie on both.  Unstable sorts
-    suffice: without a tie the order is unique, and with one the caller re-sorts by
-    id anyway.  Quicksort on k0, then each run of equal k0 by k1: a few times faster
-    than the merge sort on queues of distinct lengths."""
-    p = np.argsort(k0)
-    n = len(p)
-    tie = False
-    i = 0
-    while i < n:
-        j = i + 1
-        while j < n and k0[p[j]] == k0[p[i]]:
-            j += 1
-        if j - i > 1:
-            run = p[i:j].copy()
-            p[i:j] = run[np.argsort(k1[run])]
-            for m in range(i + 1, j):
-                tie = tie or k1[p[m]] == k1[p[m - 1]]
-        i = j
-    return idx[p], tie
+    return _ordered(idx, k0, np.zeros(n), k2)
 
 
 @_jit
