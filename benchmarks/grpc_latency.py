@@ -13,8 +13,10 @@ GIL); ``--in-process`` embeds it instead.  Figures:
   decode it (server) or encode it (client / server);
 * the server side of a call step by step, in this process with the server's own functions:
   parse (protobuf bytes → message), decode (message → numpy columns), validate
-  (``Snapshot.from_arrays``; the generic ``Snapshot.from_columns`` beside it, the path
-  before the columnar decoder), plan, encode (plan → response bytes);
+  (``Snapshot.from_arrays``), plan, encode (plan → response bytes); then decode + validate
+  and plan encode before the columnar path (``np.array`` + ``Snapshot.from_columns``, list
+  ``extend``) and after it, interleaved call by call;
+* with ``--throughput 1,2``: decisions/s of ``--workers`` 1 and 2 under closed-loop streams;
 * end-to-end p50/p99 of ``SchedulerClient.schedule`` (unary) and of one long-lived
   ``ScheduleStream``, each including client encode and plan decode, with policy
   slidingserve; ``server`` is the server-side time from the response (decode, validate,
@@ -119,35 +121,81 @@ def bench_fields(snaps: list[Snapshot], plan: Plan, iters: int) -> list[tuple[st
 
 
 def bench_server_steps(snaps: list[Snapshot], policy: str, iters: int) -> list[tuple[str, float, float]]:
-    """The server side of a call, step by step, with the server's own functions, on fresh
-    messages each call (as the server sees them).  ``validate (generic)`` is the same
-    snapshot through ``Snapshot.from_columns``, the path before the columnar decoder."""
+    """The server side of a call, step by step, with the server's own functions, on a
+    freshly parsed message each call (as the server sees them)."""
     pol, pred = registry.create(policy), default_predictor()
     blobs = [pb.ScheduleRequest(snapshot=snapshot_to_pb(s), policy=policy).SerializeToString() for s in snaps]
-    steps: dict[str, list[float]] = {k: [] for k in (
-        "parse", "decode", "validate", "validate (generic, before)", "plan", "encode", "total (parse+…+encode)")}
+    steps: dict[str, list[float]] = {k: [] for k in ("parse", "decode", "validate", "plan", "encode", "total")}
     for i in range(iters):
         t0 = time.perf_counter()
         req = pb.ScheduleRequest.FromString(blobs[i % len(blobs)])
         t1 = time.perf_counter()
         ids, cols = columns_to_arrays(req.snapshot.columns)
         t2 = time.perf_counter()
-        scal = {"now": req.snapshot.now, "max_batch_tokens": req.snapshot.max_batch_tokens,
-                "max_num_seqs": req.snapshot.max_num_seqs, "free_kv_tokens": req.snapshot.free_kv_tokens}
-        generic = {k: v.copy() for k, v in cols.items()}
+        snap = Snapshot.from_arrays(ids=ids, columns=cols, **_scalars(req.snapshot))
         t3 = time.perf_counter()
-        snap = Snapshot.from_arrays(ids=ids, columns=cols, **scal)
-        t4 = time.perf_counter()
-        Snapshot.from_columns(ids=ids, **generic, **scal)  # same data, just as warm in cache
-        t5 = time.perf_counter()
         plan = pol.plan(snap, pred)
-        t6 = time.perf_counter()
+        t4 = time.perf_counter()
         pb.ScheduleResponse(request_id=req.request_id, plan=plan_to_pb(plan), server_us=1).SerializeToString()
-        t7 = time.perf_counter()
-        parts = (t1 - t0, t2 - t1, t4 - t3, t5 - t4, t6 - t5, t7 - t6, t7 - t0 - (t5 - t4) - (t3 - t2))
-        for k, dt in zip(steps, parts, strict=True):
+        t5 = time.perf_counter()
+        for k, dt in zip(steps, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t5 - t0), strict=True):
             steps[k].append(dt)
     return [(k, *pct(v)) for k, v in steps.items()]
+
+
+def _scalars(msg: pb.Snapshot) -> dict[str, Any]:
+    return {"now": msg.now, "max_batch_tokens": msg.max_batch_tokens, "max_num_seqs": msg.max_num_seqs,
+            "free_kv_tokens": msg.free_kv_tokens if msg.HasField("free_kv_tokens") else None}
+
+
+def _decode_before(msg: pb.Snapshot) -> Snapshot:
+    """The decoder before the columnar path, for comparison: ``np.array`` per column, then
+    the generic ``Snapshot.from_columns`` (per-element type checks, copies)."""
+    c = msg.columns
+    cols = {name: np.array(getattr(c, name), dtype=dt) for name, dt in COLUMN_DTYPES.items()}
+    return Snapshot.from_columns(ids=tuple(c.ids), **cols, **_scalars(msg))
+
+
+def _decode_after(msg: pb.Snapshot) -> Snapshot:
+    ids, cols = columns_to_arrays(msg.columns)
+    return Snapshot.from_arrays(ids=ids, columns=cols, **_scalars(msg))
+
+
+def _encode_before(plan: Plan) -> bytes:
+    """The plan encoder before the columnar path: two list comprehensions and ``extend``."""
+    msg = pb.Plan(policy=plan.policy, policy_version=plan.policy_version, predictor_version=plan.predictor_version,
+                  path=plan.path, token_budget=plan.token_budget, predicted_latency_ms=plan.predicted_latency_ms,
+                  decision_us=plan.decision_us)
+    msg.allocation_ids.extend([a.id for a in plan.allocations])
+    msg.allocation_tokens.extend([a.tokens for a in plan.allocations])
+    msg.breakdown_us.update({str(k): int(v) for k, v in plan.breakdown_us.items()})
+    return pb.ScheduleResponse(request_id="r", plan=msg, server_us=1).SerializeToString()
+
+
+def _encode_after(plan: Plan) -> bytes:
+    return pb.ScheduleResponse(request_id="r", plan=plan_to_pb(plan), server_us=1).SerializeToString()
+
+
+def bench_before_after(snaps: list[Snapshot], policy: str, iters: int) -> list[tuple[str, float, float, float, float]]:
+    """(step, before p50, before p99, after p50, after p99) in ms, the two interleaved call by
+    call on freshly parsed messages (fresh id strings, no warm hashes), so both see the same
+    machine."""
+    pol, pred = registry.create(policy), default_predictor()
+    blobs = [snapshot_to_pb(s).SerializeToString() for s in snaps]
+    plans = [pol.plan(s, pred) for s in snaps]
+    out = []
+    for step, before, after, items in (("decode + validate", _decode_before, _decode_after, blobs),
+                                       ("plan encode", _encode_before, _encode_after, plans)):
+        times: dict[Any, list[float]] = {before: [], after: []}
+        for i in range(iters):
+            for fn in ((before, after) if i % 2 else (after, before)):
+                item = items[i % len(items)]
+                arg = pb.Snapshot.FromString(item) if isinstance(item, bytes) else item
+                t = time.perf_counter()
+                fn(arg)
+                times[fn].append(time.perf_counter() - t)
+        out.append((step, *pct(times[before]), *pct(times[after])))
+    return out
 
 
 def serve_child(port_file: str, workers: int) -> None:
@@ -298,6 +346,9 @@ def main() -> None:
     print("\nserver side, step by step (in this process)   p50 ms   p99 ms")
     for name, p50, p99 in bench_server_steps(snaps, args.policy, args.iters):
         print(f"  {name:44s} {p50:7.3f}  {p99:7.3f}")
+    print("\nbefore → after the columnar path (interleaved)   before p50 / p99 ms    after p50 / p99 ms")
+    for name, b50, b99, a50, a99 in bench_before_after(snaps, args.policy, args.iters):
+        print(f"  {name:44s}  {b50:7.3f} / {b99:7.3f}     {a50:7.3f} / {a99:7.3f}")
     # Fresh Snapshot objects per call, as a server sees them (no memoised derived columns).
     fresh = [snapshot_from_pb(snapshot_to_pb(s), max_requests=100_000)[0] for s in snaps for _ in range(50)]
     inproc = timed(lambda s: pol.plan(s, pred), fresh, min(args.iters, len(fresh)))

@@ -108,7 +108,7 @@ def test_columns_to_arrays_types_and_ownership() -> None:
         assert cols[k].flags.owndata  # a copy: the message may be reused or freed
 
 
-def test_decoded_snapshot_is_exact_and_read_only_with_index() -> None:
+def test_decoded_snapshot_is_exact_and_read_only() -> None:
     snap = busy_snapshot(256, 512, seed=6)
     back, _ = snapshot_from_pb(pb.Snapshot.FromString(snapshot_to_pb(snap).SerializeToString()),
                                max_requests=100_000)
@@ -116,7 +116,7 @@ def test_decoded_snapshot_is_exact_and_read_only_with_index() -> None:
     for k in COLUMNS:
         a, b = getattr(back, k), getattr(snap, k)
         assert a.dtype == b.dtype and a.tobytes() == b.tobytes() and not a.flags.writeable
-    assert back.index_of == {rid: i for i, rid in enumerate(snap.ids)}
+    assert back.index_of == {rid: i for i, rid in enumerate(snap.ids)}  # built on first use
     pol, pred = registry.create("slidingserve"), default_predictor()
     assert pol.plan(back, pred).decision_key() == pol.plan(snap, pred).decision_key()
 

@@ -189,15 +189,14 @@ class Snapshot:
         n = len(ids)
         _limit_requests(errs, n, max_requests)
         arrays = _typed_columns(errs, columns, n)
-        index = _str_ids_index(ids)
-        if index is None:
+        if not _str_ids_ok(ids):
             _validate_ids(errs, ids)
         if errs:
             raise ValidationError(errs)
         if not _rows_ok(arrays):
             _validate_rows(errs, arrays)
             raise ValidationError(errs)
-        snap = cls(
+        return cls(
             now=scal[0],
             max_batch_tokens=scal[1],
             max_num_seqs=scal[2],
@@ -207,8 +206,6 @@ class Snapshot:
             profile=str(profile),
             **{k: _readonly(v) for k, v in arrays.items()},  # type: ignore[arg-type]
         )
-        snap._cache["index_of"] = index  # what the uniqueness check built; policies use it
-        return snap
 
     @classmethod
     def from_requests(
@@ -657,15 +654,12 @@ def _plain_scalars(
     return (now, max_batch_tokens, max_num_seqs, free_kv_tokens, prefill_throughput) if ok else None
 
 
-def _str_ids_index(ids: tuple[str, ...]) -> dict[str, int] | None:
-    """The row of each id (:attr:`Snapshot.index_of`) when ids (all ``str``) are unique,
-    non-empty and short enough, else None (then :func:`_validate_ids` names the offending
-    ids).  The dict is the uniqueness check, built at C speed, and is kept: policies look
-    ids up in it anyway."""
-    index = dict(zip(ids, range(len(ids)), strict=True))
-    if len(index) != len(ids) or "" in index or (ids and max(map(len, ids)) > MAX_ID_CHARS):
-        return None
-    return index
+def _str_ids_ok(ids: tuple[str, ...]) -> bool:
+    """True when ids (all ``str``) are unique, non-empty and short enough: one ``set`` and
+    one ``max`` at C speed (a dict of rows would cost twice the set, and the server's
+    policies no longer need it); on False, :func:`_validate_ids` names the offending ids."""
+    unique = set(ids)
+    return len(unique) == len(ids) and "" not in unique and (not ids or max(map(len, ids)) <= MAX_ID_CHARS)
 
 
 def _rows_ok(a: dict[str, np.ndarray]) -> bool:
