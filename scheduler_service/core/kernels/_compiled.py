@@ -230,9 +230,18 @@ def _ordered(idx: np.ndarray, k0: np.ndarray, k1: np.ndarray, k2: np.ndarray):  
     suffice: without a tie the order is unique, and with one the caller re-sorts.
     Quicksort on k0, then runs of equal k0 by k1, then runs of equal (k0, k1) by k2:
     a few times faster than a merge sort on queues of mostly distinct keys."""
-    p = np.argsort(k0)
-    _sort_runs(p, k0, k0, k1)
-    _sort_runs(p, k0, k1, k2)
+    c0 = len(k0) == 0 or k0.min() == k0.max()  # constant keys order nothing (FCFS, MLPS's k1)
+    c1 = len(k1) == 0 or k1.min() == k1.max()
+    if c0 and c1:
+        p = np.argsort(k2)
+    elif c0:
+        p = np.argsort(k1)
+        _sort_runs(p, k1, k1, k2)
+    else:
+        p = np.argsort(k0)
+        if not c1:
+            _sort_runs(p, k0, k0, k1)
+        _sort_runs(p, k0, k1, k2)
     tie = False
     for i in range(1, len(p)):
         a, b = p[i - 1], p[i]
