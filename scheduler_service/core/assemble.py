@@ -18,8 +18,11 @@ __all__ = ["assemble_plan", "in_queue_order"]
 def in_queue_order(chosen: Iterable[int], queue: np.ndarray) -> list[int]:
     """``chosen`` snapshot indices sorted by their position in ``queue``."""
     c = np.fromiter(chosen, dtype=np.int64)
-    pos = np.flatnonzero(np.isin(queue, c))
-    return queue[pos].tolist()
+    if len(c) == 0 or len(queue) == 0:
+        return []
+    member = np.zeros(max(int(queue.max()), int(c.max())) + 1, dtype=bool)  # np.isin without its sort
+    member[c] = True
+    return queue[member[queue]].tolist()
 
 
 #: ``Allocation(id, 1)`` of running decodes, shared between decisions: a decode keeps its
