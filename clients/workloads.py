@@ -29,6 +29,14 @@ its SLOs up to the engine's raw capacity and then all fail together, so the
 comparison only measures throughput; with these, chunk sizes and order
 decide who meets the SLOs well below raw capacity.  Change them with
 ``SLOConfig``.
+
+SLO classes (docs/usage.md).  ``classes=`` draws a class per request from a
+:class:`ClassMix`: its priority (smaller is served first), whether it is
+sheddable, and scales on the TTFT and TBT SLOs above.  The built-in mix
+``interactive-batch`` (:data:`CLASS_MIXES`) is 20% *critical* interactive
+(priority 0), 50% *standard* (priority 1) and 30% sheddable *batch* (priority
+2, TTFT ×4 and TBT ×2).  The class draw uses its own random stream, so a
+workload with classes has the same arrivals, lengths and base SLOs as without.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ import numpy as np
 from engine_adapter.data.traces import load_trace
 from engine_adapter.sim.engine import Workload
 
-__all__ = ["MIXES", "Burst", "SLOConfig", "make_workload", "workload_names"]
+__all__ = ["CLASS_MIXES", "MIXES", "Burst", "ClassMix", "SLOClass", "SLOConfig", "make_workload", "workload_names"]
 
 #: Named mixes: trace → weight.
 MIXES: dict[str, dict[str, float]] = {
@@ -93,6 +101,50 @@ class SLOConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SLOClass:
+    """One request class of a :class:`ClassMix`."""
+
+    name: str
+    fraction: float
+    priority: int = 0
+    sheddable: bool = False
+    ttft_scale: float = 1.0
+    tbt_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.name or self.fraction < 0 or self.ttft_scale <= 0 or self.tbt_scale <= 0:
+            raise ValueError(f"class {self.name!r}: a name, fraction >= 0 and positive SLO scales are needed")
+
+
+@dataclass(frozen=True, slots=True)
+class ClassMix:
+    """Request classes and their shares (fractions are normalised)."""
+
+    classes: tuple[SLOClass, ...]
+
+    def __post_init__(self) -> None:
+        if not self.classes or sum(c.fraction for c in self.classes) <= 0:
+            raise ValueError("a class mix needs at least one class with a positive fraction")
+        if len({c.name for c in self.classes}) != len(self.classes):
+            raise ValueError("class names must be unique")
+
+    def draw(self, m: int, seed: int) -> np.ndarray:
+        """The class index of each of ``m`` requests (its own stream: see the module)."""
+        w = np.array([c.fraction for c in self.classes], dtype=np.float64)
+        return np.random.default_rng([seed, 0x51A55]).choice(len(w), m, p=w / w.sum())
+
+
+#: Named class mixes for ``make_workload(classes=...)`` and ``slidingserve bench --classes``.
+CLASS_MIXES: dict[str, ClassMix] = {
+    "interactive-batch": ClassMix((
+        SLOClass("critical", 0.2, priority=0),
+        SLOClass("standard", 0.5, priority=1),
+        SLOClass("batch", 0.3, priority=2, sheddable=True, ttft_scale=4.0, tbt_scale=2.0),
+    )),
+}
+
+
+@dataclass(frozen=True, slots=True)
 class Burst:
     """Transient overload: the rate is ``multiplier``× the base rate from
     ``start_s`` for ``duration_s`` seconds."""
@@ -127,9 +179,15 @@ def make_workload(
     slo: SLOConfig | None = None,
     burst: Burst | None = None,
     use_trace_arrivals: bool = False,
+    classes: ClassMix | str | None = None,
 ) -> Workload:
-    """``n`` requests of workload ``name`` arriving at ``rate`` requests/s."""
+    """``n`` requests of workload ``name`` arriving at ``rate`` requests/s; ``classes``: a
+    :class:`ClassMix` or a name in :data:`CLASS_MIXES` (None: every request priority 0)."""
     slo = slo or SLOConfig()
+    if isinstance(classes, str):
+        if classes not in CLASS_MIXES:
+            raise ValueError(f"unknown class mix {classes!r}; known: {', '.join(sorted(CLASS_MIXES))}")
+        classes = CLASS_MIXES[classes]
     rng = np.random.default_rng(seed)
     mix = MIXES.get(name)
     arrival: np.ndarray
@@ -163,12 +221,23 @@ def make_workload(
     protected = rng.uniform(0, 1, m) < slo.protected_fraction
     ttft = slo.ttft_base_s + slo.ttft_per_token_s * prompt
     ttft = np.where(protected, ttft * slo.protected_ttft_scale, ttft)
+    tbt = np.full(m, slo.tbt_s)
+    priority = sheddable = None
+    if classes is not None:
+        k = classes.draw(m, seed)
+        table = classes.classes
+        ttft = ttft * np.array([c.ttft_scale for c in table])[k]
+        tbt = tbt * np.array([c.tbt_scale for c in table])[k]
+        priority = np.array([c.priority for c in table], np.int64)[k]
+        sheddable = np.array([c.sheddable for c in table], np.bool_)[k]
     return Workload(
         arrival=arrival.astype(np.float64),
         prompt_tokens=prompt.astype(np.int64),
         output_tokens=output.astype(np.int64),
         ttft_slo=ttft.astype(np.float64),
-        tbt_slo=np.full(m, slo.tbt_s),
+        tbt_slo=tbt,
         protected=protected,
         name=name,
+        priority=priority,
+        sheddable=sheddable,
     )

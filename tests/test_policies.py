@@ -12,7 +12,8 @@ from scheduler_service.core.registry import PolicySpec
 from tests.factories import decoding, make_snapshot, prefilling, token_predictor, waiting
 
 PRED = token_predictor(intercept_ms=1.0, per_token_ms=0.01, per_decode_ms=0.05)
-ALL = ["vllm-fcfs", "sarathi", "sarathi-edf", "qoserve", "sarathi-edf+sc", "sarathi-edf+sc+mlps", "slidingserve"]
+ALL = ["vllm-fcfs", "vllm-priority", "sarathi", "sarathi-edf", "qoserve", "sarathi-edf+sc", "sarathi-edf+sc+mlps",
+       "slidingserve"]
 
 
 def alloc(plan: Plan) -> dict[str, int]:
@@ -249,7 +250,8 @@ def test_registry_names() -> None:
 def test_builtin_policies_are_one_explicit_list() -> None:
     assert [s.name for s in registry.BUILTIN] == registry.names()[: len(registry.BUILTIN)]
     assert [s.name for s in registry.BUILTIN] == [
-        "vllm-fcfs", "sarathi", "sarathi-edf", "qoserve", "slidingserve", "sarathi-edf+sc", "sarathi-edf+sc+mlps"]
+        "vllm-fcfs", "vllm-priority", "sarathi", "sarathi-edf", "qoserve", "slidingserve", "sarathi-edf+sc",
+        "sarathi-edf+sc+mlps"]
     assert {s.name: s.default_params for s in registry.BUILTIN}["sarathi-edf+sc"].order == "edf"
 
 

@@ -80,7 +80,7 @@ def check_invariants(name: str, chunk: int | None, snap: Snapshot, pred: BatchLa
             assert 1 <= a.tokens <= int(snap.remaining_prefill[i]), a
     n_dec = int(snap.is_decoding.sum())
     got_dec = sum(bool(snap.is_decoding[idx[r]]) for r in ids)
-    if name != "vllm-fcfs":  # vLLM interleaves running prefills and decodes by arrival
+    if name not in ("vllm-fcfs", "vllm-priority"):  # vLLM interleaves running prefills and decodes
         # every decode gets its token unless a limit (or a fixed chunk) forces fewer
         cap = min(n_dec, snap.max_batch_tokens, snap.max_num_seqs, chunk or n_dec,
                   snap.free_kv_tokens if snap.free_kv_tokens is not None else n_dec)

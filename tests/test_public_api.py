@@ -16,6 +16,7 @@ EXPECTED = [
     "LinearModel",
     "Plan",
     "Policy",
+    "Rejection",
     "Request",
     "Snapshot",
     "ValidationError",

@@ -55,10 +55,18 @@ class Workload:
     tbt_slo: np.ndarray
     protected: np.ndarray
     name: str = ""
+    #: Request classes (docs/usage.md): priority (smaller first) and sheddable; None = the
+    #: default class for every request (priority 0, not sheddable).
+    priority: np.ndarray | None = None
+    sheddable: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = len(self.arrival)
-        for f in ("prompt_tokens", "output_tokens", "ttft_slo", "tbt_slo", "protected"):
+        if self.priority is None:
+            object.__setattr__(self, "priority", np.zeros(n, np.int64))
+        if self.sheddable is None:
+            object.__setattr__(self, "sheddable", np.zeros(n, np.bool_))
+        for f in ("prompt_tokens", "output_tokens", "ttft_slo", "tbt_slo", "protected", "priority", "sheddable"):
             if len(getattr(self, f)) != n:
                 raise ValueError(f"workload column {f} has {len(getattr(self, f))} rows, expected {n}")
         if n and np.any(np.diff(self.arrival) < 0):
@@ -103,6 +111,8 @@ class SimResult:
     max_kv_used_blocks: int
     kv_total_blocks: int
     extra: dict[str, Any] = field(default_factory=dict)
+    #: Requests a plan rejected (finished early, counted as violated).
+    rejected: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
 
     @property
     def violation_rate(self) -> float:
@@ -116,6 +126,7 @@ class SimResult:
         return {
             "requests": self.n_requests,
             "completed": self.completed,
+            "rejected": int(self.rejected.sum()),
             "violation_rate": self.violation_rate,
             "stopped_early": self.stopped_early,
             "ttft_p50_s": pct(self.ttft_s, 50),
@@ -147,6 +158,7 @@ class _RunTally:
     tbt: list[np.ndarray] = field(default_factory=list)
     iterations: int = 0
     completed: int = 0
+    rejected: int = 0
     out_tokens: int = 0
     empty_streak: int = 0
 
@@ -173,6 +185,8 @@ class SimulatedEngine:
         self.blocks = np.zeros(n, dtype=np.int64)
         self.done = np.zeros(n, dtype=bool)
         self.violated = np.zeros(n, dtype=bool)
+        #: finished by a plan's rejection (overload control): done, and violated
+        self.rejected = np.zeros(n, dtype=bool)
         self.first_token = np.full(n, np.nan)
         self.last_token = np.full(n, np.nan)
         self.clock = 0.0
@@ -202,6 +216,8 @@ class SimulatedEngine:
             ttft_slo=w.ttft_slo[act],
             tbt_slo=w.tbt_slo[act],
             protected=w.protected[act],
+            priority=w.priority[act],
+            sheddable=w.sheddable[act],
             free_kv_tokens=max(0, int(free)),
             prefill_throughput=self.prefill_ema,
             profile=self.profile.key,
@@ -247,7 +263,7 @@ class SimulatedEngine:
         stopped = False
         wall0 = time.perf_counter()
         stop_at = None if cfg.stop_violation_fraction is None else math.floor(cfg.stop_violation_fraction * n)
-        while tally.completed < n:
+        while tally.completed + tally.rejected < n:
             arrived = int(np.searchsorted(w.arrival, self.clock, side="right"))
             act = np.flatnonzero(~self.done[:arrived])
             if len(act) == 0:
@@ -259,6 +275,8 @@ class SimulatedEngine:
                 stopped = True
                 break
             plan = self._plan_iteration(act, tally)
+            if plan.rejections:
+                self._reject(plan, tally)
             if not plan.allocations:
                 self._no_plan(act, arrived, tally)
                 continue
@@ -285,6 +303,20 @@ class SimulatedEngine:
         if self.on_iteration is not None:
             self.on_iteration(self, snap, decision)
         return plan
+
+    def _reject(self, plan: Plan, tally: _RunTally) -> None:
+        """Finish the rejected requests now, as an engine aborts them: their KV is freed
+        and they count as violated (a rejection never meets an SLO; it saves the GPU
+        time the request would have taken for the requests that can still meet theirs)."""
+        idx = np.fromiter((self.index[r.id] for r in plan.rejections), np.int64, len(plan.rejections))
+        idx = idx[~self.done[idx]]
+        self.rejected[idx] = True
+        self.violated[idx] = True
+        self.done[idx] = True
+        self.used_blocks -= int(self.blocks[idx].sum())
+        self.blocks[idx] = 0
+        self.kv[idx] = 0
+        tally.rejected += len(idx)
 
     def _no_plan(self, act: np.ndarray, arrived: int, tally: _RunTally) -> None:
         """An empty plan: free KV held by stuck partial prefills, or let time pass."""
@@ -388,4 +420,5 @@ class SimulatedEngine:
             output_tokens=tally.out_tokens,
             max_kv_used_blocks=self.max_used_blocks,
             kv_total_blocks=self.total_blocks,
+            rejected=self.rejected.copy(),
         )

@@ -85,6 +85,7 @@ from .settings import (  # noqa: E402
     SettingsWatcher,
     VllmAdapterSettings,
     default_engine_id,
+    parse_slo_classes,
 )
 from .snapshot import SloDefaults, SnapshotBuilder  # noqa: E402
 
@@ -293,7 +294,8 @@ class SlidingServeMixin:
 
     @staticmethod
     def _slo_defaults(s: VllmAdapterSettings) -> SloDefaults:
-        return SloDefaults(ttft_s=s.default_ttft_ms / 1e3, tbt_s=s.default_tbt_ms / 1e3)
+        return SloDefaults(ttft_s=s.default_ttft_ms / 1e3, tbt_s=s.default_tbt_ms / 1e3,
+                           classes=parse_slo_classes(s.slo_classes))
 
     # ------------------------------------------------------------ core/settings
     def _core(self) -> AdapterCore:

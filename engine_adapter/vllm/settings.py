@@ -22,7 +22,9 @@ This module does not import vLLM.
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import socket
 from collections.abc import Mapping
@@ -40,7 +42,12 @@ from scheduler_service.settings import (
     unknown_keys,
 )
 
-__all__ = ["ENV_PREFIX", "FOLLOW_DEFAULT", "SettingsError", "SettingsWatcher", "VllmAdapterSettings", "parse_params"]
+from .snapshot import ClassSlo
+
+__all__ = [
+    "ENV_PREFIX", "FOLLOW_DEFAULT", "SettingsError", "SettingsWatcher", "VllmAdapterSettings", "parse_params",
+    "parse_slo_classes",
+]
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +72,42 @@ def parse_params(text: str) -> dict[str, str]:
         if not sep or not k.strip():
             raise SettingsError(f"SLIDINGSERVE_PARAMS: {part!r} is not key=value")
         out[k.strip()] = v.strip()
+    return out
+
+
+_CLASS_KEYS = {"ttft_ms", "tbt_ms", "sheddable"}
+
+
+def parse_slo_classes(text: str) -> dict[int, ClassSlo]:
+    """``SLIDINGSERVE_SLO_CLASSES`` → priority → :class:`ClassSlo`; raises :class:`SettingsError`
+    naming the bad entry."""
+    if not text.strip():
+        return {}
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise SettingsError(f"SLIDINGSERVE_SLO_CLASSES is not JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise SettingsError("SLIDINGSERVE_SLO_CLASSES must be a JSON object: priority -> objectives")
+    out: dict[int, ClassSlo] = {}
+    for key, entry in data.items():
+        where = f"SLIDINGSERVE_SLO_CLASSES[{key!r}]"
+        try:
+            prio = int(str(key))
+        except ValueError:
+            raise SettingsError(f"{where}: the key must be an integer priority") from None
+        if not isinstance(entry, dict) or not set(entry) <= _CLASS_KEYS:
+            raise SettingsError(f"{where} must be an object with keys from {sorted(_CLASS_KEYS)}")
+        ms = {}
+        for k in ("ttft_ms", "tbt_ms"):
+            v = entry.get(k, 0)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not (math.isfinite(v) and v >= 0):
+                raise SettingsError(f"{where}.{k} must be a number of milliseconds >= 0, got {v!r}")
+            ms[k] = float(v) / 1e3
+        shed = entry.get("sheddable", False)
+        if not isinstance(shed, bool):
+            raise SettingsError(f"{where}.sheddable must be true or false, got {shed!r}")
+        out[prio] = ClassSlo(ttft_s=ms["ttft_ms"], tbt_s=ms["tbt_ms"], sheddable=shed)
     return out
 
 
@@ -99,6 +142,10 @@ class VllmAdapterSettings:
     #: 0 = the project's workload default (0.3 s + 0.15 ms per prompt token; 50 ms).
     default_ttft_ms: float = 0.0
     default_tbt_ms: float = 50.0
+    #: Class table: vLLM request priority → objectives, as JSON (a mapping in the file):
+    #: ``{"0": {"ttft_ms": 500, "tbt_ms": 50}, "2": {"ttft_ms": 4000, "sheddable": true}}``.
+    #: A request's own ``extra_args`` SLOs win; other priorities get the defaults above.
+    slo_classes: str = ""
     #: Settings file (YAML/TOML/JSON) re-read on change; "" = none.
     config: str = ""
     #: Log a fallback reason at most once per this many fallbacks.
@@ -149,6 +196,7 @@ class VllmAdapterSettings:
                 raise SettingsError(f"SLIDINGSERVE_{name.upper()} must not contain '|'")
         if self.default_ttft_ms < 0 or self.default_tbt_ms <= 0:
             raise SettingsError("SLIDINGSERVE_DEFAULT_TTFT_MS must be >= 0 and SLIDINGSERVE_DEFAULT_TBT_MS > 0")
+        parse_slo_classes(self.slo_classes)
         if not 0 <= self.metrics_port < 65536:
             raise SettingsError(f"SLIDINGSERVE_METRICS_PORT must be in [0, 65535], got {self.metrics_port}")
         for name in ("log_every", "reconnect_max_ms", "max_backoff_decisions", "report_batch"):
@@ -209,6 +257,8 @@ def _coerce(name: str, raw: Any) -> Any:
     """A value from the environment (a string) or a file (typed) → the field's type."""
     typ = field_types(VllmAdapterSettings)[name]
     try:
+        if name == "slo_classes" and isinstance(raw, Mapping):
+            return json.dumps(raw)
         if typ is Mapping:  # params
             if isinstance(raw, Mapping):
                 return {str(k): ("true" if v is True else "false" if v is False else str(v)) for k, v in raw.items()}

@@ -24,15 +24,26 @@ import itertools
 import math
 import operator
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from scheduler_service.core import Snapshot
+from scheduler_service.core.snapshot import MAX_PRIORITY
 
-__all__ = ["RequestSlo", "SloDefaults", "SnapshotBuilder", "request_slo"]
+__all__ = ["ClassSlo", "RequestSlo", "SloDefaults", "SnapshotBuilder", "request_slo"]
+
+
+@dataclass(frozen=True, slots=True)
+class ClassSlo:
+    """The objectives of one request priority (the adapter's class table): 0 = the
+    engine-wide default for that objective."""
+
+    ttft_s: float = 0.0
+    tbt_s: float = 0.0
+    sheddable: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +53,9 @@ class SloDefaults:
     tbt_s: float = 0.05
     ttft_base_s: float = 0.3
     ttft_per_token_s: float = 0.00015
+    #: vLLM request priority → its class's objectives (requests of other priorities
+    #: get the defaults above).
+    classes: Mapping[int, ClassSlo] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +63,8 @@ class RequestSlo:
     ttft_s: float
     tbt_s: float
     protected: bool
+    priority: int = 0
+    sheddable: bool = False
 
 
 def _positive(v: Any) -> float | None:
@@ -59,13 +75,19 @@ def _positive(v: Any) -> float | None:
     return f if f > 0 and f == f and f != float("inf") else None
 
 
-def request_slo(extra_args: Any, prompt_tokens: int, defaults: SloDefaults) -> RequestSlo:
+_TRUE = (True, 1, "1", "true", "True", "yes")
+
+
+def request_slo(extra_args: Any, prompt_tokens: int, defaults: SloDefaults, priority: int = 0) -> RequestSlo:
     """SLOs from ``SamplingParams.extra_args`` (``slo_ttft_ms``, ``slo_tbt_ms``,
-    ``slo_protected``; a nested ``{"slo": {"ttft_ms", "tbt_ms", "protected"}}`` works
-    too), else the defaults.  Malformed values fall back to the defaults: a client
-    must not be able to break the engine's scheduling with a bad field."""
+    ``slo_protected``, ``slo_sheddable``; a nested ``{"slo": {"ttft_ms", "tbt_ms",
+    "protected", "sheddable"}}`` works too), else the class table's entry for the
+    request's vLLM ``priority``, else the defaults.  Malformed values fall back:
+    a client must not be able to break the engine's scheduling with a bad field."""
     ttft = tbt = None
     protected: Any = False
+    cls = defaults.classes.get(priority)
+    sheddable: Any = cls.sheddable if cls is not None else False
     if isinstance(extra_args, dict) and extra_args:
         nested = extra_args.get("slo")
         src = nested if isinstance(nested, dict) else extra_args
@@ -73,12 +95,18 @@ def request_slo(extra_args: Any, prompt_tokens: int, defaults: SloDefaults) -> R
         ttft = _positive(src.get(pre + "ttft_ms"))
         tbt = _positive(src.get(pre + "tbt_ms"))
         protected = src.get(pre + "protected", False)
-    if ttft is None:
-        ttft_s = defaults.ttft_s or defaults.ttft_base_s + defaults.ttft_per_token_s * prompt_tokens
-    else:
+        sheddable = src.get(pre + "sheddable", sheddable)
+    if ttft is not None:
         ttft_s = ttft / 1e3
-    prot = protected in (True, 1, "1", "true", "True", "yes")
-    return RequestSlo(ttft_s, (tbt / 1e3) if tbt is not None else defaults.tbt_s, prot)
+    elif cls is not None and cls.ttft_s > 0:
+        ttft_s = cls.ttft_s
+    else:
+        ttft_s = defaults.ttft_s or defaults.ttft_base_s + defaults.ttft_per_token_s * prompt_tokens
+    if tbt is not None:
+        tbt_s = tbt / 1e3
+    else:
+        tbt_s = cls.tbt_s if cls is not None and cls.tbt_s > 0 else defaults.tbt_s
+    return RequestSlo(ttft_s, tbt_s, protected in _TRUE, int(priority), sheddable in _TRUE)
 
 
 _ids_of = operator.attrgetter("request_id")
@@ -90,6 +118,16 @@ _computed_of = operator.attrgetter("num_computed_tokens")
 _placeholders_of = operator.attrgetter("num_output_placeholders")
 _num_tokens_of = operator.attrgetter("num_tokens")
 _chain = itertools.chain.from_iterable
+
+
+_POOL_COLUMNS = 6
+
+
+def _priority(r: Any) -> int:
+    """vLLM's ``Request.priority`` (an int; 0 when absent), clipped to the snapshot's bound."""
+    p = getattr(r, "priority", 0)
+    p = int(p) if isinstance(p, int) else 0
+    return max(-MAX_PRIORITY, min(MAX_PRIORITY, p))
 
 
 def _ro(a: np.ndarray) -> np.ndarray:
@@ -110,8 +148,8 @@ class SnapshotBuilder:
         self.profile = profile
         self._slo: dict[str, RequestSlo] = {}
         self._slot: dict[str, int] = {}
-        #: rows: arrival, ttft_s, tbt_s, protected (0/1)
-        self._pool = np.zeros((1024, 4), np.float64)
+        #: rows: arrival, ttft_s, tbt_s, protected (0/1), priority, sheddable (0/1)
+        self._pool = np.zeros((1024, _POOL_COLUMNS), np.float64)
         self.last_computed = np.zeros(0, np.int64)
         self.last_running_rows = 0
 
@@ -121,18 +159,19 @@ class SnapshotBuilder:
         if s is None:
             sp = r.sampling_params
             s = request_slo(getattr(sp, "extra_args", None) if sp is not None else None,
-                            r.num_prompt_tokens, self.defaults)
+                            r.num_prompt_tokens, self.defaults, _priority(r))
             self._slo[rid] = s
         return s
 
     def _add(self, r: Any) -> int:
         s = self._slo_of(r)
-        row = (float(r.arrival_time), s.ttft_s, s.tbt_s, 1.0 if s.protected else 0.0)
+        row = (float(r.arrival_time), s.ttft_s, s.tbt_s, 1.0 if s.protected else 0.0, float(s.priority),
+               1.0 if s.sheddable else 0.0)
         if not (math.isfinite(row[0]) and 0 < row[1] < math.inf and 0 < row[2] < math.inf):
             raise ValueError(f"request {r.request_id!r}: arrival/SLO not finite and positive: {row[:3]}")
         slot = len(self._slot)
         if slot >= len(self._pool):
-            pool = np.zeros((2 * len(self._pool), 4), np.float64)
+            pool = np.zeros((2 * len(self._pool), _POOL_COLUMNS), np.float64)
             pool[: len(self._pool)] = self._pool
             self._pool = pool
         self._pool[slot] = row
@@ -146,7 +185,7 @@ class SnapshotBuilder:
         if len(self._slot) > 2 * len(live) + 256:
             keep = [(k, v) for k, v in self._slot.items() if k in live]
             rows = np.fromiter((v for _, v in keep), np.int64, len(keep))
-            pool = np.zeros((max(1024, 2 * len(keep)), 4), np.float64)
+            pool = np.zeros((max(1024, 2 * len(keep)), _POOL_COLUMNS), np.float64)
             pool[: len(keep)] = self._pool[rows]
             self._pool = pool
             self._slot = {k: i for i, (k, _) in enumerate(keep)}
@@ -215,12 +254,13 @@ class SnapshotBuilder:
         # the snapshot is built directly; only id uniqueness is checked per step.
         if len(set(ids)) != len(ids):
             raise ValueError("duplicate request ids in vLLM's queues")
-        c = self._pool[np.array(slots, np.int64)].T.copy() if slots else np.zeros((4, 0), np.float64)
+        c = self._pool[np.array(slots, np.int64)].T.copy() if slots else np.zeros((_POOL_COLUMNS, 0), np.float64)
         snap = Snapshot(
             now=float(time.time() if now is None else now),
             max_batch_tokens=int(max_batch_tokens), max_num_seqs=int(max_num_seqs),
             ids=tuple(ids), arrival=_ro(c[0]), prompt_tokens=_ro(prompt), computed_tokens=_ro(computed),
             output_tokens=_ro(output), ttft_slo=_ro(c[1]), tbt_slo=_ro(c[2]), protected=_ro(c[3] != 0),
+            priority=_ro(c[4].astype(np.int64)), sheddable=_ro(c[5] != 0),
             free_kv_tokens=None if free_kv_tokens is None else int(free_kv_tokens), profile=self.profile,
         )
         return snap, reqs

@@ -90,7 +90,7 @@ _ids = itertools.count()
 
 
 def make_request(prompt_len: int, max_tokens: int, *, extra_args: dict[str, Any] | None = None,
-                 arrival: float | None = None, rid: str | None = None) -> Request:
+                 arrival: float | None = None, rid: str | None = None, priority: int = 0) -> Request:
     """Unique prompt tokens (no accidental prefix-cache hits)."""
     global _hasher
     if _hasher is None:
@@ -100,7 +100,8 @@ def make_request(prompt_len: int, max_tokens: int, *, extra_args: dict[str, Any]
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra_args)
     return Request(request_id=rid or f"q{i}", prompt_token_ids=[3 + (i * 131 + k * 7919) % 990 for k in range(prompt_len)],
                    sampling_params=sp, pooling_params=None,
-                   arrival_time=time.time() if arrival is None else arrival, block_hasher=_hasher)
+                   arrival_time=time.time() if arrival is None else arrival, block_hasher=_hasher,
+                   priority=priority)
 
 
 def fake_output(sched: Any, so: Any) -> ModelRunnerOutput:

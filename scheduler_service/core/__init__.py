@@ -9,7 +9,7 @@ from importlib import resources
 from . import registry
 from .check import plan_violations
 from .errors import FieldViolation, ValidationError
-from .plan import Allocation, Plan
+from .plan import Allocation, Plan, Rejection
 from .policy import Policy
 from .predictor import BatchLatencyPredictor, LinearModel, batch_features, evaluate, fit_predictor
 from .snapshot import Request, Snapshot
@@ -21,6 +21,7 @@ __all__ = [
     "LinearModel",
     "Plan",
     "Policy",
+    "Rejection",
     "Request",
     "Snapshot",
     "ValidationError",

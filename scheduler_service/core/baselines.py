@@ -3,6 +3,12 @@
 * ``vllm-fcfs`` — vLLM V1's default: running requests (decodes and started
   prefills) first, then waiting ones, each in arrival order, each taking what
   it still needs from a fixed ``max_batch_tokens`` budget (chunked prefill).
+* ``vllm-priority`` — vLLM V1 with ``--scheduling-policy priority``: as
+  ``vllm-fcfs``, each group ordered by (priority, arrival) — smaller priority
+  first, as vLLM's waiting heap orders it.  vLLM keeps its running list in
+  admission order, which a stateless snapshot does not carry; ordering the
+  running requests by priority too is the closest stateless reading (it
+  matters only when the budget runs out inside the running group).
 * ``sarathi`` — fixed chunk budget (decode tokens count in it); decodes
   first, then started prefills, then waiting ones, FCFS.
 * ``sarathi-edf`` — as ``sarathi``; prefills by TTFT deadline a + L^ttft.
@@ -61,13 +67,21 @@ class VllmFcfsPolicy:
     name: str
     version: str
     params: VllmFcfsParams
+    #: ``vllm-priority``: each group by (priority, arrival) instead of arrival.
+    by_priority: bool = False
+
+    def _order(self, snap: Snapshot, idx: np.ndarray) -> np.ndarray:
+        if self.by_priority and len(idx):
+            assert snap.priority is not None
+            return ordered(snap, idx, snap.priority[idx])
+        return fcfs_order(snap, idx)
 
     def plan(self, snapshot: Snapshot, predictor: BatchLatencyPredictor) -> Plan:
         snap = snapshot
         t0 = time.perf_counter_ns()
         started = np.flatnonzero(snap.computed_tokens > 0)
         waiting = np.flatnonzero(snap.computed_tokens == 0)
-        order = np.concatenate([fcfs_order(snap, started), fcfs_order(snap, waiting)])
+        order = np.concatenate([self._order(snap, started), self._order(snap, waiting)])
         n_dec_all = int(snap.is_decoding.sum())
         budget = snap.max_batch_tokens
         seqs = snap.max_num_seqs

@@ -17,7 +17,8 @@ def plan_violations(snapshot: Snapshot, plan: Plan, *, limit: int = 10) -> list[
 
     A valid plan names only known requests, each at most once, with
     1 ≤ tokens ≤ what the request still needs (1 for a decode), and stays
-    within ``max_batch_tokens``, ``max_num_seqs`` and ``free_kv_tokens``.
+    within ``max_batch_tokens``, ``max_num_seqs`` and ``free_kv_tokens``.  A rejection
+    names a known, sheddable request, at most once, that the plan does not also run.
     """
     problems: list[str] = []
     index = snapshot.index_of
@@ -46,4 +47,16 @@ def plan_violations(snapshot: Snapshot, plan: Plan, *, limit: int = 10) -> list[
         problems.append(f"{len(plan.allocations)} requests exceed max_num_seqs {snapshot.max_num_seqs}")
     if snapshot.free_kv_tokens is not None and total > snapshot.free_kv_tokens:
         problems.append(f"{total} tokens exceed free_kv_tokens {snapshot.free_kv_tokens}")
+    rejected: set[str] = set()
+    for r in plan.rejections:
+        i = index.get(r.id)
+        if i is None:
+            problems.append(f"rejects unknown request {r.id!r}")
+        elif not snapshot.sheddable[i]:
+            problems.append(f"rejects request {r.id!r}, which is not sheddable")
+        elif r.id in seen:
+            problems.append(f"rejects request {r.id!r} and also allocates it tokens")
+        elif r.id in rejected:
+            problems.append(f"rejects request {r.id!r} twice")
+        rejected.add(r.id)
     return problems[:limit]

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-__all__ = ["PATHS", "Allocation", "Plan"]
+__all__ = ["PATHS", "REJECT_REASONS", "Allocation", "Plan", "Rejection"]
 
 #: Paths of the SlidingServe policy; baselines report their own name.
 PATHS = ("sliding_chunker", "batch_constructor", "decode_only", "idle")
@@ -18,6 +18,19 @@ class Allocation(NamedTuple):
 
     id: str
     tokens: int
+
+
+#: Why a plan rejects a request (docs/usage.md, Plan): its TTFT deadline has passed, or the
+#: prediction says it cannot be met any more.
+REJECT_REASONS = ("ttft_expired", "ttft_unreachable")
+
+
+class Rejection(NamedTuple):
+    """A sheddable request the plan gives up on: the engine finishes it now (aborted, with
+    ``reason``) instead of spending the GPU on a request that will miss its SLO."""
+
+    id: str
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,9 +55,11 @@ class Plan:
     #: The service's policy version that decided ("" = a registry policy named directly);
     #: set by the service, not by policies.
     deployment: str = ""
+    #: Sheddable requests to finish now (overload control); never an allocated one.
+    rejections: tuple[Rejection, ...] = ()
 
     def decision_key(self) -> tuple[Any, ...]:
-        return (
+        key = (
             self.policy,
             self.policy_version,
             self.predictor_version,
@@ -53,6 +68,8 @@ class Plan:
             self.predicted_latency_ms,
             self.allocations,
         )
+        # a plan without rejections keeps the key it had before rejections existed
+        return (*key, self.rejections) if self.rejections else key
 
     def tokens_by_id(self) -> dict[str, int]:
         """Request id → tokens this iteration (what an engine executes; ``to_dict`` is the
@@ -74,6 +91,8 @@ class Plan:
             out["breakdown_us"] = dict(self.breakdown_us)
         if self.deployment:
             out["deployment"] = self.deployment
+        if self.rejections:
+            out["rejections"] = [{"id": r.id, "reason": r.reason} for r in self.rejections]
         return out
 
     def to_json(self, indent: int | None = None) -> str:
@@ -92,4 +111,5 @@ class Plan:
             decision_us=int(d.get("decision_us", 0)),
             breakdown_us={str(k): int(v) for k, v in d.get("breakdown_us", {}).items()},
             deployment=str(d.get("deployment", "")),
+            rejections=tuple(Rejection(str(r["id"]), str(r["reason"])) for r in d.get("rejections", ())),
         )

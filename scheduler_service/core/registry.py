@@ -35,6 +35,11 @@ BUILTIN: tuple[PolicySpec, ...] = (
         VllmFcfsParams(), VllmFcfsPolicy,
     ),
     PolicySpec(
+        "vllm-priority", baselines.VERSION,
+        "vLLM V1 --scheduling-policy priority: as vllm-fcfs, each group by (priority, arrival).",
+        VllmFcfsParams(), lambda n, v, p: VllmFcfsPolicy(n, v, p, by_priority=True),
+    ),
+    PolicySpec(
         "sarathi", baselines.VERSION,
         "Sarathi-Serve: fixed chunk budget, decodes first, then prefills FCFS.",
         SarathiParams(), lambda n, v, p: SarathiPolicy(n, v, p, edf=False),

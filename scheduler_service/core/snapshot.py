@@ -27,7 +27,10 @@ import numpy as np
 
 from .errors import FieldViolation, ValidationError
 
-__all__ = ["COLUMN_DTYPES", "DEFAULT_MAX_REQUESTS", "MAX_BATCH_TOKENS", "MAX_SECONDS", "Request", "Snapshot"]
+__all__ = [
+    "CLASS_COLUMN_DTYPES", "COLUMN_DTYPES", "DEFAULT_MAX_REQUESTS", "MAX_BATCH_TOKENS", "MAX_PRIORITY",
+    "MAX_SECONDS", "Request", "Snapshot",
+]
 
 #: Upper bound on requests in one snapshot unless the caller sets another.
 DEFAULT_MAX_REQUESTS = 100_000
@@ -56,6 +59,14 @@ COLUMN_DTYPES: dict[str, Any] = {
     "tbt_slo": np.float64,
     "protected": np.bool_,
 }
+#: The request-class columns (docs/usage.md, SLO classes): optional everywhere.  A
+#: snapshot without them is all priority 0, nothing sheddable (the v1 contract).
+CLASS_COLUMN_DTYPES: dict[str, Any] = {
+    "priority": np.int64,
+    "sheddable": np.bool_,
+}
+#: Bound on ``|priority|`` (vLLM takes any int; 32 bits keep keys exact in float64).
+MAX_PRIORITY = (1 << 31) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +81,10 @@ class Request:
     ttft_slo: float = 1.0
     tbt_slo: float = 0.1
     protected: bool = False
+    #: Class priority: smaller is served first (vLLM's convention); 0 by default.
+    priority: int = 0
+    #: The scheduler may reject this request early when its SLO cannot be met.
+    sheddable: bool = False
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
@@ -105,7 +120,16 @@ class Snapshot:
     prefill_throughput: float | None = None
     #: Engine profile key (model/hardware/TP); informational for policies.
     profile: str = ""
+    #: Class columns (:data:`CLASS_COLUMN_DTYPES`); None = the defaults, filled in.
+    priority: np.ndarray | None = None
+    sheddable: np.ndarray | None = None
     _cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        n = len(self.ids)
+        for name, dtype in CLASS_COLUMN_DTYPES.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, _readonly(np.zeros(n, dtype)))
 
     # ------------------------------------------------------------------ build
     @classmethod
@@ -127,8 +151,11 @@ class Snapshot:
         prefill_throughput: float | None = None,
         profile: str = "",
         max_requests: int = DEFAULT_MAX_REQUESTS,
+        priority: Any = None,
+        sheddable: Any = None,
     ) -> Snapshot:
-        """Validate columns and build a snapshot; raises :class:`ValidationError`."""
+        """Validate columns and build a snapshot; raises :class:`ValidationError`.
+        ``priority`` and ``sheddable`` may be left out (None): all 0 / False."""
         errs: list[FieldViolation] = []
         scal = _validate_scalars(
             errs, now, max_batch_tokens, max_num_seqs, free_kv_tokens, prefill_throughput
@@ -144,6 +171,9 @@ class Snapshot:
             "tbt_slo": (tbt_slo, np.float64),
             "protected": (protected, np.bool_),
         }
+        for name, values in (("priority", priority), ("sheddable", sheddable)):
+            if values is not None:
+                cols[name] = (values, CLASS_COLUMN_DTYPES[name])
         ids_t, arrays = _validate_requests(errs, ids, cols, n)
         return cls(
             now=scal[0],
@@ -233,6 +263,8 @@ class Snapshot:
             ttft_slo=[r.ttft_slo for r in reqs],
             tbt_slo=[r.tbt_slo for r in reqs],
             protected=[r.protected for r in reqs],
+            priority=[r.priority for r in reqs],
+            sheddable=[r.sheddable for r in reqs],
             free_kv_tokens=free_kv_tokens,
             prefill_throughput=prefill_throughput,
             profile=profile,
@@ -268,6 +300,8 @@ class Snapshot:
             ttft_slo=cols["ttft_slo"],
             tbt_slo=cols["tbt_slo"],
             protected=cols["protected"],
+            priority=cols["priority"],
+            sheddable=cols["sheddable"],
             max_requests=max_requests,
         )
 
@@ -296,6 +330,11 @@ class Snapshot:
             }
             for i, rid in enumerate(self.ids)
         ]
+        # the class fields only where they differ from the default (the v1 form stays as it was)
+        assert self.priority is not None and self.sheddable is not None
+        for name, col in (("priority", self.priority), ("sheddable", self.sheddable)):
+            for i in np.flatnonzero(col).tolist():
+                out["requests"][i][name] = col[i].item()
         return out
 
     def to_json(self) -> str:
@@ -370,6 +409,8 @@ _REQUEST_FIELDS: dict[str, tuple[Any, bool]] = {
     "ttft_slo": (0.0, True),
     "tbt_slo": (0.0, True),
     "protected": (False, False),
+    "priority": (0, False),
+    "sheddable": (False, False),
 }
 
 
@@ -606,6 +647,8 @@ def _validate_rows(errs: list[FieldViolation], a: dict[str, np.ndarray]) -> None
         ("output_tokens", (c < p) & (o > 0), "must be 0 while the prompt is not fully computed"),
         ("output_tokens", (c == p) & (o < 1), "must be >= 1 once the prompt is fully computed"),
     ]
+    if "priority" in a:
+        checks.append(("priority", np.abs(a["priority"]) > MAX_PRIORITY, f"must be within ±{MAX_PRIORITY}"))
     for name, bad, msg in checks:
         if not bad.any():
             continue
@@ -626,6 +669,16 @@ def _typed_columns(
     arrays: dict[str, np.ndarray] = {}
     for name, dtype in COLUMN_DTYPES.items():
         arr = columns[name]
+        if not isinstance(arr, np.ndarray) or arr.ndim != 1 or arr.dtype != dtype:
+            raise TypeError(f"column {name} must be a 1-D {np.dtype(dtype)} array")
+        if len(arr) != n:
+            errs.append(FieldViolation(name, f"has {len(arr)} entries but there are {n} ids"))
+        else:
+            arrays[name] = arr
+    for name, dtype in CLASS_COLUMN_DTYPES.items():
+        arr = columns.get(name)
+        if arr is None or (len(arr) == 0 and n > 0):
+            continue  # not sent: the default class
         if not isinstance(arr, np.ndarray) or arr.ndim != 1 or arr.dtype != dtype:
             raise TypeError(f"column {name} must be a 1-D {np.dtype(dtype)} array")
         if len(arr) != n:
@@ -679,4 +732,5 @@ def _rows_ok(a: dict[str, np.ndarray]) -> bool:
         and o.min() >= 0 and o.max() <= MAX_TOKENS
         # with 0 <= c <= p and o >= 0: output 0 exactly while the prompt is incomplete
         and np.array_equal(c == p, o > 0)
+        and ("priority" not in a or not len(a["priority"]) or np.abs(a["priority"]).max() <= MAX_PRIORITY)
     )

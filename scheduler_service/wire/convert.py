@@ -26,6 +26,7 @@ from scheduler_service.core import (
     BatchLatencyPredictor,
     FieldViolation,
     Plan,
+    Rejection,
     Snapshot,
     ValidationError,
     batch_features,
@@ -66,6 +67,8 @@ _COLUMNS = (
     ("tbt_slo", np.float64),
     ("protected", np.bool_),
 )
+#: The optional class columns (empty on the wire = the default class).
+_CLASS_COLUMNS = (("priority", np.int64), ("sheddable", np.bool_))
 _COLUMN_FIELD_NUMBERS = {f.name: f.number for f in pb.RequestColumns.DESCRIPTOR.fields}
 _FIXED_COLUMNS = ("arrival", "ttft_slo", "tbt_slo", "protected")
 _VARINT_COLUMNS = ("prompt_tokens", "computed_tokens", "output_tokens")
@@ -160,12 +163,17 @@ def columns_to_arrays(c: pb.RequestColumns) -> tuple[tuple[str, ...], dict[str, 
     Not validated: :meth:`Snapshot.from_arrays` does that vectorised, relying on the
     container's type for each element's."""
     columns = {name: np.asarray(getattr(c, name), dtype=dt) for name, dt in _COLUMNS}
+    for name, dt in _CLASS_COLUMNS:
+        if len(getattr(c, name)):
+            columns[name] = np.asarray(getattr(c, name), dtype=dt)
     return tuple(c.ids), columns
 
 
 def _rows_snapshot(rows: Sequence[pb.Request], scalars: dict[str, Any]) -> Snapshot:
     """The row encoding: one Python object per request and field (slower; see the module)."""
-    cols: dict[str, Any] = {name: np.array([getattr(r, name) for r in rows], dtype=dt) for name, dt in _COLUMNS}
+    cols: dict[str, Any] = {
+        name: np.array([getattr(r, name) for r in rows], dtype=dt) for name, dt in _COLUMNS + _CLASS_COLUMNS
+    }
     return Snapshot.from_columns(ids=tuple(r.id for r in rows), **scalars, **cols)
 
 
@@ -197,12 +205,16 @@ def snapshot_to_pb(
         for name in _VARINT_COLUMNS:
             getattr(c, name).extend(getattr(snap, name).tolist())
         c.MergeFromString(_packed_fixed_columns(snap))
+        for name, _ in _CLASS_COLUMNS:  # sent only when some request is not of the default class
+            col = getattr(snap, name)
+            if col.any():
+                getattr(c, name).extend(col.tolist())
     elif encoding == "rows":
-        lists = [getattr(snap, name).tolist() for name, _ in _COLUMNS]
+        lists = [getattr(snap, name).tolist() for name, _ in _COLUMNS + _CLASS_COLUMNS]
         add = msg.rows.requests.add
-        for rid, a, p, cp, o, ttft, tbt, g in zip(snap.ids, *lists, strict=True):
+        for rid, a, p, cp, o, ttft, tbt, g, pr, sh in zip(snap.ids, *lists, strict=True):
             add(id=rid, arrival=a, prompt_tokens=p, computed_tokens=cp, output_tokens=o,
-                ttft_slo=ttft, tbt_slo=tbt, protected=g)
+                ttft_slo=ttft, tbt_slo=tbt, protected=g, priority=pr, sheddable=sh)
     else:
         raise ValueError(f"encoding must be 'columns' or 'rows', got {encoding!r}")
     return msg
@@ -255,6 +267,9 @@ def plan_to_pb(plan: Plan) -> pb.Plan:
         msg.breakdown_us.update({str(k): int(v) for k, v in plan.breakdown_us.items()})
     if plan.deployment:
         msg.deployment = plan.deployment
+    if plan.rejections:
+        msg.reject_ids.extend([r.id for r in plan.rejections])
+        msg.reject_reasons.extend([r.reason for r in plan.rejections])
     return msg
 
 
@@ -272,6 +287,7 @@ def plan_from_pb(msg: pb.Plan) -> Plan:
         decision_us=msg.decision_us,
         breakdown_us=dict(msg.breakdown_us),
         deployment=msg.deployment,
+        rejections=tuple(map(Rejection, msg.reject_ids, msg.reject_reasons)),
     )
 
 

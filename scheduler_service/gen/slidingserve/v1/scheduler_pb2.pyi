@@ -107,6 +107,8 @@ class RequestColumns(_message.Message):
     TTFT_SLO_FIELD_NUMBER: _builtins.int
     TBT_SLO_FIELD_NUMBER: _builtins.int
     PROTECTED_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    SHEDDABLE_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Unique, non-empty request ids (at most 256 characters each)."""
@@ -139,6 +141,16 @@ class RequestColumns(_message.Message):
     def protected(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
         """Protected flag g_i: protected requests sort first in MLPS."""
 
+    @_builtins.property
+    def priority(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Class priority: smaller is served first (vLLM's convention). Empty = all 0."""
+
+    @_builtins.property
+    def sheddable(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
+        """Sheddable: the scheduler may reject the request early when its SLO cannot be met.
+        Empty = none is.
+        """
+
     def __init__(
         self,
         *,
@@ -150,10 +162,12 @@ class RequestColumns(_message.Message):
         ttft_slo: _abc.Iterable[_builtins.float] | None = ...,
         tbt_slo: _abc.Iterable[_builtins.float] | None = ...,
         protected: _abc.Iterable[_builtins.bool] | None = ...,
+        priority: _abc.Iterable[_builtins.int] | None = ...,
+        sheddable: _abc.Iterable[_builtins.bool] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrival", b"arrival", "computed_tokens", b"computed_tokens", "ids", b"ids", "output_tokens", b"output_tokens", "prompt_tokens", b"prompt_tokens", "protected", b"protected", "tbt_slo", b"tbt_slo", "ttft_slo", b"ttft_slo"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrival", b"arrival", "computed_tokens", b"computed_tokens", "ids", b"ids", "output_tokens", b"output_tokens", "priority", b"priority", "prompt_tokens", b"prompt_tokens", "protected", b"protected", "sheddable", b"sheddable", "tbt_slo", b"tbt_slo", "ttft_slo", b"ttft_slo"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -173,6 +187,8 @@ class Request(_message.Message):
     TTFT_SLO_FIELD_NUMBER: _builtins.int
     TBT_SLO_FIELD_NUMBER: _builtins.int
     PROTECTED_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    SHEDDABLE_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Unique, non-empty request id."""
     arrival: _builtins.float
@@ -189,6 +205,10 @@ class Request(_message.Message):
     """Time-between-tokens SLO (seconds)."""
     protected: _builtins.bool
     """Protected flag."""
+    priority: _builtins.int
+    """Class priority (smaller is served first)."""
+    sheddable: _builtins.bool
+    """Sheddable flag."""
     def __init__(
         self,
         *,
@@ -200,10 +220,12 @@ class Request(_message.Message):
         ttft_slo: _builtins.float = ...,
         tbt_slo: _builtins.float = ...,
         protected: _builtins.bool = ...,
+        priority: _builtins.int = ...,
+        sheddable: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrival", b"arrival", "computed_tokens", b"computed_tokens", "id", b"id", "output_tokens", b"output_tokens", "prompt_tokens", b"prompt_tokens", "protected", b"protected", "tbt_slo", b"tbt_slo", "ttft_slo", b"ttft_slo"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrival", b"arrival", "computed_tokens", b"computed_tokens", "id", b"id", "output_tokens", b"output_tokens", "priority", b"priority", "prompt_tokens", b"prompt_tokens", "protected", b"protected", "sheddable", b"sheddable", "tbt_slo", b"tbt_slo", "ttft_slo", b"ttft_slo"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -403,6 +425,8 @@ class Plan(_message.Message):
     DECISION_US_FIELD_NUMBER: _builtins.int
     BREAKDOWN_US_FIELD_NUMBER: _builtins.int
     DEPLOYMENT_FIELD_NUMBER: _builtins.int
+    REJECT_IDS_FIELD_NUMBER: _builtins.int
+    REJECT_REASONS_FIELD_NUMBER: _builtins.int
     policy: _builtins.str
     """Name of the policy that decided."""
     policy_version: _builtins.str
@@ -433,6 +457,14 @@ class Plan(_message.Message):
     def breakdown_us(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """Decision time per component (microseconds), e.g. sorter, predictor, chunker."""
 
+    @_builtins.property
+    def reject_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Sheddable requests the engine should finish now (overload control), and why
+        (same order; reasons: "ttft_expired", "ttft_unreachable"). Never an allocated request.
+        """
+
+    @_builtins.property
+    def reject_reasons(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
@@ -447,10 +479,12 @@ class Plan(_message.Message):
         decision_us: _builtins.int = ...,
         breakdown_us: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         deployment: _builtins.str = ...,
+        reject_ids: _abc.Iterable[_builtins.str] | None = ...,
+        reject_reasons: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocation_ids", b"allocation_ids", "allocation_tokens", b"allocation_tokens", "breakdown_us", b"breakdown_us", "decision_us", b"decision_us", "deployment", b"deployment", "path", b"path", "policy", b"policy", "policy_version", b"policy_version", "predicted_latency_ms", b"predicted_latency_ms", "predictor_version", b"predictor_version", "token_budget", b"token_budget"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocation_ids", b"allocation_ids", "allocation_tokens", b"allocation_tokens", "breakdown_us", b"breakdown_us", "decision_us", b"decision_us", "deployment", b"deployment", "path", b"path", "policy", b"policy", "policy_version", b"policy_version", "predicted_latency_ms", b"predicted_latency_ms", "predictor_version", b"predictor_version", "reject_ids", b"reject_ids", "reject_reasons", b"reject_reasons", "token_budget", b"token_budget"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

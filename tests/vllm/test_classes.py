@@ -1,0 +1,61 @@
+"""Request classes in the vLLM adapter: vLLM's own ``Request.priority`` and the class table
+(``SLIDINGSERVE_SLO_CLASSES``) reach the snapshot, on real vLLM request objects."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_adapter.vllm.settings import SettingsError, VllmAdapterSettings, parse_slo_classes
+from engine_adapter.vllm.snapshot import ClassSlo, SloDefaults, SnapshotBuilder, request_slo
+
+from .support import make_request
+
+TABLE = '{"0": {"ttft_ms": 400, "tbt_ms": 40}, "2": {"ttft_ms": 4000, "tbt_ms": 100, "sheddable": true}}'
+
+
+def test_class_table_parses_from_env_and_file_mapping() -> None:
+    s = VllmAdapterSettings.from_env({"SLIDINGSERVE_SLO_CLASSES": TABLE})
+    assert parse_slo_classes(s.slo_classes) == {
+        0: ClassSlo(0.4, 0.04, False), 2: ClassSlo(4.0, 0.1, True)}
+    assert parse_slo_classes("") == {}
+
+
+@pytest.mark.parametrize(("text", "msg"), [
+    ("{", "is not JSON"),
+    ("[1]", "must be a JSON object"),
+    ('{"high": {}}', "integer priority"),
+    ('{"1": {"ttft": 5}}', "keys from"),
+    ('{"1": {"ttft_ms": -5}}', "ttft_ms must be a number"),
+    ('{"1": {"tbt_ms": true}}', "tbt_ms must be a number"),
+    ('{"1": {"sheddable": "yes"}}', "sheddable must be true or false"),
+])
+def test_bad_class_tables_fail_with_the_setting_named(text: str, msg: str) -> None:
+    with pytest.raises(SettingsError, match=msg) as e:
+        VllmAdapterSettings.from_env({"SLIDINGSERVE_SLO_CLASSES": text})
+    assert "SLIDINGSERVE_SLO_CLASSES" in str(e.value)
+
+
+def test_request_slo_precedence() -> None:
+    d = SloDefaults(ttft_s=1.0, tbt_s=0.05, classes=parse_slo_classes(TABLE))
+    # the class table for the request's priority ...
+    assert request_slo(None, 100, d, priority=2) == request_slo({}, 100, d, priority=2)
+    r = request_slo(None, 100, d, priority=2)
+    assert (r.ttft_s, r.tbt_s, r.priority, r.sheddable) == (4.0, 0.1, 2, True)
+    # ... its own extra_args win ...
+    r = request_slo({"slo_ttft_ms": 900, "slo_sheddable": False}, 100, d, priority=2)
+    assert (r.ttft_s, r.tbt_s, r.sheddable) == (0.9, 0.1, False)
+    # ... and a priority outside the table gets the defaults
+    r = request_slo({"slo": {"sheddable": True}}, 100, d, priority=7)
+    assert (r.ttft_s, r.tbt_s, r.priority, r.sheddable) == (1.0, 0.05, 7, True)
+
+
+def test_snapshot_carries_vllm_priority_and_class() -> None:
+    b = SnapshotBuilder(SloDefaults(classes=parse_slo_classes(TABLE)), profile="")
+    reqs = [make_request(64, 8, priority=2), make_request(64, 8), make_request(64, 8, priority=-3),
+            make_request(64, 8, priority=2, extra_args={"slo_sheddable": False})]
+    snap, rows = b.build([], reqs, max_batch_tokens=512, max_num_seqs=8, free_kv_tokens=10_000)
+    assert rows == reqs
+    assert snap.priority.tolist() == [2, 0, -3, 2]
+    assert snap.sheddable.tolist() == [True, False, False, False]
+    assert snap.ttft_slo.tolist()[:2] == [4.0, 0.4]
+    assert snap.tbt_slo.tolist()[:3] == [0.1, 0.04, 0.05]
