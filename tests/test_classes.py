@@ -4,6 +4,7 @@ encodings, real gRPC, the simulator's workloads, and the ``vllm-priority`` basel
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 
 import grpc
 import numpy as np
@@ -14,12 +15,21 @@ from hypothesis import strategies as st
 from clients.workloads import CLASS_MIXES, ClassMix, SLOClass, make_workload
 from engine_adapter.sim.engine import EngineConfig, SimulatedEngine
 from scheduler_service.client import SchedulerClient, SchedulerError
-from scheduler_service.core import Snapshot, ValidationError, default_predictor, registry
+from scheduler_service.core import (
+    Plan,
+    Rejection,
+    Snapshot,
+    ValidationError,
+    default_predictor,
+    plan_violations,
+    registry,
+)
 from scheduler_service.core.snapshot import MAX_PRIORITY, Request
+from scheduler_service.core.sorter import class_late_set, late_set
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
 from scheduler_service.server import SchedulerServer
-from scheduler_service.wire.convert import snapshot_from_pb, snapshot_to_pb
-from tests.factories import random_snapshot
+from scheduler_service.wire.convert import plan_from_pb, plan_to_pb, snapshot_from_pb, snapshot_to_pb
+from tests.factories import random_predictor, random_snapshot
 from tests.grpc_support import make_server
 
 
@@ -199,3 +209,107 @@ def test_simulator_hands_classes_to_the_policy() -> None:
     ttft = eng.first_token - w.arrival
     assert np.median(ttft[w.priority == 0]) < np.median(ttft[w.priority == 2])
     assert r.completed == len(w)
+
+
+# ------------------------------------------------------- class-aware SlidingServe
+def _with(s: Snapshot, keep: np.ndarray | None = None, **cols: np.ndarray) -> Snapshot:
+    """``s`` restricted to rows ``keep`` (a mask), with some columns replaced."""
+    keep = np.ones(len(s), dtype=bool) if keep is None else keep
+    d = {k: getattr(s, k)[keep] for k in ("arrival", "prompt_tokens", "computed_tokens", "output_tokens",
+                                           "ttft_slo", "tbt_slo", "protected", "priority", "sheddable")}
+    d.update({k: v[keep] for k, v in cols.items()})
+    return Snapshot.from_columns(now=s.now, max_batch_tokens=s.max_batch_tokens, max_num_seqs=s.max_num_seqs,
+                                 ids=[r for r, k in zip(s.ids, keep, strict=True) if k],
+                                 free_kv_tokens=s.free_kv_tokens, prefill_throughput=s.prefill_throughput, **d)
+
+
+def _loaded(seed: int, n: int = 16) -> Snapshot:
+    """Classed, on an engine whose observed prefill rate (200-3,000 tokens/s) cannot serve
+    every live prefill in time: the lost rule gives some up."""
+    s = classed(seed, n)
+    rho = float(np.random.default_rng(seed + 5).uniform(200, 3000))
+    return replace(s, prefill_throughput=rho, _cache={})
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 100_000), st.floats(200.0, 3_000.0))
+def test_class_late_set_never_lets_a_lower_class_cost_a_higher_one(seed: int, rho: float) -> None:
+    s = _loaded(seed)
+    pre = np.flatnonzero(~s.is_decoding)
+    lost = class_late_set(s, pre, rho)
+    # the kept set is on time served alone in deadline order at rho
+    kept = pre[~lost]
+    kept = kept[np.argsort(s.slack[kept], kind="stable")]
+    assert (np.cumsum(s.remaining_prefill[kept] / rho) <= s.slack[kept] + 1e-9).all()
+    for level in np.unique(s.priority[pre]).tolist():
+        upper = s.priority[pre] <= level
+        # which requests of this class and above are lost does not depend on lower classes
+        assert np.array_equal(class_late_set(s, pre[upper], rho), lost[upper]), (seed, level)
+    top = s.priority[pre] == s.priority[pre].min()
+    # the highest class alone: exactly Moore-Hodgson (the fewest late first tokens)
+    assert np.array_equal(lost[top], late_set(s, pre[top], rho))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_one_class_is_the_paper_policy(seed: int) -> None:
+    """Every request of the same class, whichever: the plan of the class-free snapshot."""
+    s = random_snapshot(seed, n=12, max_prompt=300)
+    same = _with(s, priority=np.full(len(s), 7, np.int64))
+    for pred in (default_predictor(), random_predictor(seed)):
+        assert registry.create("slidingserve").plan(same, pred).decision_key() == \
+            registry.create("slidingserve").plan(s, pred).decision_key()
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 100_000), st.booleans())
+def test_lower_classes_never_change_what_a_higher_class_is_refused(seed: int, default_pred: bool) -> None:
+    """SlidingServe's rejections of a class and those above it are the same with and without
+    the lower classes in the queue, under the same predictor."""
+    s = _loaded(seed)
+    pred = default_predictor() if default_pred else random_predictor(seed)
+    pol = registry.create("slidingserve")
+    full = {r.id for r in pol.plan(s, pred).rejections}
+    for level in np.unique(s.priority).tolist():
+        upper = s.priority <= level
+        sub = _with(s, upper)
+        want = {rid for rid, u in zip(s.ids, upper, strict=True) if u and rid in full}
+        assert {r.id for r in pol.plan(sub, pred).rejections} == want, (seed, level)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 100_000), st.booleans())
+def test_every_policy_plans_validly_with_classes(seed: int, loaded: bool) -> None:
+    s = _loaded(seed) if loaded else classed(seed)
+    for pred in (default_predictor(), random_predictor(seed)):
+        for name in registry.names():
+            plan = registry.create(name).plan(s, pred)
+            assert plan_violations(s, plan) == [], (name, seed)
+            for r in plan.rejections:
+                i = s.index_of[r.id]
+                assert s.sheddable[i] and not s.is_decoding[i]
+                assert r.reason == ("ttft_expired" if s.slack[i] <= 0 else "ttft_unreachable")
+
+
+def test_shedding_can_be_switched_off_and_is_explained() -> None:
+    reqs = [Request("gone", 0.0, 400, ttft_slo=0.1, sheddable=True),
+            Request("kept", 0.0, 400, ttft_slo=0.1),
+            Request("fine", 1.9, 40, ttft_slo=5.0, sheddable=True)]
+    s = Snapshot.from_requests(reqs, now=2.0)
+    plan = registry.create("slidingserve").plan(s, default_predictor())
+    assert plan.rejections == (Rejection("gone", "ttft_expired"),)
+    assert set(plan.tokens_by_id()) == {"kept", "fine"}
+    assert registry.create("slidingserve", {"shed": False}).plan(s, default_predictor()).rejections == ()
+    assert Plan.from_dict(plan.to_dict()).rejections == plan.rejections
+    assert plan.to_dict()["rejections"] == [{"id": "gone", "reason": "ttft_expired"}]
+
+
+def test_rejections_travel_over_grpc_and_bad_ones_are_refused_by_the_engine(server: SchedulerServer) -> None:
+    reqs = [Request("gone", 0.0, 400, ttft_slo=0.1, sheddable=True), Request("kept", 0.0, 400, ttft_slo=0.1)]
+    s = Snapshot.from_requests(reqs, now=2.0)
+    with SchedulerClient(server.target, timeout_s=10.0) as c:
+        plan = c.schedule(s, policy="slidingserve")
+    assert plan.rejections == (Rejection("gone", "ttft_expired"),)
+    assert plan_from_pb(plan_to_pb(plan)) == plan
+    # the engine side refuses a plan that rejects a request that is not sheddable
+    bad = replace(plan, rejections=(Rejection("kept", "ttft_expired"),))
+    assert plan_violations(s, bad) == ["rejects request 'kept', which is not sheddable"]

@@ -54,6 +54,7 @@ import operator
 import os
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,12 +73,13 @@ check_vllm_version(vllm.__version__)
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.request_queue import FCFSRequestQueue, SchedulingPolicy  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from engine_adapter.core import AdapterCore, AdapterSettings, Decision, IterationSample  # noqa: E402
 from engine_adapter.inprocess import InProcessBackend  # noqa: E402
 from engine_adapter.remote import GrpcBackend  # noqa: E402
-from scheduler_service.core import Plan, Snapshot  # noqa: E402
+from scheduler_service.core import Plan, Rejection, Snapshot  # noqa: E402
 
 from .settings import (  # noqa: E402
     FOLLOW_DEFAULT,
@@ -262,6 +264,9 @@ class SlidingServeMixin:
         self._ss_last_reason = ""
         self._ss_deviated_requests = 0
         self._ss_retired: list[dict[str, Any]] = []
+        #: requests a plan rejected, finished in schedule(): their outputs go out with the step's
+        self._ss_rejected_out: list[tuple[Any, str]] = []
+        self._ss_rejects: collections.Counter[str] = collections.Counter()
         # reporting
         self._ss_last_update: float | None = None
         self._ss_metrics: MetricsEndpoint | None = None
@@ -533,6 +538,8 @@ class SlidingServeMixin:
         if decision.plan is None:
             self._fallback(decision.reason, core.last_error)
             return None
+        if decision.plan.rejections:
+            self._reject(decision.plan.rejections)
         plan = decision.plan.tokens_by_id()
         if not plan:
             self._fallback("empty_plan", f"policy path {decision.plan.path!r} schedules nothing")
@@ -548,6 +555,33 @@ class SlidingServeMixin:
             return None
         self._ss_ahead_s = decision.plan.predicted_latency_ms / 1e3
         return plan
+
+    def _reject(self, rejections: Sequence[Rejection]) -> None:
+        """Finish the requests a plan rejects (overload control), now, before vLLM schedules:
+        their KV is freed and their clients get a final output (finish reason ``abort``,
+        stop reason ``slidingserve:<reason>``) with this step's outputs.  The plan check
+        let through only sheddable requests; those finished since the plan's view was
+        taken are skipped."""
+        reason = {r.id: r.reason for r in rejections}
+        live = [rid for rid in reason if (q := self.requests.get(rid)) is not None and not q.is_finished()]
+        if not live:
+            return
+        for req in self.finish_requests(live, RequestStatus.FINISHED_ABORTED):
+            why = reason[req.request_id]
+            self._ss_rejected_out.append((req, why))
+            self._ss_rejects[why] += 1
+
+    def _rejected_outputs(self, outputs: dict[int, Any]) -> None:
+        """Add the final outputs of the requests rejected in this step to vLLM's."""
+        for req, why in self._ss_rejected_out:
+            eco = outputs.get(req.client_index)
+            if eco is None:
+                eco = outputs[req.client_index] = EngineCoreOutputs()
+            eco.outputs.append(EngineCoreOutput(
+                request_id=req.request_id, new_token_ids=[], finish_reason=req.get_finished_reason(),
+                stop_reason=f"slidingserve:{why}", events=req.take_events(),
+                trace_headers=req.trace_headers))
+        self._ss_rejected_out = []
 
     def _stale(self, view: _View, plan: Plan) -> bool:
         """Whether what happened since the view was taken could change the plan enough
@@ -802,6 +836,8 @@ class SlidingServeMixin:
                 self._ss_last_reason = f"report: {type(e).__name__}: {e}"
         t_v = time.perf_counter()
         result = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        if self._ss_rejected_out:
+            self._rejected_outputs(result)
         t_v2 = time.perf_counter()
         if not (self.running or self.waiting or self.kv_holding_waiting):
             self._ss_last_update = None  # the next gap would include idle time
@@ -852,6 +888,8 @@ class SlidingServeMixin:
             "deviating_iterations": c["deviating_iterations"],
             "deviated_requests": self._ss_deviated_requests,
             "trimmed_admissions": c["trimmed_admissions"],
+            "rejected": dict(self._ss_rejects),
+            "rejected_total": sum(self._ss_rejects.values()),
             "reports": c["reports"],
             "report_errors": c["report_errors"],
             "mean_decide_us": c["decide_us"] / max(1, c["iterations"]),

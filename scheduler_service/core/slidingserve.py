@@ -16,7 +16,7 @@ The ablations switch parts off: ``sarathi-edf+sc`` (EDF order, chunker only),
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -26,10 +26,10 @@ from .batch import CandidateQueue, select_decodes
 from .chunker import sliding_chunk, window_limits_ms
 from .constructor import construct_batch
 from .params import param
-from .plan import Plan
+from .plan import Plan, Rejection
 from .predictor import BatchLatencyPredictor
 from .snapshot import Snapshot
-from .sorter import edf_order, late_set, mlps_order, prefill_indices
+from .sorter import class_late_set, edf_order, late_set, mlps_order, prefill_indices
 
 __all__ = ["SlidingServeParams", "SlidingServePolicy"]
 
@@ -85,6 +85,11 @@ class SlidingServeParams:
         doc="while live prefills wait, decodes already past their next token's deadline (their "
             "request has missed its SLO) sit out the iteration",
     )
+    shed: bool = param(
+        True,
+        doc="reject sheddable requests whose first token is already late or that the lost rule "
+            "gives up on (the plan's rejections); requests that are not sheddable are never rejected",
+    )
     order: str = param("mlps", choices=("mlps", "edf"), doc="prefill queue order")
     batch_constructor: bool = param(True, doc="route risky batches to BatchConstructor")
 
@@ -103,6 +108,17 @@ class SlidingServePolicy:
         pre = prefill_indices(snap)
         rho = snap.prefill_throughput or predictor.prefill_throughput(snap.max_batch_tokens)
         lost = self._lost(snap, predictor, pre, rho)
+        if p.shed and len(pre) and bool(snap.sheddable[pre].any()):
+            pre, lost, rejections = _shed(snap, pre, lost)
+            plan = self._choose(snap, predictor, t0, dec_all, pre, lost, rho)
+            return replace(plan, rejections=rejections) if rejections else plan
+        return self._choose(snap, predictor, t0, dec_all, pre, lost, rho)
+
+    def _choose(self, snap: Snapshot, predictor: BatchLatencyPredictor, t0: int, dec_all: np.ndarray,
+                pre: np.ndarray, lost: np.ndarray, rho: float) -> Plan:
+        """The plan with decodes that need no token now sitting out, when a prefill can use
+        their room; else with every decode."""
+        p = self.params
         if len(dec_all) and bool(((snap.slack[pre] > 0) & ~lost).any()):
             # While prefills that can still make it wait, decodes whose token is not needed
             # now sit out, and their time goes to the prefills: those far ahead of their
@@ -129,7 +145,8 @@ class SlidingServePolicy:
         if len(pre) == 0:
             return lost
         jit = kernels.jit()
-        if jit is not None and len(pre) < jit.MAX_LATE_SET:
+        classes = bool(snap.priority[pre].min() != snap.priority[pre].max())
+        if jit is not None and len(pre) < jit.MAX_LATE_SET and not classes:
             rho_max = predictor.prefill_throughput(snap.max_batch_tokens) if p.hopeless_factor > 0 else 0.0
             return jit.lost_mask(pre, snap.remaining_prefill, snap.slack, snap.protected, float(rho),
                                  float(rho_max), float(p.hopeless_factor), p.lost_rule == "moore")
@@ -138,7 +155,7 @@ class SlidingServePolicy:
             rho_max = predictor.prefill_throughput(snap.max_batch_tokens)
             lost |= snap.remaining_prefill[pre] > rho_max * snap.slack[pre] * p.hopeless_factor
         if p.lost_rule == "moore":
-            lost |= late_set(snap, pre, rho)
+            lost |= class_late_set(snap, pre, rho) if classes else late_set(snap, pre, rho)
         return lost & (snap.slack[pre] > 0)
 
     def _windows(self, snap: Snapshot, decodes: np.ndarray) -> np.ndarray | None:
@@ -210,3 +227,18 @@ class SlidingServePolicy:
             {"sorter": t1 - t0, "predictor": t2 - t1, "constructor": t3 - t2, "chunker": t4 - t3},
             predicted,
         )
+
+
+def _shed(snap: Snapshot, pre: np.ndarray, lost: np.ndarray
+          ) -> tuple[np.ndarray, np.ndarray, tuple[Rejection, ...]]:
+    """Split the sheddable prefills that cannot meet their TTFT any more off the queue:
+    (the rest of ``pre``, its ``lost`` mask, the rejections).  Expired ones first, then
+    those the lost rule gives up on, each in queue (row) order."""
+    expired = snap.slack[pre] <= 0
+    out = snap.sheddable[pre] & (expired | lost)
+    if not out.any():
+        return pre, lost, ()
+    ids = snap.ids
+    rej = tuple(Rejection(ids[i], "ttft_expired") for i in pre[out & expired].tolist())
+    rej += tuple(Rejection(ids[i], "ttft_unreachable") for i in pre[out & ~expired].tolist())
+    return pre[~out], lost[~out], rej

@@ -15,7 +15,8 @@ from . import kernels
 from .snapshot import Snapshot
 
 __all__ = [
-    "edf_order", "fcfs_order", "id_rank", "late_set", "mlps_keys", "mlps_order", "ordered", "prefill_indices",
+    "class_late_set", "edf_order", "fcfs_order", "id_rank", "late_set", "mlps_keys", "mlps_order", "ordered",
+    "prefill_indices",
 ]
 
 
@@ -105,10 +106,17 @@ def mlps_order(
     live ones (same key among themselves): they can no longer meet their SLO,
     so they get only budget that live requests leave.  ``lost`` (a mask over
     ``idx``) marks more requests to treat the same way.
+
+    Request classes: the class priority is a key after urgency, before the remaining
+    tokens, so among requests equally protected and urgent the higher class goes
+    first (with one class, formula (16) exactly).
     """
     if len(idx) == 0:
         return idx
+    prio = snap.priority[idx]
     jit = kernels.jit()
+    if prio.min() != prio.max():
+        jit = None  # the compiled sort has no class key
     if jit is not None:
         out, tie = jit.mlps_order(np.asarray(idx, dtype=np.int64), snap.remaining_prefill, snap.slack,
                                   snap.protected, snap.arrival, float(throughput), float(alpha), float(eps),
@@ -120,6 +128,8 @@ def mlps_order(
     if lost is not None:
         late = late | lost
     expired = late.astype(np.int8)
+    if prio.min() != prio.max():
+        return ordered(snap, idx, expired, g, e, prio, r)
     return ordered(snap, idx, expired, g, e, r)
 
 
@@ -163,6 +173,45 @@ def late_set(snap: Snapshot, idx: np.ndarray, throughput: float) -> np.ndarray:
             _, neg, k = heapq.heappop(heap)
             t += neg
             lost[k] = True
+    return lost
+
+
+def class_late_set(snap: Snapshot, idx: np.ndarray, throughput: float) -> np.ndarray:
+    """:func:`late_set` with request classes: a lower class never costs a higher one its
+    first token (docs/policies.md, Request classes).
+
+    Classes are taken from the highest (smallest ``priority``) down.  For each, the
+    requests kept so far plus the class's own are walked in deadline order at
+    ``throughput``; whenever one would finish late, the longest request *of this class*
+    taken so far is given up (unprotected first), until it is on time again.  The
+    higher classes' kept set is on time by itself, so this always ends, and which
+    requests of a class are lost depends on that class and the classes above it only.
+    With one class it is :func:`late_set` exactly.
+    """
+    prio = snap.priority[idx]
+    levels = np.unique(prio)
+    if len(levels) <= 1:
+        return late_set(snap, idx, throughput)
+    r = snap.remaining_prefill[idx].astype(np.float64) / throughput
+    s = snap.slack[idx]
+    prot = snap.protected[idx]
+    lost = s <= 0
+    by_deadline = np.lexsort((np.arange(len(idx)), s))
+    kept = np.zeros(len(idx), dtype=bool)
+    for level in levels.tolist():
+        kept |= (prio == level) & ~lost
+        order = by_deadline[kept[by_deadline]]
+        heap: list[tuple[int, float, int]] = []
+        t = 0.0
+        for j in order.tolist():
+            t += float(r[j])
+            if prio[j] == level:
+                heapq.heappush(heap, (int(prot[j]), -float(r[j]), j))
+            while t > s[j] and heap:
+                _, neg, k = heapq.heappop(heap)
+                t += neg
+                lost[k] = True
+                kept[k] = False
     return lost
 
 

@@ -3,12 +3,18 @@
 
 from __future__ import annotations
 
-import pytest
+import time
+from typing import Any
 
+import pytest
+from vllm.v1.engine import FinishReason
+from vllm.v1.request import RequestStatus
+
+from engine_adapter.vllm import RemoteScheduler, RemoteSyncScheduler
 from engine_adapter.vllm.settings import SettingsError, VllmAdapterSettings, parse_slo_classes
 from engine_adapter.vllm.snapshot import ClassSlo, SloDefaults, SnapshotBuilder, request_slo
 
-from .support import make_request
+from .support import Driver, FakeClock, build_scheduler, make_request, scheduler_class
 
 TABLE = '{"0": {"ttft_ms": 400, "tbt_ms": 40}, "2": {"ttft_ms": 4000, "tbt_ms": 100, "sheddable": true}}'
 
@@ -59,3 +65,51 @@ def test_snapshot_carries_vllm_priority_and_class() -> None:
     assert snap.sheddable.tolist() == [True, False, False, False]
     assert snap.ttft_slo.tolist()[:2] == [4.0, 0.4]
     assert snap.tbt_slo.tolist()[:3] == [0.1, 0.04, 0.05]
+
+
+# ------------------------------------------------------------------ shedding
+CASES = [(RemoteSyncScheduler, False), (RemoteScheduler, True)]
+
+
+@pytest.mark.parametrize("base,async_", CASES, ids=["sync", "async"])
+def test_rejected_requests_finish_with_a_clear_reason_and_free_their_kv(base: type, async_: bool,
+                                                                         mdir: str) -> None:
+    """SlidingServe (in process) rejects the sheddable requests whose TTFT cannot be met;
+    vLLM's real scheduler finishes them as aborted, their clients get a final output with
+    the reason, their KV is freed, and every other request completes."""
+    clock = FakeClock()
+    cls = scheduler_class(base, {"SLIDINGSERVE_ADDRESS": "inproc", "SLIDINGSERVE_POLICY": "slidingserve"}, clock)
+    s = build_scheduler(cls, mdir, async_scheduling=async_, num_blocks=400)
+    free0 = s.kv_cache_manager.block_pool.get_num_free_blocks()
+    # already past their TTFT (arrived 5 s ago, 100 ms TTFT): sheddable or not.  Snapshots
+    # are taken on the wall clock (the fake clock only times the steps).
+    now = time.time()
+    late = {"slo_ttft_ms": 100, "slo_tbt_ms": 60}
+    shed = [make_request(300, 4, arrival=now - 5, extra_args={**late, "slo_sheddable": True})
+            for _ in range(3)]
+    keep = [make_request(300, 4, arrival=now - 5, extra_args=late) for _ in range(2)]
+    fresh = [make_request(64, 4, arrival=now, extra_args={"slo_ttft_ms": 2000, "slo_tbt_ms": 60,
+                                                             "slo_sheddable": True}) for _ in range(3)]
+    for r in shed + keep + fresh:
+        s.add_request(r)
+    outs: list[Any] = []
+    orig = s.update_from_output
+
+    def spy(so: Any, out: Any) -> Any:
+        eco = orig(so, out)
+        outs.extend(o for v in eco.values() for o in v.outputs)
+        return eco
+    s.update_from_output = spy
+    res = Driver(s, clock, async_scheduling=async_).run()
+    final = {o.request_id: o for o in outs if o.finish_reason is not None}
+    for r in shed:
+        o = final[r.request_id]
+        assert o.finish_reason == FinishReason.ABORT and o.stop_reason == "slidingserve:ttft_expired"
+        assert o.new_token_ids == [] and r.status == RequestStatus.FINISHED_ABORTED
+        assert r.request_id not in res.scheduled  # never ran: the GPU time went to the others
+    for r in keep + fresh:  # not sheddable, or still on time: served to the end
+        assert res.finished[r.request_id] == 4 and final[r.request_id].finish_reason == FinishReason.LENGTH
+    assert not s.requests and s.kv_cache_manager.block_pool.get_num_free_blocks() == free0
+    st = s.slidingserve_stats()
+    assert st["rejected"] == {"ttft_expired": 3} and st["rejected_total"] == 3
+    s.slidingserve_close()
