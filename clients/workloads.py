@@ -35,8 +35,9 @@ SLO classes (docs/usage.md).  ``classes=`` draws a class per request from a
 sheddable, and scales on the TTFT and TBT SLOs above.  The built-in mix
 ``interactive-batch`` (:data:`CLASS_MIXES`) is 20% *critical* interactive
 (priority 0), 50% *standard* (priority 1) and 30% sheddable *batch* (priority
-2, TTFT ×4 and TBT ×2).  The class draw uses its own random stream, so a
-workload with classes has the same arrivals, lengths and base SLOs as without.
+2, TTFT ×4 and TBT ×2); a met request counts 4, 2 and 1 in the weighted goodput.
+The class draw uses its own random stream, so a workload with classes has the
+same arrivals, lengths and base SLOs as without.
 """
 
 from __future__ import annotations
@@ -110,10 +111,13 @@ class SLOClass:
     sheddable: bool = False
     ttft_scale: float = 1.0
     tbt_scale: float = 1.0
+    #: Weight of a met request of this class in the weighted goodput.
+    weight: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.name or self.fraction < 0 or self.ttft_scale <= 0 or self.tbt_scale <= 0:
-            raise ValueError(f"class {self.name!r}: a name, fraction >= 0 and positive SLO scales are needed")
+        if not self.name or self.fraction < 0 or self.ttft_scale <= 0 or self.tbt_scale <= 0 or self.weight < 0:
+            raise ValueError(f"class {self.name!r}: a name, fraction >= 0, positive SLO scales and weight >= 0 "
+                             "are needed")
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,9 +141,9 @@ class ClassMix:
 #: Named class mixes for ``make_workload(classes=...)`` and ``slidingserve bench --classes``.
 CLASS_MIXES: dict[str, ClassMix] = {
     "interactive-batch": ClassMix((
-        SLOClass("critical", 0.2, priority=0),
-        SLOClass("standard", 0.5, priority=1),
-        SLOClass("batch", 0.3, priority=2, sheddable=True, ttft_scale=4.0, tbt_scale=2.0),
+        SLOClass("critical", 0.2, priority=0, weight=4.0),
+        SLOClass("standard", 0.5, priority=1, weight=2.0),
+        SLOClass("batch", 0.3, priority=2, sheddable=True, ttft_scale=4.0, tbt_scale=2.0, weight=1.0),
     )),
 }
 

@@ -24,9 +24,14 @@ Phase 2 — fixed-rate runs to completion (no early stop), one job per
   provisioned deployment sees);
 * ``load``    1.5× the reference rate, so that violations and recompute
   preemptions per 1,000 requests can be read at 1×, 1.5× and 2× the
-  reference rate for every policy (implies ``overload``).
+  reference rate for every policy (implies ``overload``);
+* ``classes`` the class mix ``interactive-batch`` (critical / standard /
+  sheddable batch) at 1×, 1.5×, 2× and 3× the reference rate, every policy
+  plus ``vllm-priority`` (vLLM's own way to serve priorities): SLO attainment
+  per class, rejections, weighted goodput.
 
-``overload``, ``burst`` and ``load`` need phase 1's main goodput, so they imply ``goodput``.
+``overload``, ``burst``, ``load`` and ``classes`` need phase 1's main goodput, so they imply
+``goodput``.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from clients.workloads import Burst, SLOConfig
+from clients.workloads import CLASS_MIXES, Burst, SLOConfig
 from engine_adapter.sim.groundtruth import DEFAULT_PROFILE
 from scheduler_service.core import registry
 
@@ -60,12 +65,17 @@ __all__ = [
     "run_bench",
 ]
 
-EXPERIMENTS = ("goodput", "overload", "burst", "load", "window", "ablation", "margin")
+EXPERIMENTS = ("goodput", "overload", "burst", "load", "window", "ablation", "margin", "classes")
 ABLATION = ("sarathi-edf", "sarathi-edf+sc", "sarathi-edf+sc+mlps", "slidingserve")
 WINDOWS = (1, 2, 3, 4)
 MARGINS = ("1.0", "1.05", "1.1", "1.2")
 #: Multiples of the reference rate at which ``load`` reports preemptions.
 LOAD_FACTORS = (1.0, 1.5, 2.0)
+#: Multiples of the reference rate of the ``classes`` experiment.
+CLASS_FACTORS = (1.0, 1.5, 2.0, 3.0)
+#: The baseline that serves classes the way vLLM's own priority policy does; the
+#: ``classes`` experiment adds it to the compared policies.
+CLASS_BASELINE = "vllm-priority"
 OURS = "slidingserve"
 
 
@@ -102,6 +112,8 @@ class BenchConfig:
     burst_base_fraction: float = 0.8
     burst_multiplier: float = 3.0
     burst_duration_s: float = 10.0
+    #: Class mix of the ``classes`` experiment (:data:`~clients.workloads.CLASS_MIXES`).
+    class_mix: str = "interactive-batch"
 
     @property
     def seed_list(self) -> list[int]:
@@ -131,7 +143,7 @@ def plan_variants(cfg: BenchConfig) -> dict[str, list[Variant]]:
         return Variant(label or policy, policy, _canon(policy, params))
 
     out: dict[str, list[Variant]] = {}
-    if exps & {"goodput", "overload", "burst", "load"}:
+    if exps & {"goodput", "overload", "burst", "load", "classes"}:
         out["goodput"] = [variant(p) for p in cfg.policies]
     if "window" in exps:
         out["window"] = [variant(OURS, f"{OURS}[window={k}]", window=str(k)) for k in WINDOWS]
@@ -270,6 +282,10 @@ def _phase2(cfg: BenchConfig, main: list[dict[str, Any]], exps: set[str],
             burst = Burst(start_s=0.25 * cfg.n_requests / base, duration_s=cfg.burst_duration_s,
                           multiplier=cfg.burst_multiplier)
             add("burst", v, base, burst=burst)
+    if "classes" in exps:
+        for v in _class_variants(cfg, variants):
+            for f in CLASS_FACTORS:
+                add(f"classes {f:g}x", v, f * ref, classes=cfg.class_mix)
     cb = progress("fixed-rate runs", len(jobs)) if progress else None
     results = run_jobs(jobs, workers=cfg.workers, executor=cfg.executor, on_done=cb)
     grouped: dict[str, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
@@ -318,6 +334,52 @@ def _phase2(cfg: BenchConfig, main: list[dict[str, Any]], exps: set[str],
                 for p in order
             ],
         }
-    out["runs"] = [{k: v for k, v in r.items() if not k.endswith("_samples_s")} | {"experiment": t}
-                   for t, r in zip(tags, results, strict=True)]
+    if "classes" in exps:
+        out["classes"] = _class_rows(cfg, grouped, ref, basis)
+    out["runs"] = [{k: v for k, v in r.items() if not k.endswith("_samples_s") and k != "classes"}
+                   | {"experiment": t} for t, r in zip(tags, results, strict=True)]
     return out
+
+
+def _class_variants(cfg: BenchConfig, variants: Mapping[str, Variant]) -> list[Variant]:
+    """The compared policies, with vLLM's priority baseline beside vLLM's default."""
+    out = list(variants.values())
+    if CLASS_BASELINE not in variants:
+        params = _canon(CLASS_BASELINE, cfg.params.get(CLASS_BASELINE, {}))
+        at = next((k + 1 for k, v in enumerate(out) if v.policy == "vllm-fcfs"), 0)
+        out.insert(at, Variant(CLASS_BASELINE, CLASS_BASELINE, params))
+    return out
+
+
+def _class_rows(cfg: BenchConfig, grouped: Mapping[str, Mapping[str, list[dict[str, Any]]]], ref: float,
+                basis: str) -> dict[str, Any]:
+    """Per policy and load: each class's SLO attainment and rejections, the weighted goodput."""
+    mix = CLASS_MIXES[cfg.class_mix]
+    rows = []
+    for p in grouped[f"classes {CLASS_FACTORS[0]:g}x"]:
+        row: dict[str, Any] = {"policy": p}
+        for f in CLASS_FACTORS:
+            runs = grouped[f"classes {f:g}x"].get(p, [])
+            if not runs:
+                continue
+            row[f"{f:g}x"] = {
+                "rate_rps": f * ref,
+                "weighted_goodput_rps": float(np.mean([r["weighted_goodput_rps"] for r in runs])),
+                "classes": {c.name: {
+                    "attainment": float(np.mean([r["classes"][c.name]["attainment"] for r in runs])),
+                    "attainment_by_seed": [r["classes"][c.name]["attainment"] for r in runs],
+                    "rejected_per_1000": 1000 * float(np.mean([r["classes"][c.name]["rejected"] / r["requests"]
+                                                                for r in runs])),
+                } for c in mix.classes},
+            }
+        rows.append(row)
+    desc = ", ".join(f"{c.name} {c.fraction:.0%} (priority {c.priority}{', sheddable' if c.sheddable else ''}"
+                     f"{f', TTFT x{c.ttft_scale:g}' if c.ttft_scale != 1 else ''}"
+                     f"{f', TBT x{c.tbt_scale:g}' if c.tbt_scale != 1 else ''}, weight {c.weight:g})"
+                     for c in mix.classes)
+    return {"note": (f"class mix {cfg.class_mix}: {desc}; runs to completion at "
+                     f"{', '.join(f'{f:g}x' for f in CLASS_FACTORS)} the reference rate {ref:.3f} rps = {basis}; "
+                     "SLO attainment per class and weighted goodput (weight x met requests per second), "
+                     "mean over seeds"),
+            "mix": cfg.class_mix, "factors": list(CLASS_FACTORS), "classes": [c.name for c in mix.classes],
+            "rows": rows}

@@ -5,7 +5,8 @@
   that is known is attainment < 99%), plus fixed-rate runs to completion;
 * ``latency_cdf.png``     TTFT and TBT CDFs per policy at the common reference rate;
 * ``goodput.png``         goodput bars (mean over seeds) with min–max whiskers;
-  ``window.png``, ``ablation.png`` and ``margin.png`` the same for those experiments.
+  ``window.png``, ``ablation.png`` and ``margin.png`` the same for those experiments;
+* ``classes.png``       SLO attainment per class and weighted goodput vs load per policy.
 """
 
 from __future__ import annotations
@@ -127,6 +128,32 @@ def _bars(rows: list[dict[str, Any]], title: str, path: Path) -> None:
     plt.close(fig)
 
 
+def _classes(res: dict[str, Any], path: Path) -> None:
+    plt = _plt()
+    c = res["classes"]
+    names = [r["policy"] for r in c["rows"]]
+    colors = _colors(names)
+    panels = [*c["classes"], "weighted goodput"]
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.6), sharex=True)
+    for ax, panel in zip(axes, panels, strict=True):
+        for r in c["rows"]:
+            fs = [f for f in c["factors"] if f"{f:g}x" in r]
+            if panel == "weighted goodput":
+                ys = [r[f"{f:g}x"]["weighted_goodput_rps"] for f in fs]
+            else:
+                ys = [100 * r[f"{f:g}x"]["classes"][panel]["attainment"] for f in fs]
+            ax.plot(fs, ys, marker="o", color=colors[r["policy"]], label=r["policy"])
+        ax.set_title(panel if panel == "weighted goodput" else f"{panel}: SLO attainment (%)", fontsize=9)
+        ax.set_xlabel("load (x reference rate)")
+        ax.grid(alpha=0.3)
+    axes[-1].set_ylabel("weighted goodput (rps)")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"Request classes ({c['mix']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def write_plots(res: dict[str, Any], out_dir: Path) -> list[Path]:
     """Write every figure the results support; the paths written."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -146,4 +173,7 @@ def write_plots(res: dict[str, Any], out_dir: Path) -> list[Path]:
         if res.get(key):
             _bars(res[key], f"{title} — {where}", out_dir / f"{key}.png")
             written.append(out_dir / f"{key}.png")
+    if res.get("classes", {}).get("rows"):
+        _classes(res, out_dir / "classes.png")
+        written.append(out_dir / "classes.png")
     return written

@@ -8,7 +8,7 @@ Files (``--out DIR``):
   ``"window"`` and ``"ablation"`` lists have the same shape;
 * ``goodput.csv``   those rows flat, with an ``experiment`` column;
 * ``probes.csv``    every probe of every search (rate, violation rate, passed…);
-* ``runs.csv``      every fixed-rate run (reference, overload, burst, load);
+* ``runs.csv``      every fixed-rate run (reference, overload, burst, load, classes);
 * ``latency_samples.json``  TTFT/TBT order statistics at the reference rate.
 
 NaN (a percentile of no samples) is written as JSON ``null``.
@@ -103,6 +103,23 @@ def _load_table(rows: list[dict[str, Any]]) -> str:
                            for r in rows])
 
 
+def _classes_table(res: dict[str, Any]) -> str:
+    c = res["classes"]
+    names = c["classes"]
+    header = ["policy", "load", *[f"{n} %" for n in names], "weighted rps", "rejected/1k"]
+    body = []
+    for r in c["rows"]:
+        for f in c["factors"]:
+            cell = r.get(f"{f:g}x")
+            if cell is None:
+                continue
+            body.append([r["policy"], f"{f:g}x ({cell['rate_rps']:.2f} rps)",
+                         *[_pct(cell["classes"][n]["attainment"]) for n in names],
+                         f"{cell['weighted_goodput_rps']:.2f}",
+                         " ".join(f"{cell['classes'][n]['rejected_per_1000']:.0f}" for n in names)])
+    return _table(header, body)
+
+
 def _runs_table(rows: list[dict[str, Any]]) -> str:
     header = ["policy", "rate rps", "violations", "per seed", "TTFT p50 ms", "TTFT p99 ms", "TBT p99 ms",
               "preempt"]
@@ -147,6 +164,9 @@ def format_report(res: dict[str, Any]) -> str:
         parts += ["", f"Burst: {res['burst']['note']}.", _runs_table(res["burst"]["rows"])]
     if res.get("load"):
         parts += ["", f"Load: {res['load']['note']}.", _load_table(res["load"]["rows"])]
+    if res.get("classes"):
+        parts += ["", f"Classes: {res['classes']['note']}; rejected/1k per class in the same order.",
+                  _classes_table(res)]
     parts += ["", f"wall time {res['wall_s']:.1f} s"]
     return "\n".join(parts)
 
@@ -190,6 +210,7 @@ def write_outputs(res: dict[str, Any], out_dir: Path) -> list[Path]:
         _write_csv(p, res["runs"], ["experiment", "policy", "params", "seed", "rate_rps", "requests", "completed",
                                     "violation_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tbt_p50_s",
                                     "tbt_p90_s", "tbt_p99_s", "throughput_rps", "preemptions", "iterations",
-                                    "decision_us_p50", "decision_us_p99", "fallback_decisions", "wall_s"])
+                                    "decision_us_p50", "decision_us_p99", "fallback_decisions", "rejected",
+                                    "weighted_goodput_rps", "wall_s"])
         written.append(p)
     return written

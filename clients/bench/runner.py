@@ -30,11 +30,11 @@ from typing import Any
 import numpy as np
 import structlog
 
-from clients.workloads import Burst, SLOConfig, make_workload
+from clients.workloads import CLASS_MIXES, Burst, ClassMix, SLOConfig, make_workload
 from engine_adapter.core import AdapterCore, AdapterSettings, SchedulerBackend
 from engine_adapter.inprocess import InProcessBackend
 from engine_adapter.remote import GrpcBackend
-from engine_adapter.sim.engine import EngineConfig, SimulatedEngine
+from engine_adapter.sim.engine import EngineConfig, SimResult, SimulatedEngine, Workload
 from engine_adapter.sim.groundtruth import DEFAULT_PROFILE, PROFILES, load_ground_truth
 from engine_adapter.sim.profiling import fit_profile_predictor
 from scheduler_service.core import BatchLatencyPredictor
@@ -94,6 +94,8 @@ class RunSpec:
     deadline_ms: float = 20.0  # AdapterSettings default
     #: SLOs of the workload (None: the defaults of :class:`~clients.workloads.SLOConfig`).
     slo: SLOConfig | None = None
+    #: A class mix of :data:`~clients.workloads.CLASS_MIXES` (None: one class).
+    classes: str | None = None
 
     @property
     def name(self) -> str:
@@ -174,6 +176,24 @@ def _stop_servers() -> None:
 
 
 # ------------------------------------------------------------------------- run
+def class_summary(mix: ClassMix, workload: Workload, result: SimResult) -> dict[str, Any]:
+    """Per class: requests, met (SLO kept), attainment, rejected, and goodput (met requests
+    per simulated second); plus the weighted goodput Σ weight × met / time."""
+    t = max(result.sim_time_s, 1e-9)
+    rows: dict[str, dict[str, Any]] = {}
+    weighted = 0.0
+    for c in mix.classes:
+        sel = workload.priority == c.priority
+        n = int(sel.sum())
+        met = int((~result.violated[sel]).sum())
+        rows[c.name] = {"priority": c.priority, "requests": n, "met": met,
+                        "attainment": met / n if n else float("nan"),
+                        "rejected": int(result.rejected[sel].sum()) if len(result.rejected) else 0,
+                        "goodput_rps": met / t}
+        weighted += c.weight * met / t
+    return {"classes": rows, "weighted_goodput_rps": weighted}
+
+
 def _order_stats(a: np.ndarray, k: int = MAX_LATENCY_SAMPLES) -> list[float]:
     """At most k evenly spaced order statistics of a (the CDF without the bulk)."""
     if len(a) == 0:
@@ -192,7 +212,7 @@ def run(spec: RunSpec) -> dict[str, Any]:
     truth = load_ground_truth(spec.profile)
     predictor = profile_predictor(spec.profile)
     workload = make_workload(spec.workload, spec.n_requests, spec.rate, seed=spec.seed, burst=spec.burst,
-                             slo=spec.slo)
+                             slo=spec.slo, classes=spec.classes)
     profile = PROFILES[spec.profile]
     key = profile.key
     backend: SchedulerBackend
@@ -231,6 +251,8 @@ def run(spec: RunSpec) -> dict[str, Any]:
     out.update(result.summary())
     out["slo_attainment"] = 1.0 - out["violation_rate"]
     out["fallback_decisions"] = sum(result.adapter.get("fallbacks", {}).values())
+    if spec.classes is not None:
+        out.update(class_summary(CLASS_MIXES[spec.classes], workload, result))
     if spec.keep_latencies:
         out["ttft_samples_s"] = _order_stats(result.ttft_s)
         out["tbt_samples_s"] = _order_stats(result.tbt_s)
