@@ -17,6 +17,7 @@ import pytest
 from clients.bench.goodput import GoodputSpec, Probe, goodput_job, initial_guess, search_goodput
 from clients.bench.runner import RunSpec, run
 from clients.cli import main
+from clients.workloads import CLASS_MIXES
 
 
 def _threshold_probe(threshold: float, calls: list[float]):  # type: ignore[no-untyped-def]
@@ -165,3 +166,39 @@ def test_bench_load_and_margin_experiments(tmp_path: Path, capsys: pytest.Captur
     text = capsys.readouterr().out
     assert "preempt/1k" in text and "per-seed ratio mean (min)" in text and "Margin" in text
     assert (out / "margin.png").stat().st_size > 0
+
+
+def test_bench_classes_experiment(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Classes: every policy plus vllm-priority at 1x-3x the reference rate, attainment per
+    class and the weighted goodput computed from the runs' own per-class counts."""
+    out = tmp_path / "res"
+    rc = main(["bench", "--workload", "mixed-v1", "--policies", "vllm-fcfs,slidingserve", "--requests", "60",
+               "--seeds", "1", "--tolerance", "0.4", "--jobs", "1", "--quiet", "--experiments", "classes",
+               "--out", str(out)])
+    assert rc == 0
+    data = json.loads((out / "goodput.json").read_text())
+    c = data["classes"]
+    assert [r["policy"] for r in c["rows"]] == ["vllm-fcfs", "vllm-priority", "slidingserve"]
+    assert c["classes"] == ["critical", "standard", "batch"] and c["factors"] == [1.0, 1.5, 2.0, 3.0]
+    ref = data["reference"]["rate_rps"]
+    for row in c["rows"]:
+        for f in c["factors"]:
+            cell = row[f"{f:g}x"]
+            assert cell["rate_rps"] == pytest.approx(f * ref)
+            for name in c["classes"]:
+                assert 0.0 <= cell["classes"][name]["attainment"] <= 1.0
+            # only the sheddable class is ever rejected
+            assert cell["classes"]["critical"]["rejected_per_1000"] == 0
+            assert cell["classes"]["standard"]["rejected_per_1000"] == 0
+    mix = CLASS_MIXES["interactive-batch"]
+    for done in (r for r in data["runs"] if r["experiment"].startswith("classes")):
+        spec = RunSpec(done["policy"], "mixed-v1", done["rate_rps"], seed=done["seed"], n_requests=60,
+                       classes="interactive-batch")
+        again = run(spec)
+        assert again["weighted_goodput_rps"] == pytest.approx(done["weighted_goodput_rps"])
+        assert again["weighted_goodput_rps"] == pytest.approx(sum(
+            k.weight * again["classes"][k.name]["met"] for k in mix.classes) / again["sim_time_s"])
+        break
+    text = capsys.readouterr().out
+    assert "Classes: class mix interactive-batch" in text and "weighted rps" in text
+    assert (out / "classes.png").stat().st_size > 0
