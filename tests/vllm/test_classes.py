@@ -11,6 +11,7 @@ from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
 from engine_adapter.vllm import RemoteScheduler, RemoteSyncScheduler
+from engine_adapter.vllm.observe import collect_families
 from engine_adapter.vllm.settings import SettingsError, VllmAdapterSettings, parse_slo_classes
 from engine_adapter.vllm.snapshot import ClassSlo, SloDefaults, SnapshotBuilder, request_slo
 
@@ -112,4 +113,7 @@ def test_rejected_requests_finish_with_a_clear_reason_and_free_their_kv(base: ty
     assert not s.requests and s.kv_cache_manager.block_pool.get_num_free_blocks() == free0
     st = s.slidingserve_stats()
     assert st["rejected"] == {"ttft_expired": 3} and st["rejected_total"] == 3
+    fam = next(f for f in collect_families(st, {}) if f.name == "slidingserve_adapter_rejected_requests")
+    assert [(x.labels, x.value) for x in fam.samples if x.name.endswith("_total")] == [
+        ({"reason": "ttft_expired"}, 3.0)]
     s.slidingserve_close()
