@@ -46,6 +46,8 @@ class Service:
     port: int = 0
     pids: list[int] = field(default_factory=list)
     lines: list[dict[str, Any]] = field(default_factory=list)
+    #: Lines that are not JSON log events (a worker's traceback), for failure messages.
+    other: list[str] = field(default_factory=list)
     _cv: threading.Condition = field(default_factory=threading.Condition)
 
     @property
@@ -59,6 +61,7 @@ class Service:
             try:
                 doc = json.loads(line)
             except ValueError:
+                self.other.append(line.rstrip())
                 continue
             with self._cv:
                 self.lines.append(doc)
@@ -72,7 +75,8 @@ class Service:
                     if doc.get("event") == event and all(doc.get(k) == v for k, v in match.items()):
                         return doc
                 left = deadline - time.monotonic()
-                assert left > 0 and self.proc.poll() is None, f"no {event} in the log: {self.lines[-5:]}"
+                assert left > 0 and self.proc.poll() is None, \
+                    f"no {event} in the log: {self.lines[-5:]}\n" + "\n".join(self.other[-30:])
                 self._cv.wait(min(left, 0.5))
 
 
@@ -144,6 +148,11 @@ def test_two_workers_share_the_port_and_both_plan(service: Service) -> None:
             assert _worker_of(ch) == pid
             health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
             assert health.status == health_pb2.HealthCheckResponse.SERVING
+    # every worker's log lines say which worker, also those written on gRPC handler threads
+    started = [d for d in service.lines if d.get("event") == "server_started" and "workers" not in d]
+    assert sorted(d["worker"] for d in started) == [0, 1]
+    joined = service.await_event("engine_joined", timeout=10)
+    assert joined["worker"] in (0, 1)
 
 
 def test_a_refit_on_one_worker_is_served_by_the_other(service: Service) -> None:
@@ -166,18 +175,24 @@ def test_a_killed_worker_is_restarted_while_the_other_answers(service: Service) 
     mark = len(service.lines)
     os.kill(victim, signal.SIGKILL)
     snap = mixed_snapshot(3)
-    answered = 0
+    answered, reset = 0, []
     deadline = time.monotonic() + 120
     restarted = None
     while restarted is None:
         ch = _channel(service.target)  # new connections: only live workers accept them
         with SchedulerClient(service.target, timeout_s=10.0, channel=ch) as cl:
-            assert cl.schedule(snap).allocations
-            answered += 1
+            try:
+                assert cl.schedule(snap).allocations
+                answered += 1
+            except SchedulerError as e:
+                # a connection the dying worker's socket had queued but not yet accepted is
+                # reset by the kernel when the process dies; only that moment may fail
+                assert e.code == grpc.StatusCode.UNAVAILABLE and not answered, e
+                reset.append(str(e))
         restarted = next((d for d in service.lines[mark:] if d.get("event") == "worker_started"), None)
         assert time.monotonic() < deadline, "the killed worker was not restarted"
         time.sleep(0.05)
-    assert answered >= 1 and restarted["pid"] not in (victim, survivor)
+    assert answered >= 1 and len(reset) <= 2 and restarted["pid"] not in (victim, survivor)
     exited = service.await_event("worker_exited", after=mark, pid=victim)
     assert exited["exit_code"] == -signal.SIGKILL
     channels = _one_channel_per_worker(service)

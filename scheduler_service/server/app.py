@@ -279,7 +279,6 @@ def serve(config: ServerConfig) -> None:
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         if config.workers > 1:
-            configure_logging(config.log_level)
             serve_workers(config, stop)
             return
         server = SchedulerServer(config).start()

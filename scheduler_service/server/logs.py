@@ -9,10 +9,27 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import MutableMapping
+from typing import Any
 
 import structlog
 
-__all__ = ["configure_logging"]
+__all__ = ["bind_process", "configure_logging"]
+
+#: Context every log line of this process carries (a worker's index: workers.py).
+_PROCESS: dict[str, Any] = {}
+
+
+def bind_process(**context: Any) -> None:
+    """Add ``context`` to every later log line of this process, on every thread (structlog's
+    context variables are per thread, and gRPC handlers run on pool threads)."""
+    _PROCESS.update(context)
+
+
+def _merge_process(_logger: Any, _name: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    for k, v in _PROCESS.items():
+        event.setdefault(k, v)
+    return event
 
 
 def configure_logging(level: str = "info") -> None:
@@ -20,6 +37,7 @@ def configure_logging(level: str = "info") -> None:
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            _merge_process,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,

@@ -45,6 +45,7 @@ import structlog
 from scheduler_service.core import BatchLatencyPredictor
 
 from .config import ServerConfig
+from .logs import bind_process, configure_logging
 from .predictors import PredictorRegistry
 
 __all__ = ["MultiProcessServer", "PredictorBoard", "reserve_port"]
@@ -165,7 +166,7 @@ def _worker_main(config: dict[str, Any], index: int, conn: Connection) -> None:
         signal.signal(s, lambda *_: stop.set())
     parent = os.getppid()
     cfg = ServerConfig.from_mapping(config)
-    structlog.contextvars.bind_contextvars(worker=index)
+    bind_process(worker=index)
     server = SchedulerServer(cfg, reuse_port=True).start()
     gc.freeze()  # start-up objects (modules, policies, predictors) are never scanned again
     conn.send({"index": index, "pid": os.getpid(), "port": server.port,
@@ -216,6 +217,7 @@ class MultiProcessServer:
 
     def start(self) -> MultiProcessServer:
         cfg = self.config
+        configure_logging(cfg.log_level)
         self._reserved = reserve_port(cfg.host, cfg.port)
         self.port = self._reserved.getsockname()[1]
         health = reserve_port(cfg.host, cfg.health_port) if cfg.health_port else None
