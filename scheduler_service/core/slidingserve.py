@@ -118,23 +118,36 @@ class SlidingServePolicy:
                 pre: np.ndarray, lost: np.ndarray, rho: float) -> Plan:
         """The plan with decodes that need no token now sitting out, when a prefill can use
         their room; else with every decode."""
+        live, out = self._sit_out(snap, dec_all, pre, lost)
+        if out.any():
+            plan = self._plan(snap, predictor, t0, dec_all, dec_all[~out], pre, lost, live, rho)
+            if plan.path in _PREFILL_PATHS:  # a prefill got the room
+                return plan
+            # No prefill could use the room (KV, limits): sitting out would only idle decodes.
+        return self._plan(snap, predictor, t0, dec_all, dec_all, pre, lost, live, rho)
+
+    def _sit_out(self, snap: Snapshot, dec_all: np.ndarray, pre: np.ndarray,
+                 lost: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The live prefills (slack left, not lost) and the mask over ``dec_all`` of the
+        decodes that sit this iteration out.
+
+        While prefills that can still make it wait, decodes whose token is not needed now
+        sit out, and their time goes to the prefills: those far ahead of their next
+        deadline (deadlines are cumulative, formula (1)), and those already late."""
         p = self.params
-        if len(dec_all) and bool(((snap.slack[pre] > 0) & ~lost).any()):
-            # While prefills that can still make it wait, decodes whose token is not needed
-            # now sit out, and their time goes to the prefills: those far ahead of their
-            # next deadline (deadlines are cumulative, formula (1)), and those already late.
+        jit = kernels.jit()
+        if jit is not None:
+            return jit.sit_out(dec_all, pre, snap.slack, snap.tbt_slo, lost, float(p.decode_skip_tbts),
+                               bool(p.skip_late_decodes))
+        live = pre[(snap.slack[pre] > 0) & ~lost]
+        out = np.zeros(len(dec_all), dtype=bool)
+        if len(dec_all) and len(live):
             s = snap.slack[dec_all]
-            out = np.zeros(len(dec_all), dtype=bool)
             if p.decode_skip_tbts > 0:
                 out |= s > p.decode_skip_tbts * snap.tbt_slo[dec_all]
             if p.skip_late_decodes:
                 out |= s <= 0
-            if out.any():
-                plan = self._plan(snap, predictor, t0, dec_all, dec_all[~out], pre, lost, rho)
-                if plan.path in _PREFILL_PATHS:  # a prefill got the room
-                    return plan
-                # No prefill could use the room (KV, limits): sitting out would only idle decodes.
-        return self._plan(snap, predictor, t0, dec_all, dec_all, pre, lost, rho)
+        return live, out
 
     def _lost(self, snap: Snapshot, predictor: BatchLatencyPredictor, pre: np.ndarray,
               rho: float) -> np.ndarray:
@@ -171,7 +184,7 @@ class SlidingServePolicy:
         return W
 
     def _plan(self, snap: Snapshot, predictor: BatchLatencyPredictor, t0: int, dec_all: np.ndarray,
-              runnable: np.ndarray, pre: np.ndarray, lost: np.ndarray, rho: float) -> Plan:
+              runnable: np.ndarray, pre: np.ndarray, lost: np.ndarray, live: np.ndarray, rho: float) -> Plan:
         p = self.params
         decodes = select_decodes(snap, runnable)
         n_dec = len(decodes)
@@ -194,7 +207,6 @@ class SlidingServePolicy:
         if p.batch_constructor and cq.first_cap > 0:
             cand = cq.first_cap if W is None else max(curve.prefill_tokens_within(W[0], cq.first_cap), 0)
             t_full = float(curve.times[cand])
-            live = pre[(snap.slack[pre] > 0) & ~lost]
             chosen = construct_batch(
                 snap, live, curve, n_dec, t_full,
                 token_cap=min(cq.iter_cap, cq.kv_cap),

@@ -33,6 +33,7 @@ __all__ = [
     "prefix_times",
     "queue_arrays",
     "read_back",
+    "sit_out",
     "sliding_chunk",
     "window_limits",
 ]
@@ -395,6 +396,23 @@ def lost_mask(pre: np.ndarray, remaining: np.ndarray, slack: np.ndarray, protect
     if moore and n:
         lost |= _late_set(rem, rem / rho, s, prot)
     return lost & (s > 0)
+
+
+@_jit
+def sit_out(dec_all: np.ndarray, pre: np.ndarray, slack: np.ndarray, tbt: np.ndarray, lost: np.ndarray,  # type: ignore[no-untyped-def]
+            skip_tbts: float, skip_late: bool):
+    """``SlidingServePolicy._sit_out``: the live prefills, and the mask over dec_all of
+    the decodes that sit out (none unless a decode and a live prefill exist)."""
+    keep = np.empty(len(pre), dtype=np.bool_)
+    for i in range(len(pre)):
+        keep[i] = slack[pre[i]] > 0 and not lost[i]
+    live = pre[keep]
+    out = np.zeros(len(dec_all), dtype=np.bool_)
+    if len(dec_all) and len(live):
+        for i in range(len(dec_all)):
+            s = slack[dec_all[i]]
+            out[i] = (skip_tbts > 0 and s > skip_tbts * tbt[dec_all[i]]) or (skip_late and s <= 0)
+    return live, out
 
 
 @_jit
