@@ -147,3 +147,13 @@ def test_same_scalars_as_generic_path(scalars: dict[str, object]) -> None:
     snap = busy_snapshot(2, 2, seed=7)
     generic, fast = _both(snap.ids, _arrays(snap), **{**_scalars(snap), **scalars})
     assert fast == generic
+
+
+@pytest.mark.parametrize("value", [-(1 << 63), (1 << 31), -(1 << 31), (1 << 31) - 1])
+def test_priority_bounds_same_on_both_paths(value: int) -> None:
+    """Including int64's minimum, whose absolute value overflows to itself."""
+    snap = busy_snapshot(2, 2, seed=8)
+    cols = {**_arrays(snap), "priority": np.array([0, value, 0, 0], dtype=np.int64)}
+    generic, fast = _both(snap.ids, cols, **_scalars(snap))
+    assert fast == generic
+    assert isinstance(fast, tuple) == (abs(value) > (1 << 31) - 1)

@@ -648,7 +648,8 @@ def _validate_rows(errs: list[FieldViolation], a: dict[str, np.ndarray]) -> None
         ("output_tokens", (c == p) & (o < 1), "must be >= 1 once the prompt is fully computed"),
     ]
     if "priority" in a:
-        checks.append(("priority", np.abs(a["priority"]) > MAX_PRIORITY, f"must be within ±{MAX_PRIORITY}"))
+        pr = a["priority"]  # not np.abs: |int64 min| overflows to itself, which would pass
+        checks.append(("priority", (pr < -MAX_PRIORITY) | (pr > MAX_PRIORITY), f"must be within ±{MAX_PRIORITY}"))
     for name, bad, msg in checks:
         if not bad.any():
             continue
@@ -732,5 +733,6 @@ def _rows_ok(a: dict[str, np.ndarray]) -> bool:
         and o.min() >= 0 and o.max() <= MAX_TOKENS
         # with 0 <= c <= p and o >= 0: output 0 exactly while the prompt is incomplete
         and np.array_equal(c == p, o > 0)
-        and ("priority" not in a or not len(a["priority"]) or np.abs(a["priority"]).max() <= MAX_PRIORITY)
+        and ("priority" not in a or not len(a["priority"])
+             or (a["priority"].min() >= -MAX_PRIORITY and a["priority"].max() <= MAX_PRIORITY))
     )
