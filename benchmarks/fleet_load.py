@@ -343,7 +343,7 @@ class Service:
                 raise SystemExit(f"the {self.workers} workers did not start; see {self.log.name}")
             time.sleep(0.1)
 
-    def _wait_serving(self, timeout: float = 60.0) -> None:
+    def _wait_serving(self, timeout: float = 240.0) -> None:  # a cold kernel cache compiles first
         end = time.monotonic() + timeout
         with grpc.insecure_channel(self.target) as ch:
             stub = health_pb2_grpc.HealthStub(ch)
