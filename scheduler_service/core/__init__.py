@@ -1,4 +1,6 @@
-"""The policy core: pure numpy, no gRPC, no vLLM, no torch.
+"""The policy core: numpy, no gRPC, no vLLM, no torch.  Its hot path also runs as numba
+kernels (``kernels/``: ``SLIDINGSERVE_KERNELS``, ``kernels.warm_up()``), numpy being the
+reference they are held equal to.
 
 Public surface (pinned by ``tests/test_public_api.py``)."""
 
