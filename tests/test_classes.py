@@ -24,6 +24,7 @@ from scheduler_service.core import (
     plan_violations,
     registry,
 )
+from scheduler_service.core.constructor import construct_batch
 from scheduler_service.core.snapshot import MAX_PRIORITY, Request
 from scheduler_service.core.sorter import class_late_set, late_set
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
@@ -313,3 +314,21 @@ def test_rejections_travel_over_grpc_and_bad_ones_are_refused_by_the_engine(serv
     # the engine side refuses a plan that rejects a request that is not sheddable
     bad = replace(plan, rejections=(Rejection("kept", "ttft_expired"),))
     assert plan_violations(s, bad) == ["rejects request 'kept', which is not sheddable"]
+
+
+@pytest.mark.parametrize("seed", range(120))
+def test_batch_constructor_anchors_in_the_highest_class_at_risk(seed: int) -> None:
+    """With classes the anchor is a risky prefill of the highest class that has one; the
+    same case with one class may anchor anywhere (the paper's rule)."""
+    from tests.test_constructor import PRED, random_case
+
+    snap, curve, n_dec, t_full, token_cap = random_case(seed)
+    rng = np.random.default_rng(seed)
+    snap = _with(snap, priority=rng.integers(0, 3, len(snap)).astype(np.int64))
+    pre = np.flatnonzero(~snap.is_decoding)
+    live = pre[snap.slack[pre] > 0]
+    got = construct_batch(snap, live, curve, n_dec, t_full, token_cap=token_cap, seq_cap=1000,
+                          max_candidates=1000, predictor=PRED, decodes=np.flatnonzero(snap.is_decoding))
+    if got is not None:
+        risky = live[snap.slack[live] * 1e3 < t_full]
+        assert snap.priority[got.anchor] == snap.priority[risky].min()

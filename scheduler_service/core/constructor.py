@@ -22,6 +22,9 @@ Decisions where the paper is silent or the naive form is too slow:
   every anchor; the rest cannot be worth more to any knapsack than the kept
   ones of similar weight, and the DP cost stays bounded under overload.
 * Expired requests are never anchors nor candidates (docs/policies.md).
+* Request classes: the anchors are the risky prefills of the highest class
+  that has any (smallest priority); candidates are every live prefill with
+  at least the anchor's slack, of any class.  With one class, formula (17) as is.
 * Final check and repair.  C_a comes from the fill curve of the *sorted*
   queue, but the knapsack takes other requests, whose cached tokens (x1, x3)
   and chunk sizes (x2, x7) can cost more than the queue's head.  So, as in the
@@ -93,6 +96,10 @@ def construct_batch(
     risky = live[s_all * 1e3 < t_full_ms * margin]
     if len(risky) == 0:
         return None
+    prio = snap.priority[risky]
+    if prio.min() != prio.max():
+        # request classes: anchors only from the highest class at risk (any class may fill)
+        risky = risky[prio == prio.min()]
     r_all = snap.remaining_prefill[live].astype(np.float64)
     v_all = 1.0 / (s_all / s_all.sum() + r_all / r_all.sum())  # (18)
     cap_of = _anchor_capacities(snap, risky, curve, token_cap, margin)
