@@ -16,6 +16,7 @@ from scheduler_service.core import (
     Snapshot,
     batch_features,
     default_predictor,
+    kernels,
     registry,
 )
 from scheduler_service.server.predictors import PredictorRegistry, RefitSettings
@@ -37,6 +38,8 @@ class InProcessBackend:
             predictor or default_predictor(), RefitSettings(), synchronous=settings.report_inline
         ) if refit else None
         self._fixed = predictor or default_predictor()
+        # compiled kernels load (or compile) now, not in the engine's first iteration
+        kernels.warm_up()
 
     @property
     def predictor(self) -> BatchLatencyPredictor:
