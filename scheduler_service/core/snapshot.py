@@ -677,15 +677,15 @@ def _typed_columns(
         else:
             arrays[name] = arr
     for name, dtype in CLASS_COLUMN_DTYPES.items():
-        arr = columns.get(name)
-        if arr is None or (len(arr) == 0 and n > 0):
+        given = columns.get(name)
+        if given is None or (len(given) == 0 and n > 0):
             continue  # not sent: the default class
-        if not isinstance(arr, np.ndarray) or arr.ndim != 1 or arr.dtype != dtype:
+        if not isinstance(given, np.ndarray) or given.ndim != 1 or given.dtype != dtype:
             raise TypeError(f"column {name} must be a 1-D {np.dtype(dtype)} array")
-        if len(arr) != n:
-            errs.append(FieldViolation(name, f"has {len(arr)} entries but there are {n} ids"))
+        if len(given) != n:
+            errs.append(FieldViolation(name, f"has {len(given)} entries but there are {n} ids"))
         else:
-            arrays[name] = arr
+            arrays[name] = given
     return arrays
 
 
