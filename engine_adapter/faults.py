@@ -66,7 +66,7 @@ class ServiceProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
 
-    def start(self, timeout: float = 60.0) -> ServiceProcess:
+    def start(self, timeout: float = 300.0) -> ServiceProcess:
         """Start (or start again, on the same port) and wait until health says SERVING."""
         assert self.proc is None or self.proc.poll() is not None, "already running"
         cfg = self._workdir / "server.json"

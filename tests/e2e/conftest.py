@@ -126,7 +126,9 @@ class Service:
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen([str(BIN / "slidingserve"), "serve", "--config", str(self.config)],
                                          stdout=out, stderr=subprocess.STDOUT, cwd=self.root)
-        wait_for("slidingserve serve answering", self.healthy, 60, proc=self.proc, log=self.log)
+        # the service compiles its numba kernels before it answers: a few seconds from the
+        # on-disk cache, about a minute on a busy 2-core machine when the cache is cold
+        wait_for("slidingserve serve answering", self.healthy, 300, proc=self.proc, log=self.log)
 
     def healthy(self) -> bool:
         import grpc
