@@ -65,7 +65,9 @@ class ServerConfig:
     policy_config_poll_s: float = 2.0
     # several processes (scheduler_service/server/workers.py, docs/operations.md)
     #: Worker processes sharing the gRPC port (SO_REUSEPORT); 1 = one process, as before.
-    #: Decisions hold the GIL, so decisions/s grow with workers up to the cores.
+    #: Decisions hold the GIL, so decisions/s grow with workers up to the cores.  Honoured
+    #: by ``serve`` (the CLI) and ``MultiProcessServer``; an embedded ``SchedulerServer`` is
+    #: always the one process it runs in.
     workers: int = 1
     #: Directory where workers publish refitted predictors for each other; empty = a fresh
     #: temporary directory, removed at exit.  A directory that outlives the service makes a
