@@ -459,12 +459,16 @@ class Plan(_message.Message):
 
     @_builtins.property
     def reject_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Sheddable requests the engine should finish now (overload control), and why
-        (same order; reasons: "ttft_expired", "ttft_unreachable"). Never an allocated request.
+        """Sheddable requests the engine should finish now (overload control); never an
+        allocated request.  Added after v1.0: older services send none.
         """
 
     @_builtins.property
-    def reject_reasons(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def reject_reasons(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Why each of reject_ids is rejected (same order): "ttft_expired" (its TTFT has passed)
+        or "ttft_unreachable" (the prediction says it can no longer be met).
+        """
+
     def __init__(
         self,
         *,
