@@ -177,28 +177,50 @@ def prefix_times(coef: np.ndarray, fast: int, R: np.ndarray, u0: np.ndarray, pw:
 
 
 @_jit
+def _fill_times(w: np.ndarray, R: np.ndarray, u0: np.ndarray, pw: np.ndarray, pf: np.ndarray,  # type: ignore[no-untyped-def]
+                pmax: np.ndarray, n_dec: int, base: float, limit: int):
+    """``_prefix_one`` of P = 0..limit, one request at a time: inside a request the
+    chunk c = P − R[j] only grows, so from c = 2 on the formula has no branch left
+    and the loop vectorises (the same operations in the same order, so the same
+    bits: the ``+ 0.0`` is the reference's decode term, which is not a no-op on −0)."""
+    nq = len(R) - 1
+    w1, w2, w3, w6, w7 = w[1], w[2], w[3], w[6], w[7]
+    t = np.empty(limit + 1)
+    minor = np.zeros(limit + 1, dtype=np.bool_)
+    j, p = 0, 0
+    while p <= limit:
+        while j < nq and R[j + 1] <= p:
+            j += 1
+        end = limit + 1 if j >= nq else min(limit + 1, R[j + 1])
+        while p < end and (j >= nq or p - R[j] < 2):  # past the stream, c = 0, c = 1
+            t[p], minor[p] = _prefix_one(w, R, u0, pw, pf, pmax, n_dec, base, p, j)
+            p += 1
+        if p >= end:
+            continue
+        u, head, pm = float(u0[j]), base + pw[j], pmax[j]
+        b = w3 * u
+        for q in range(p, end):
+            c = float(q - R[j])
+            t[q] = head + (c * (w1 * (u + c) + w2 * c + w6) + b + 0.0) + w7 * max(pm, c)
+        if n_dec == 0 and pf[j, 3] > 0:  # a one-token request before: a mixed batch
+            minor[p:end] = True
+        p = end
+    return t, minor
+
+
+@_jit
 def fill_curve(coef: np.ndarray, fast: int, R: np.ndarray, u0: np.ndarray, pw: np.ndarray,  # type: ignore[no-untyped-def]
                pf: np.ndarray, pmax: np.ndarray, n_dec: int, dec_u: float, limit: int):
-    """``prefix_times`` of P = 0..limit, walking the stream once, with the suffix
-    minimum of ``BudgetCurve``."""
-    P = np.arange(limit + 1)
-    nq = len(R) - 1
-    if nq == 0:
-        t, minor, n_minor = prefix_times(coef, fast, R, u0, pw, pf, pmax, n_dec, dec_u, P)
+    """``prefix_times`` of P = 0..limit, with the suffix minimum of ``BudgetCurve``."""
+    if len(R) == 1:
+        t, minor, n_minor = prefix_times(coef, fast, R, u0, pw, pf, pmax, n_dec, dec_u, np.arange(limit + 1))
     else:
-        t = np.empty(limit + 1)
-        minor = np.zeros(limit + 1, dtype=np.bool_)
         w = coef[fast]
-        base = _base(w, n_dec, dec_u)
+        t, minor = _fill_times(w, R, u0, pw, pf, pmax, n_dec, _base(w, n_dec, dec_u), limit)
         n_minor = 0
-        j = 0
-        for p in range(limit + 1):
-            while j < nq and R[j + 1] <= p:
-                j += 1
-            t[p], minor[p] = _prefix_one(w, R, u0, pw, pf, pmax, n_dec, base, p, j)
-            if minor[p]:
-                n_minor += 1
-                t[p] = _scalar_segment(coef, R, u0, n_dec, dec_u, 0, p, 0)
+        for p in np.flatnonzero(minor):
+            n_minor += 1
+            t[p] = _scalar_segment(coef, R, u0, n_dec, dec_u, 0, p, 0)
         t[0] = _decode_only(coef, n_dec, dec_u, 0)
     smin = np.empty(limit + 1)
     m = np.inf
