@@ -43,7 +43,7 @@ def ordered(snap: Snapshot, idx: np.ndarray, *keys: np.ndarray) -> np.ndarray:
     more than the sort itself, so it happens only when a tie exists.
     """
     jit = kernels.jit()
-    if jit is not None and len(keys) <= 2 and len(idx) > 1:
+    if jit is not None and 1 <= len(keys) <= 2 and len(idx) > 1:  # by arrival alone numpy's sort wins
         out = _ordered_compiled(jit, snap, idx, keys)
         if out is not None:
             return out
