@@ -240,7 +240,15 @@ def _sort_runs(p: np.ndarray, a: np.ndarray, b: np.ndarray, key: np.ndarray) -> 
         j = i + 1
         while j < n and a[p[j]] == a[p[i]] and b[p[j]] == b[p[i]]:
             j += 1
-        if j - i > 1:
+        if 1 < j - i <= 16:  # short runs (equal lengths are common): insertion, no allocation
+            for m in range(i + 1, j):
+                x = p[m]
+                q = m - 1
+                while q >= i and key[p[q]] > key[x]:
+                    p[q + 1] = p[q]
+                    q -= 1
+                p[q + 1] = x
+        elif j - i > 16:
             run = p[i:j].copy()
             p[i:j] = run[np.argsort(key[run])]
         i = j
