@@ -43,6 +43,7 @@ class Outcome:
     token_ids: list[int]
     usage_tokens: int | None
     finish_reason: str | None
+    stop_reason: Any = None
 
 
 def _prompt(rng: random.Random, lo: int = 4, hi: int = 200) -> list[int]:
@@ -58,18 +59,20 @@ async def one(client: Any, model: str, prompt: list[int], max_tokens: int, *, st
         r = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, extra_body=extra)
         c = r.choices[0]
         return Outcome(max_tokens, False, list((c.model_extra or {}).get("token_ids") or []),
-                       r.usage.completion_tokens if r.usage else None, c.finish_reason)
+                       r.usage.completion_tokens if r.usage else None, c.finish_reason,
+                       (c.model_extra or {}).get("stop_reason"))
     s = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, extra_body=extra,
                                         stream=True, stream_options={"include_usage": True})
     ids: list[int] = []
-    usage = finish = None
+    usage = finish = stop = None
     async for ch in s:
         for c in ch.choices:
             ids += (c.model_extra or {}).get("token_ids") or []
             finish = c.finish_reason or finish
+            stop = (c.model_extra or {}).get("stop_reason") or stop
         if ch.usage is not None:
             usage = ch.usage.completion_tokens
-    return Outcome(max_tokens, True, ids, usage, finish)
+    return Outcome(max_tokens, True, ids, usage, finish, stop)
 
 
 def check_complete(outcomes: list[Outcome]) -> None:
@@ -199,6 +202,50 @@ class TestTP1:
                          r"RemoteSyncScheduler \(vLLM 0\.32\.0\), address=" + re.escape(service.address), out), \
             "the adapter's start-up line is not in vLLM's output"
         print(f"\nTP1: {len(outcomes)} requests in {took:.1f} s; {json.dumps(res, default=str)}")
+
+    def test_rejected_requests_finish_with_a_clear_reason(self, vllm_tp1: VllmServer, service: Service) -> None:
+        """Sheddable requests whose TTFT has passed by the time the engine sees them are rejected
+        by SlidingServe and answered at once: a completion with finish reason ``abort`` and stop
+        reason ``slidingserve:ttft_expired``; a stream closes with no token (vLLM's API sends no
+        final chunk for a request that ends before its first token, see docs/vllm.md).  The same
+        requests not sheddable are served in full; the adapter counts the rejections.
+
+        An iteration the service misses (deadline, circuit open) is scheduled natively, which
+        does not shed; a round with a fallback only has to serve everything it did not reject,
+        and is tried again (a busy machine) until one rejects all four."""
+        v = vllm_tp1
+        late = {"slo_ttft_ms": 0.001, "slo_tbt_ms": 200}
+
+        async def run(seed: int) -> list[Outcome]:
+            rng = random.Random(seed)
+            async with client_for(v) as client:
+                return list(await asyncio.gather(*(
+                    one(client, v.cmd.model, _prompt(rng, 64, 200), 16, stream=k % 2 == 1,
+                        slo={**late, "slo_sheddable": k < 4})
+                    for k in range(8))))
+
+        def rejected_count() -> float:
+            return total(v.adapter_metrics(), "slidingserve_adapter_rejected_requests_total", reason="ttft_expired")
+
+        rounds = []
+        for attempt in range(5):
+            r0, f0 = rejected_count(), sum(adapter(v)["fallbacks"].values())
+            out = asyncio.run(run(attempt))
+            r1, f1 = rejected_count(), sum(adapter(v)["fallbacks"].values())
+            rejected = [o for o in out[:4] if o.token_ids == [] and o.finish_reason != "length"]
+            for o in rejected:
+                want = (None, 0) if o.stream else ("abort", "slidingserve:ttft_expired")
+                assert ((o.finish_reason, o.usage_tokens) if o.stream else (o.finish_reason, o.stop_reason)) == want, o
+            check_complete([o for o in out if o not in rejected])
+            assert r1 - r0 == len(rejected), (r1 - r0, rejected)
+            rounds.append((len(rejected), f1 - f0))
+            if f1 == f0:  # no fallback in this round: every sheddable request was rejected
+                assert len(rejected) == 4, (out, rounds)
+            if len(rejected) == 4:
+                break
+        else:
+            pytest.fail(f"no round rejected all 4 (rejected, fallbacks): {rounds}")
+        print(f"\nrejections: rounds (rejected of 4, fallbacks) {rounds}")
 
     def test_faults_while_streaming(self, vllm_tp1: VllmServer, service: Service) -> None:
         """The service SIGKILLed mid-run and restarted, then its policy config's default version
