@@ -72,7 +72,6 @@ class VllmFcfsPolicy:
 
     def _order(self, snap: Snapshot, idx: np.ndarray) -> np.ndarray:
         if self.by_priority and len(idx):
-            assert snap.priority is not None
             return ordered(snap, idx, snap.priority[idx])
         return fcfs_order(snap, idx)
 

@@ -120,15 +120,16 @@ class Snapshot:
     prefill_throughput: float | None = None
     #: Engine profile key (model/hardware/TP); informational for policies.
     profile: str = ""
-    #: Class columns (:data:`CLASS_COLUMN_DTYPES`); None = the defaults, filled in.
-    priority: np.ndarray | None = None
-    sheddable: np.ndarray | None = None
+    #: Class columns (:data:`CLASS_COLUMN_DTYPES`); left out (empty), the defaults are filled in.
+    priority: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    sheddable: np.ndarray = field(default_factory=lambda: np.zeros(0, np.bool_))
     _cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         n = len(self.ids)
         for name, dtype in CLASS_COLUMN_DTYPES.items():
-            if getattr(self, name) is None:
+            col = getattr(self, name)
+            if col is None or (n and len(col) == 0):
                 object.__setattr__(self, name, _readonly(np.zeros(n, dtype)))
 
     # ------------------------------------------------------------------ build
@@ -331,7 +332,6 @@ class Snapshot:
             for i, rid in enumerate(self.ids)
         ]
         # the class fields only where they differ from the default (the v1 form stays as it was)
-        assert self.priority is not None and self.sheddable is not None
         for name, col in (("priority", self.priority), ("sheddable", self.sheddable)):
             for i in np.flatnonzero(col).tolist():
                 out["requests"][i][name] = col[i].item()
