@@ -43,6 +43,9 @@ _jit = nb.njit(cache=True, nogil=True)
 _DECODE, _PREFILL, _MIXED = 0, 1, 2
 #: More minor entries than this in one reference call go through ``np.einsum``.
 _SCALAR_MINOR = 8
+#: Targets of the last window tried one at a time from the top before the rest of a
+#: block is evaluated in one pass (the top one is usually feasible).
+_TOP_COLUMNS = 4
 
 
 # --------------------------------------------------------------------- the model
@@ -536,9 +539,10 @@ def _ends(grid: np.ndarray, R: np.ndarray, u0: np.ndarray, pw: np.ndarray, pf: n
 @_jit
 def _pair_row(a: int, cols: np.ndarray, out: np.ndarray, grid: np.ndarray, R: np.ndarray,  # type: ignore[no-untyped-def]
               u0: np.ndarray, rbig: np.ndarray, coef: np.ndarray, fast: int, n_dec: int, dec_u: float,
-              step: int, ends) -> int:  # type: ignore[no-untyped-def]
+              step: int, ends, count_only: bool = False) -> int:  # type: ignore[no-untyped-def]
     """``pair_times_ms`` of the segments [grid[a], grid[c]) for the ascending ``cols``
-    into ``out``; returns how many of them are minor (scalar values written)."""
+    into ``out``; returns how many of them are minor (scalar values written).  With
+    ``count_only`` only the count (``out`` untouched)."""
     jh, jt, hv, tv, h4, h6, t4, t6 = ends
     w = coef[fast]
     base = _base(w, n_dec, dec_u + step * n_dec)
@@ -550,29 +554,29 @@ def _pair_row(a: int, cols: np.ndarray, out: np.ndarray, grid: np.ndarray, R: np
     for o in range(len(cols)):
         c = cols[o]
         Y = grid[c]
-        if Y < X:
-            out[o] = np.inf
-            continue
-        if Y == X:
-            out[o] = d_only
+        if Y <= X:
+            if not count_only:
+                out[o] = np.inf if Y < X else d_only
             continue
         while nxt < jt[c]:
             inner = max(inner, rbig[nxt])
             nxt += 1
         ct, tail, bigt, pwt = tv[c, 0], tv[c, 1], tv[c, 2], tv[c, 3]
         if jt[c] > jh[a]:
-            x7 = max(max(inner, bigh), bigt)
-            out[o] = base + (head + (pwt - pwh) + tail + w[7] * x7)
             minor = t6[c] - h6[a] <= 0 and bigh == 0 and bigt == 0
             if n_dec == 0:
                 minor = minor or t4[c] - h4[a] > 0 or chf == 1 or ct == 1
+            if not count_only:
+                out[o] = base + (head + (pwt - pwh) + tail + w[7] * max(max(inner, bigh), bigt))
         else:
             c1 = float(Y - X)
-            out[o] = base + (_piece(w, c1, uh) + w[7] * (c1 if c1 > 1 else 0.0))
             minor = c1 <= 1
+            if not count_only:
+                out[o] = base + (_piece(w, c1, uh) + w[7] * (c1 if c1 > 1 else 0.0))
         if minor:
             n_minor += 1
-            out[o] = _scalar_segment(coef, R, u0, n_dec, dec_u, X, Y, step)
+            if not count_only:
+                out[o] = _scalar_segment(coef, R, u0, n_dec, dec_u, X, Y, step)
     return n_minor
 
 
@@ -633,24 +637,56 @@ def _drain(coef: np.ndarray, fast: int, R: np.ndarray, u0: np.ndarray, pw: np.nd
 
 
 @_jit
+def _no_minor(src: np.ndarray, grid: np.ndarray, n_dec: int, ends) -> bool:  # type: ignore[no-untyped-def]
+    """True when no pair from ``src`` can be minor, read off the grid alone: with
+    decodes, a minor pair needs a head piece of at most one token or two grid points
+    one token apart.  (Without decodes: False, count them.)"""
+    if n_dec == 0:
+        return False
+    hv = ends[2]
+    for a in src:
+        if hv[a, 1] <= 1:
+            return False
+    for i in range(1, len(grid)):
+        if grid[i] - grid[i - 1] <= 1:
+            return False
+    return True
+
+
+@_jit
 def _last_window(best: np.ndarray, first: np.ndarray, W: np.ndarray, tol: float, grid: np.ndarray,  # type: ignore[no-untyped-def]
                  R: np.ndarray, u0: np.ndarray, rbig: np.ndarray, coef: np.ndarray, fast: int, n_dec: int,
                  dec_u: float, iter_cap: int, ends) -> int:
-    """``chunker._last_window``, block by block from the top as the reference does
-    (its blocks decide which minor entries it fixes the einsum way: -1 then)."""
+    """``chunker._last_window``: b_1 of the largest feasible total.  The reference
+    evaluates blocks of targets from the top and its blocks decide which minor entries
+    it fixes the einsum way (-1 then), so each block's minor count comes first (none
+    possible, usually, as the grid shows); then the top few targets, usually feasible,
+    and only if none is, the rest of the block."""
     k = len(W)
-    rows = int(np.isfinite(best).sum())
-    block = max(8, 8192 // max(rows, 1))
+    src = np.flatnonzero(np.isfinite(best))
+    if len(src) == 0:
+        return 0
+    block = max(8, 8192 // len(src))
+    clean = _no_minor(src, grid, n_dec, ends)
     hi = len(grid)
     while hi > 0:
         cols = np.arange(max(0, hi - block), hi)
-        b, par, n_minor = _step(best, first, cols, W[k - 1], tol, k - 1, grid, R, u0, rbig, coef, fast,
-                                n_dec, dec_u, iter_cap, ends)
+        n_minor = 0
+        if not clean:
+            for a in src:
+                n_minor += _pair_row(a, cols, cols, grid, R, u0, rbig, coef, fast, n_dec, dec_u, k - 1, ends,
+                                     True)
         if n_minor > _SCALAR_MINOR:
             return -1
-        for o in range(len(cols) - 1, -1, -1):
-            if np.isfinite(b[o]):
-                return grid[first[par[o]]]
+        rest = max(0, len(cols) - _TOP_COLUMNS)
+        for part in (cols[rest:], cols[:rest]):
+            if len(part) == 0:
+                continue
+            b, pars, _ = _step(best, first, part, W[k - 1], tol, k - 1, grid, R, u0, rbig, coef, fast,
+                               n_dec, dec_u, iter_cap, ends)
+            for o in range(len(part) - 1, -1, -1):
+                if np.isfinite(b[o]):
+                    return grid[first[pars[o]]]
         hi -= block
     return 0
 
