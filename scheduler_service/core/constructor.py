@@ -96,9 +96,9 @@ def construct_batch(
     risky = live[s_all * 1e3 < t_full_ms * margin]
     if len(risky) == 0:
         return None
-    prio = snap.priority[risky]
-    if prio.min() != prio.max():
+    if not snap.one_class:
         # request classes: anchors only from the highest class at risk (any class may fill)
+        prio = snap.priority[risky]
         risky = risky[prio == prio.min()]
     r_all = snap.remaining_prefill[live].astype(np.float64)
     v_all = 1.0 / (s_all / s_all.sum() + r_all / r_all.sum())  # (18)

@@ -108,7 +108,7 @@ class SlidingServePolicy:
         pre = prefill_indices(snap)
         rho = snap.prefill_throughput or predictor.prefill_throughput(snap.max_batch_tokens)
         lost = self._lost(snap, predictor, pre, rho)
-        if p.shed and len(pre) and bool(snap.sheddable[pre].any()):
+        if p.shed and snap.any_sheddable and len(pre) and bool(snap.sheddable[pre].any()):
             pre, lost, rejections = _shed(snap, pre, lost)
             plan = self._choose(snap, predictor, t0, dec_all, pre, lost, rho)
             return replace(plan, rejections=rejections) if rejections else plan
@@ -158,7 +158,7 @@ class SlidingServePolicy:
         if len(pre) == 0:
             return lost
         jit = kernels.jit()
-        classes = bool(snap.priority[pre].min() != snap.priority[pre].max())
+        classes = not snap.one_class and bool(snap.priority[pre].min() != snap.priority[pre].max())
         if jit is not None and len(pre) < jit.MAX_LATE_SET and not classes:
             rho_max = predictor.prefill_throughput(snap.max_batch_tokens) if p.hopeless_factor > 0 else 0.0
             return jit.lost_mask(pre, snap.remaining_prefill, snap.slack, snap.protected, float(rho),

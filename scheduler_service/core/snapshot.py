@@ -176,16 +176,7 @@ class Snapshot:
             if values is not None:
                 cols[name] = (values, CLASS_COLUMN_DTYPES[name])
         ids_t, arrays = _validate_requests(errs, ids, cols, n)
-        return cls(
-            now=scal[0],
-            max_batch_tokens=scal[1],
-            max_num_seqs=scal[2],
-            ids=ids_t,
-            free_kv_tokens=scal[3],
-            prefill_throughput=scal[4],
-            profile=str(profile),
-            **{k: _readonly(v) for k, v in arrays.items()},  # type: ignore[arg-type]
-        )
+        return cls._checked(scal, ids_t, arrays, profile)
 
     @classmethod
     def from_arrays(
@@ -227,6 +218,13 @@ class Snapshot:
         if not _rows_ok(arrays):
             _validate_rows(errs, arrays)
             raise ValidationError(errs)
+        return cls._checked(scal, ids, arrays, profile)
+
+    @classmethod
+    def _checked(cls, scal: tuple[float, int, int, int | None, float | None], ids: tuple[str, ...],
+                 arrays: Mapping[str, np.ndarray], profile: str) -> Snapshot:
+        """The snapshot of validated scalars (as :func:`_validate_scalars` returns them) and
+        columns, the columns made read-only."""
         return cls(
             now=scal[0],
             max_batch_tokens=scal[1],
@@ -378,6 +376,23 @@ class Snapshot:
             return self.arrival + self.ttft_slo + k * self.tbt_slo - self.now
 
         return self._memo("slack", compute)
+
+    @property
+    def one_class(self) -> bool:
+        """Every request has the same priority (the v1 contract, and the common case): the
+        class-aware steps of a policy can skip their per-subset checks."""
+        v = self._cache.get("one_class")
+        if v is None:
+            p = self.priority
+            v = self._cache["one_class"] = bool(len(p) == 0 or p.min() == p.max())
+        return bool(v)
+
+    @property
+    def any_sheddable(self) -> bool:
+        v = self._cache.get("any_sheddable")
+        if v is None:
+            v = self._cache["any_sheddable"] = bool(self.sheddable.any())
+        return bool(v)
 
     @property
     def kv_tokens(self) -> np.ndarray:

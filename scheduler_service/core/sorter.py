@@ -115,10 +115,9 @@ def mlps_order(
     """
     if len(idx) == 0:
         return idx
-    prio = snap.priority[idx]
-    jit = kernels.jit()
-    if prio.min() != prio.max():
-        jit = None  # the compiled sort has no class key
+    prio = snap.priority[idx] if not snap.one_class else None
+    classes = prio is not None and bool(prio.min() != prio.max())
+    jit = None if classes else kernels.jit()  # the compiled sort has no class key
     if jit is not None:
         out, tie = jit.mlps_order(np.asarray(idx, dtype=np.int64), snap.remaining_prefill, snap.slack,
                                   snap.protected, snap.arrival, float(throughput), float(alpha), float(eps),
@@ -130,7 +129,7 @@ def mlps_order(
     if lost is not None:
         late = late | lost
     expired = late.astype(np.int8)
-    if prio.min() != prio.max():
+    if classes and prio is not None:
         return ordered(snap, idx, expired, prio, g, e, r)
     return ordered(snap, idx, expired, g, e, r)
 
