@@ -121,9 +121,7 @@ class PredictorRegistry:
                             "engine_profile",
                             f"this tenant already has {cap} profiles (max_profiles_per_tenant)",
                         )
-                    st = ProfileState(key, self.bootstrap, deque(maxlen=self.settings.window), tenant)
-                    self._states[key] = st
-                    self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
+                    st = self._new_state(key, self.bootstrap, tenant)
                     if self._metrics:
                         self._metrics.predictor_version.labels(profile=key).info(
                             {"version": st.current.version}
@@ -146,6 +144,13 @@ class PredictorRegistry:
                     self._cv.notify_all()
         return abs(pred - latency_ms)
 
+    def _new_state(self, key: str, predictor: BatchLatencyPredictor, tenant: str) -> ProfileState:
+        """Track ``key`` (under ``_states_lock``, its limits checked by the caller)."""
+        st = ProfileState(key, predictor, deque(maxlen=self.settings.window), tenant)
+        self._states[key] = st
+        self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
+        return st
+
     # ------------------------------------------------------ other workers
     def install(self, key: str, predictor: BatchLatencyPredictor, *, tenant: str = "") -> bool:
         """Serve ``predictor`` for ``key`` from now on: a refit another worker of the same
@@ -160,9 +165,7 @@ class PredictorRegistry:
                 if st is None:
                     if len(self._states) >= self.settings.max_profiles:
                         return False
-                    st = ProfileState(key, predictor, deque(maxlen=self.settings.window), tenant)
-                    self._states[key] = st
-                    self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
+                    st = self._new_state(key, predictor, tenant)
         with st.lock:
             st.current = predictor  # atomic reference swap, as a local publication
         if self._metrics:
