@@ -24,7 +24,10 @@ from scheduler_service.core import (
     plan_violations,
     registry,
 )
+from scheduler_service.core.batch import fit_class_decodes
 from scheduler_service.core.constructor import construct_batch
+from scheduler_service.core.features import DECODE, combine, piece_features
+from scheduler_service.core.predictor import BatchLatencyPredictor
 from scheduler_service.core.snapshot import MAX_PRIORITY, Request
 from scheduler_service.core.sorter import class_late_set, late_set
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
@@ -332,3 +335,109 @@ def test_batch_constructor_anchors_in_the_highest_class_at_risk(seed: int) -> No
     if got is not None:
         risky = live[snap.slack[live] * 1e3 < t_full]
         assert snap.priority[got.anchor] == snap.priority[risky].min()
+
+
+# ------------------------------------------- higher-class decodes keep their tokens
+def _decode_heavy(seed: int) -> Snapshot:
+    """Three classes, most requests decoding, TBT slacks of -10 to 40 ms: the decodes alone
+    often take longer than some of them can wait."""
+    rng = np.random.default_rng(seed + 7)
+    s = random_snapshot(seed, n=40, max_prompt=300, decode_frac=0.8, max_batch_tokens=512)
+    dec = s.is_decoding
+    # decodes: arrived 1 s ago, first token due after 0.5 s, so slack = k·tbt − 0.5
+    tbt = np.where(dec, (0.5 + rng.uniform(-0.01, 0.04, len(s))) / np.maximum(s.output_tokens, 1), s.tbt_slo)
+    return _with(s, priority=rng.integers(0, 3, len(s)).astype(np.int64), tbt_slo=tbt,
+                 arrival=np.where(dec, s.now - 1.0, s.arrival), ttft_slo=np.where(dec, 0.5, s.ttft_slo))
+
+
+def _decodes_ms(s: Snapshot, pred: BatchLatencyPredictor, idx: np.ndarray) -> float:
+    return pred.model(DECODE).base_ms(len(idx), float(s.kv_tokens[idx].sum()))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 100_000), st.booleans())
+def test_no_higher_class_decode_misses_its_token_while_a_lower_class_decode_runs(seed: int,
+                                                                                default_pred: bool) -> None:
+    """Whenever a plan runs a decode of some class, every decode of a higher class with
+    slack left is predicted (with the margin) to get its token within that slack, from
+    the decodes alone; lower-class decodes sit out until it is."""
+    s = _decode_heavy(seed)
+    pred = default_predictor() if default_pred else random_predictor(seed)
+    pol = registry.create("slidingserve")
+    plan = pol.plan(s, pred)
+    assert plan_violations(s, plan) == []
+    run = np.array(sorted(s.index_of[a.id] for a in plan.allocations if s.is_decoding[s.index_of[a.id]]),
+                   dtype=np.int64)
+    if len(run) == 0:
+        return
+    t = pol.params.margin * _decodes_ms(s, pred, run)
+    lowest = s.priority[run].max()
+    for h in run[(s.priority[run] < lowest) & (s.slack[run] > 0)].tolist():
+        assert t <= s.slack[h] * 1e3 + 1e-9, (seed, s.ids[h])
+
+
+def test_lower_class_decodes_sit_out_only_for_a_higher_class() -> None:
+    """fit_class_decodes drops decodes lowest class first and only while a higher class's
+    decode would miss, so the top class always runs in full; over many cases it acts, and
+    with the switch off the rule above breaks."""
+    pred = default_predictor()
+    acted = broken = 0
+    for seed in range(200):
+        s = _decode_heavy(seed)
+        dec = np.flatnonzero(s.is_decoding)
+        kept = fit_class_decodes(s, pred, dec, 1.1)
+        gone = np.setdiff1d(dec, kept)
+        assert np.isin(kept, dec).all()
+        top = dec[s.priority[dec] == s.priority[dec].min()]
+        assert np.isin(top, kept).all()  # the top class never sits out
+        if len(gone):
+            acted += 1
+            # no kept decode is of a lower class than one that sat out
+            assert s.priority[kept].max() <= s.priority[gone].min()
+            # putting the last decode dropped (the highest class and least slack among
+            # them) back would make a decode of a higher class miss
+            back = gone[np.lexsort((s.slack[gone], s.priority[gone]))[0]]
+            both = np.append(kept, back)
+            higher = both[(s.priority[both] < s.priority[back]) & (s.slack[both] > 0)]
+            assert 1.1 * _decodes_ms(s, pred, both) > s.slack[higher].min() * 1e3, seed
+        off = registry.create("slidingserve", {"class_sit_out": False}).plan(s, pred)
+        run = np.array([s.index_of[a.id] for a in off.allocations if s.is_decoding[s.index_of[a.id]]], np.int64)
+        if len(run):
+            hi = run[(s.priority[run] < s.priority[run].max()) & (s.slack[run] > 0)]
+            broken += bool(len(hi) and 1.1 * _decodes_ms(s, pred, run) > s.slack[hi].min() * 1e3)
+    assert acted >= 20 and broken >= 10, (acted, broken)
+    one = _with(_decode_heavy(0), priority=np.zeros(40, np.int64))
+    d1 = np.flatnonzero(one.is_decoding)
+    assert np.array_equal(fit_class_decodes(one, pred, d1, 1.1), d1)  # one class: untouched
+
+
+@pytest.mark.parametrize("seed", range(150))
+def test_batch_constructor_never_costs_a_higher_class_decode_its_token(seed: int) -> None:
+    """A BatchConstructor batch anchored in one class is predicted (with the margin) within
+    the TBT slack of every decode of a higher class, as well as within the slack of every
+    prefill it completes."""
+    from tests.test_constructor import PRED, random_case
+
+    snap, curve, n_dec, t_full, token_cap = random_case(seed)
+    rng = np.random.default_rng(seed)
+    dec = snap.is_decoding
+    # the decodes (prompt 20, 3 tokens out, arrived 0.1 s ago): TBT slack 1-80 ms
+    ttft = np.where(dec, 0.05, snap.ttft_slo)
+    tbt = np.where(dec, (0.05 + rng.uniform(0.001, 0.08, len(snap))) / 3, snap.tbt_slo)
+    prio = np.where(dec, 0, rng.integers(0, 3, len(snap))).astype(np.int64)
+    snap = _with(snap, priority=prio, ttft_slo=ttft, tbt_slo=tbt)
+    decodes = np.flatnonzero(dec)
+    pre = np.flatnonzero(~dec)
+    live = pre[snap.slack[pre] > 0]
+    got = construct_batch(snap, live, curve, n_dec, t_full, token_cap=token_cap, seq_cap=1000,
+                          max_candidates=1000, margin=1.1, predictor=PRED, decodes=decodes)
+    if got is None:
+        return
+    chosen = np.array(got.chosen, dtype=np.int64)
+    f = piece_features(np.concatenate([np.ones(len(decodes)), snap.remaining_prefill[chosen]]),
+                       np.concatenate([snap.kv_tokens[decodes], snap.computed_tokens[chosen]]))
+    t = 1.1 * float(PRED.predict_ms(combine(f)[None, :])[0])
+    assert t <= snap.slack[chosen].min() * 1e3 + 1e-9
+    above = decodes[snap.priority[decodes] < snap.priority[got.anchor]]
+    if len(above):
+        assert t <= snap.slack[above].min() * 1e3 + 1e-9, seed

@@ -47,7 +47,7 @@ from .predictor import BatchLatencyPredictor, LinearModel
 from .snapshot import Snapshot
 from .sorter import ordered
 
-__all__ = ["BudgetCurve", "CandidateQueue", "select_decodes"]
+__all__ = ["BudgetCurve", "CandidateQueue", "fit_class_decodes", "select_decodes"]
 
 #: Up to this many minor entries in one call the reference predicts them one by one
 #: in plain Python, beyond it with numpy (``_fix_minor``); the kernels follow suit.
@@ -68,6 +68,42 @@ def select_decodes(snap: Snapshot, dec_idx: np.ndarray) -> np.ndarray:
         return dec_idx
     s = snap.slack[dec_idx]
     return np.sort(ordered(snap, dec_idx, s <= 0, s)[:cap])
+
+
+def fit_class_decodes(snap: Snapshot, predictor: BatchLatencyPredictor, decodes: np.ndarray,
+                      margin: float) -> np.ndarray:
+    """Request classes: ``decodes`` less the lower-class decodes that sit this iteration
+    out so that the decodes alone are predicted within the slack of every higher-class
+    decode (docs/policies.md, Request classes).
+
+    Decodes leave lowest class first; within a class, those already late (their request
+    has missed its SLO) first, then the most slack first.  A decode leaves only while a
+    decode of a strictly higher class with slack left is predicted to miss its token,
+    margin · T̂(decodes) > its slack; a class never sits out for its own or a lower class.
+    With one class ``decodes`` is returned as it is."""
+    if len(decodes) < 2 or snap.one_class:
+        return decodes
+    pr = snap.priority[decodes]
+    if pr.min() == pr.max():
+        return decodes
+    s = snap.slack[decodes]
+    order = np.lexsort((np.where(s > 0, -s, -np.inf), -pr))  # drop order
+    pr_o, s_o = pr[order], s[order]
+    u_o = snap.kv_tokens[decodes][order].astype(np.float64)
+    n = len(order)
+    # What the decodes left after dropping the first m predict (m = 0..n-1): the
+    # decode-only terms, linear in the count and the context.
+    kept_u = u_o[::-1].cumsum()[::-1]
+    t_ms = np.array([predictor.model(DECODE).base_ms(n - m, float(kept_u[m])) for m in range(n)])
+    # Whom dropping order[m] would protect: the safe decodes of a strictly higher class,
+    # all after order[m]'s class in the drop order.
+    safe = np.where(s_o > 0, s_o, np.inf)
+    suffix_min = np.minimum.accumulate(safe[::-1])[::-1]
+    higher_from = np.searchsorted(-pr_o, -pr_o, side="right")  # first index of a higher class
+    protect_s = np.where(higher_from < n, suffix_min[np.minimum(higher_from, n - 1)], np.inf)
+    # The top class protects no one, so a first m always exists.
+    m = int(np.flatnonzero(margin * t_ms <= protect_s * 1e3)[0])
+    return np.sort(decodes[order[m:]])
 
 
 def kv_prefill_cap(snap: Snapshot, n_sched_dec: int, n_all_dec: int, reserve: int) -> int:

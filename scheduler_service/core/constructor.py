@@ -24,7 +24,10 @@ Decisions where the paper is silent or the naive form is too slow:
 * Expired requests are never anchors nor candidates (docs/policies.md).
 * Request classes: the anchors are the risky prefills of the highest class
   that has any (smallest priority); candidates are every live prefill with
-  at least the anchor's slack, of any class.  With one class, formula (17) as is.
+  at least the anchor's slack, of any class; and the batch's time is bounded
+  by the slack of every scheduled decode of a higher class than the anchors'
+  too (a lower class's anchor never costs a higher class's decode its token).
+  With one class, formula (17) as is.
 * Final check and repair.  C_a comes from the fill curve of the *sorted*
   queue, but the knapsack takes other requests, whose cached tokens (x1, x3)
   and chunk sizes (x2, x7) can cost more than the queue's head.  So, as in the
@@ -96,18 +99,24 @@ def construct_batch(
     risky = live[s_all * 1e3 < t_full_ms * margin]
     if len(risky) == 0:
         return None
+    limit_s = np.inf
     if not snap.one_class:
-        # request classes: anchors only from the highest class at risk (any class may fill)
+        # request classes: anchors only from the highest class at risk (any class may fill),
+        # and the batch must not cost a decode of a higher class than the anchors' its token
         prio = snap.priority[risky]
         risky = risky[prio == prio.min()]
+        if len(decodes):
+            above = decodes[(snap.priority[decodes] < prio.min()) & (snap.slack[decodes] > 0)]
+            if len(above):
+                limit_s = float(snap.slack[above].min())
     r_all = snap.remaining_prefill[live].astype(np.float64)
     v_all = 1.0 / (s_all / s_all.sum() + r_all / r_all.sum())  # (18)
-    cap_of = _anchor_capacities(snap, risky, curve, token_cap, margin)
+    cap_of = _anchor_capacities(snap, risky, curve, token_cap, margin, limit_s)
     if not cap_of:
         return None
     pool = _candidate_pool(snap, live, v_all, np.array(list(cap_of), dtype=risky.dtype), max_candidates)
     take, anchors = _knapsack_pass(pool, cap_of)
-    best = _best_repaired(snap, pool, take, anchors, seq_cap, margin, predictor, decodes)
+    best = _best_repaired(snap, pool, take, anchors, seq_cap, margin, predictor, decodes, limit_s)
     if best is None:
         return None
     (_, total_v, _), chosen = best
@@ -130,9 +139,11 @@ class _Pool:
 
 
 def _anchor_capacities(snap: Snapshot, risky: np.ndarray, curve: BudgetCurve, token_cap: int,
-                       margin: float) -> dict[int, int]:
-    """C_a − r_a (17), (19) of every risky anchor whose own prefill fits, all at once."""
-    c_a = np.minimum(curve.prefill_tokens_within_many(snap.slack[risky] * 1e3 / margin), token_cap)
+                       margin: float, limit_s: float = np.inf) -> dict[int, int]:
+    """C_a − r_a (17), (19) of every risky anchor whose own prefill fits, all at once
+    (the time of each is its slack, at most ``limit_s``)."""
+    s_a = np.minimum(snap.slack[risky], limit_s)
+    c_a = np.minimum(curve.prefill_tokens_within_many(s_a * 1e3 / margin), token_cap)
     r_a = snap.remaining_prefill[risky]
     ok = r_a <= c_a
     if not ok.any():
@@ -203,8 +214,9 @@ def _knapsack_pass(pool: _Pool, cap_of: dict[int, int]) -> tuple[np.ndarray, lis
 
 def _best_repaired(snap: Snapshot, pool: _Pool, take: np.ndarray, anchors: list[tuple[_Key, int, int]],
                    seq_cap: int, margin: float, predictor: BatchLatencyPredictor,
-                   decodes: np.ndarray) -> tuple[_Key, list[int]] | None:
-    """Try the anchors in key order; the best repaired selection, or None."""
+                   decodes: np.ndarray, limit_s: float = np.inf) -> tuple[_Key, list[int]] | None:
+    """Try the anchors in key order; the best repaired selection, or None.  A selection
+    fits when margin · T̂ ≤ the least slack it completes, and ≤ ``limit_s``."""
     value = pool.value
     slack_ms = snap.slack * 1e3
     u_dec = float(snap.kv_tokens[decodes].sum()) if len(decodes) else 0.0
@@ -215,7 +227,8 @@ def _best_repaired(snap: Snapshot, pool: _Pool, take: np.ndarray, anchors: list[
         if best is not None and key <= best[0]:
             break  # repairs only lower keys: nothing left can win
         chosen = _read_back(snap, pool, take, pa, c, seq_cap)
-        fit = _repair(snap, predictor, base, chosen, value, float(slack_ms[chosen].min()), margin)
+        fit = _repair(snap, predictor, base, chosen, value, min(float(slack_ms[chosen].min()), limit_s * 1e3),
+                      margin)
         if fit is None:
             continue
         rkey = (len(fit), sum(value[i] for i in fit), int(sum(int(snap.remaining_prefill[i]) for i in fit)))

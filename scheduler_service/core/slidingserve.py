@@ -22,7 +22,7 @@ import numpy as np
 
 from . import kernels
 from .assemble import assemble_plan, in_queue_order
-from .batch import CandidateQueue, select_decodes
+from .batch import CandidateQueue, fit_class_decodes, select_decodes
 from .chunker import sliding_chunk, window_limits_ms
 from .constructor import construct_batch
 from .params import param
@@ -84,6 +84,11 @@ class SlidingServeParams:
         True,
         doc="while live prefills wait, decodes already past their next token's deadline (their "
             "request has missed its SLO) sit out the iteration",
+    )
+    class_sit_out: bool = param(
+        True,
+        doc="request classes: lower-class decodes sit out an iteration when the decodes alone "
+            "would make a higher-class decode miss its token",
     )
     shed: bool = param(
         True,
@@ -187,6 +192,8 @@ class SlidingServePolicy:
               runnable: np.ndarray, pre: np.ndarray, lost: np.ndarray, live: np.ndarray, rho: float) -> Plan:
         p = self.params
         decodes = select_decodes(snap, runnable)
+        if p.class_sit_out and not snap.one_class:
+            decodes = fit_class_decodes(snap, predictor, decodes, p.margin)
         n_dec = len(decodes)
         if p.order == "mlps":
             queue = mlps_order(snap, pre, rho, p.alpha, p.epsilon_s, lost=lost)
