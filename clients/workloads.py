@@ -32,7 +32,9 @@ decide who meets the SLOs well below raw capacity.  Change them with
 
 SLO classes (docs/usage.md).  ``classes=`` draws a class per request from a
 :class:`ClassMix`: its priority (smaller is served first), whether it is
-sheddable, and scales on the TTFT and TBT SLOs above.  The built-in mix
+sheddable, scales on the TTFT and TBT SLOs above, and optionally an end-to-end
+objective (``e2e_s``: the last token within that many seconds of arrival; 0 = none,
+the default, as in every built-in mix).  The built-in mix
 ``interactive-batch`` (:data:`CLASS_MIXES`) is 20% *critical* interactive
 (priority 0), 50% *standard* (priority 1) and 30% sheddable *batch* (priority
 2, TTFT ×4 and TBT ×2); a met request counts 4, 2 and 1 in the weighted goodput.
@@ -42,12 +44,14 @@ same arrivals, lengths and base SLOs as without.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from engine_adapter.data.traces import load_trace
 from engine_adapter.sim.engine import Workload
+from scheduler_service.core.snapshot import MAX_SECONDS
 
 __all__ = ["CLASS_MIXES", "MIXES", "Burst", "ClassMix", "SLOClass", "SLOConfig", "make_workload", "workload_names"]
 
@@ -113,11 +117,15 @@ class SLOClass:
     tbt_scale: float = 1.0
     #: Weight of a met request of this class in the weighted goodput.
     weight: float = 1.0
+    #: End-to-end objective (seconds after arrival for the last token); 0 = none.
+    e2e_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.name or self.fraction < 0 or self.ttft_scale <= 0 or self.tbt_scale <= 0 or self.weight < 0:
             raise ValueError(f"class {self.name!r}: a name, fraction >= 0, positive SLO scales and weight >= 0 "
                              "are needed")
+        if not (math.isfinite(self.e2e_s) and 0 <= self.e2e_s <= MAX_SECONDS):
+            raise ValueError(f"class {self.name!r}: e2e_s must be finite and >= 0 (0 = none), got {self.e2e_s!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,7 +234,7 @@ def make_workload(
     ttft = slo.ttft_base_s + slo.ttft_per_token_s * prompt
     ttft = np.where(protected, ttft * slo.protected_ttft_scale, ttft)
     tbt = np.full(m, slo.tbt_s)
-    priority = sheddable = None
+    priority = sheddable = e2e = None
     if classes is not None:
         k = classes.draw(m, seed)
         table = classes.classes
@@ -234,6 +242,7 @@ def make_workload(
         tbt = tbt * np.array([c.tbt_scale for c in table])[k]
         priority = np.array([c.priority for c in table], np.int64)[k]
         sheddable = np.array([c.sheddable for c in table], np.bool_)[k]
+        e2e = np.array([c.e2e_s for c in table], np.float64)[k]
     return Workload(
         arrival=arrival.astype(np.float64),
         prompt_tokens=prompt.astype(np.int64),
@@ -244,4 +253,5 @@ def make_workload(
         name=name,
         priority=priority,
         sheddable=sheddable,
+        e2e_slo=e2e,
     )

@@ -441,3 +441,274 @@ def test_batch_constructor_never_costs_a_higher_class_decode_its_token(seed: int
     above = decodes[snap.priority[decodes] < snap.priority[got.anchor]]
     if len(above):
         assert t <= snap.slack[above].min() * 1e3 + 1e-9, seed
+
+
+# ============================================================ end-to-end objective
+# An optional end-to-end deadline per request (e2e_slo: seconds after arrival by which the
+# last token must be out; 0 = none): the contract, the slack, shedding, the simulator.
+def _e2e(seed: int, n: int = 12, frac: float = 0.5) -> Snapshot:
+    """``classed(seed)`` with an end-to-end objective on about ``frac`` of the requests,
+    some of them already past it (0.05 s to 3 s after arrival)."""
+    s = classed(seed, n)
+    rng = np.random.default_rng(seed + 4242)
+    e2e = np.where(rng.random(len(s)) < frac, rng.uniform(0.05, 3.0, len(s)), 0.0)
+    return _with(s, e2e_slo=e2e)
+
+
+def _formula_1(s: Snapshot) -> np.ndarray:
+    """Formula (1) alone: the slack as it was before end-to-end objectives."""
+    k = np.where(s.is_decoding, s.output_tokens, 0)
+    return s.arrival + s.ttft_slo + k * s.tbt_slo - s.now
+
+
+def test_e2e_default_is_none_and_the_v1_json_form_is_unchanged() -> None:
+    s = Snapshot.from_requests([Request("a", 0.0, 10), Request("b", 0.0, 5, e2e_slo=2.5)], now=1.0)
+    assert s.e2e_slo.tolist() == [0.0, 2.5] and not s.e2e_slo.flags.writeable
+    assert s.e2e_deadline.tolist() == [np.inf, 2.5]
+    reqs = s.to_dict()["requests"]
+    assert "e2e_slo" not in reqs[0] and reqs[1]["e2e_slo"] == 2.5
+    assert s.requests()[1].e2e_slo == 2.5
+    plain = Snapshot.from_requests([Request("a", 0.0, 10)], now=1.0)
+    assert plain.e2e_slo.tolist() == [0.0] and not plain.any_e2e
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_e2e_json_round_trip(seed: int) -> None:
+    s = _e2e(seed)
+    assert s.e2e_slo.any()
+    t = Snapshot.from_json(s.to_json())
+    assert t.e2e_slo.tobytes() == s.e2e_slo.tobytes()
+    assert t.slack.tobytes() == s.slack.tobytes()
+
+
+@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf"), 2e12, "soon", True, None])
+def test_bad_e2e_values_name_the_field(value: object) -> None:
+    d = Snapshot.from_requests([Request("a", 0.0, 10), Request("b", 0.0, 10)], now=1.0).to_dict()
+    d["requests"][1]["e2e_slo"] = value
+    with pytest.raises(ValidationError) as e:
+        Snapshot.from_json(d)
+    assert [v.field for v in e.value.violations] == ["requests[1].e2e_slo"]
+
+
+@pytest.mark.parametrize("value", [0.0, -0.0, 1e-9, 1e12])
+def test_e2e_bounds_accepted(value: float) -> None:
+    d = Snapshot.from_requests([Request("a", 0.0, 10)], now=1.0).to_dict()
+    d["requests"][0]["e2e_slo"] = value
+    assert Snapshot.from_json(d).e2e_slo.tolist() == [value]
+
+
+@pytest.mark.parametrize(("row", "value"), [(0, np.nan), (1, np.inf), (2, -1e-9), (3, 2e12), (0, -np.inf),
+                                            (1, 0.0), (2, 1e12)])
+def test_e2e_violations_same_on_the_fast_wire_path(row: int, value: float) -> None:
+    from benchmarks.snapshots import busy_snapshot
+    from tests.test_wire_fast import _arrays, _both, _scalars
+
+    snap = busy_snapshot(2, 2, seed=8)
+    e2e = np.full(4, 0.5)
+    e2e[row] = value
+    generic, fast = _both(snap.ids, {**_arrays(snap), "e2e_slo": e2e}, **_scalars(snap))
+    assert fast == generic
+    bad = not (0 <= value <= 1e12)
+    assert isinstance(fast, tuple) == bad
+    if bad:
+        assert [v.field for v in fast] == [f"requests[{row}].e2e_slo"]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("encoding", ["columns", "rows"])
+@pytest.mark.parametrize("seed", range(4))
+def test_e2e_protobuf_round_trip(encoding: str, seed: int) -> None:
+    s = _e2e(seed)
+    t, _ = snapshot_from_pb(pb.Snapshot.FromString(snapshot_to_pb(s, encoding=encoding).SerializeToString()),
+                            max_requests=100)
+    assert t.e2e_slo.tobytes() == s.e2e_slo.tobytes()
+    assert t.priority.tolist() == s.priority.tolist() and t.sheddable.tolist() == s.sheddable.tolist()
+    assert t.slack.tobytes() == s.slack.tobytes()
+
+
+@pytest.mark.parametrize("encoding", ["columns", "rows"])
+def test_bad_e2e_on_the_wire_names_the_field(encoding: str) -> None:
+    s = _e2e(1, n=5, frac=1.0)
+    msg = snapshot_to_pb(s, encoding=encoding)
+    if encoding == "columns":
+        msg.columns.e2e_slo[2] = float("nan")
+        want = "snapshot.columns.e2e_slo[2]"
+    else:
+        msg.rows.requests[2].e2e_slo = -3.0
+        want = "snapshot.rows.requests[2].e2e_slo"
+    with pytest.raises(ValidationError) as e:
+        snapshot_from_pb(msg, max_requests=100)
+    assert [v.field for v in e.value.violations] == [want]
+    msg = snapshot_to_pb(s)
+    del msg.columns.e2e_slo[1:]
+    with pytest.raises(ValidationError) as e:
+        snapshot_from_pb(msg, max_requests=100)
+    assert [v.field for v in e.value.violations] == ["snapshot.columns.e2e_slo"]
+
+
+def test_a_v1_message_is_byte_identical_and_decodes_to_no_e2e() -> None:
+    """A snapshot without end-to-end objectives encodes exactly as the v1.0 contract
+    (messages built from the committed v1.0 image) encodes it, in both encodings, and the
+    v1.0 bytes decode to e2e_slo 0 (slack as formula (1))."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
+
+    from tests.test_wire_compat import baseline_image
+
+    pool = descriptor_pool.DescriptorPool()
+    for f in descriptor_pb2.FileDescriptorSet.FromString(baseline_image().read_bytes()).file:
+        pool.Add(f)
+    v1 = message_factory.GetMessageClass(pool.FindMessageTypeByName("slidingserve.v1.Snapshot"))
+    s = random_snapshot(3, n=10, max_prompt=300)
+    for encoding in ("columns", "rows"):
+        for snap in (s, _with(s, e2e_slo=np.zeros(len(s)))):
+            msg = snapshot_to_pb(snap, encoding=encoding)
+            old = json_format.ParseDict(json_format.MessageToDict(msg), v1())  # fails on a field v1 lacks
+            assert old.SerializeToString() == msg.SerializeToString(), encoding
+            t, _ = snapshot_from_pb(pb.Snapshot.FromString(old.SerializeToString()), max_requests=100)
+            assert t.e2e_slo.tolist() == [0.0] * len(s) and not t.any_e2e
+            assert t.slack.tobytes() == _formula_1(t).tobytes()
+    with pytest.raises(json_format.ParseError):  # the check above can fail: a set e2e is not v1
+        json_format.ParseDict(json_format.MessageToDict(snapshot_to_pb(_e2e(3, frac=1.0))), v1())
+
+
+def test_bad_e2e_over_grpc_is_invalid_argument(server: SchedulerServer) -> None:
+    s = _e2e(2, n=6, frac=1.0)
+    with SchedulerClient(server.target, timeout_s=10.0) as c:
+        plan = c.schedule(s, policy="slidingserve")
+        assert plan.decision_key()[3:] == registry.create("slidingserve").plan(s, default_predictor()
+                                                                                 ).decision_key()[3:]
+        for encoding in ("columns", "rows"):
+            msg = snapshot_to_pb(s, encoding=encoding)
+            if encoding == "columns":
+                msg.columns.e2e_slo[0] = -1.0
+            else:
+                msg.rows.requests[0].e2e_slo = float("inf")
+            with pytest.raises(SchedulerError) as e:
+                c.schedule(msg, policy="slidingserve")
+            assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert e.value.fields == ["snapshot.columns.e2e_slo[0]" if encoding == "columns"
+                                      else "snapshot.rows.requests[0].e2e_slo"]
+        assert c.schedule(s, policy="slidingserve").path  # still serving
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 100_000), st.floats(0.0, 1.0))
+def test_slack_is_the_tighter_of_formula_1_and_the_e2e_deadline(seed: int, frac: float) -> None:
+    s = _e2e(seed, frac=frac)
+    f1 = _formula_1(s)
+    has = s.e2e_slo > 0
+    want = np.where(has, np.minimum(f1, s.arrival + s.e2e_slo - s.now), f1)
+    assert s.slack.tobytes() == want.tobytes()
+    assert s.slack[~has].tobytes() == f1[~has].tobytes()  # untouched without an objective
+    assert np.array_equal(s.e2e_deadline, np.where(has, s.arrival + s.e2e_slo, np.inf))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 100_000), st.booleans())
+def test_zero_e2e_everywhere_is_the_snapshot_without_it(seed: int, loaded: bool) -> None:
+    """e2e_slo = 0 for every request (sent, or left out) gives every policy exactly the
+    plans of the snapshot without the field."""
+    s = _loaded(seed) if loaded else classed(seed)
+    z = _with(s, e2e_slo=np.zeros(len(s)))
+    assert z.slack.tobytes() == s.slack.tobytes()
+    for pred in (default_predictor(), random_predictor(seed)):
+        for name in registry.names():
+            assert registry.create(name).plan(z, pred).decision_key() == \
+                registry.create(name).plan(s, pred).decision_key(), (name, seed)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 100_000), st.booleans())
+def test_every_policy_plans_validly_with_e2e_and_rejections_say_why(seed: int, loaded: bool) -> None:
+    s = _e2e(seed)
+    if loaded:
+        s = replace(s, prefill_throughput=float(np.random.default_rng(seed).uniform(200, 3000)), _cache={})
+    for pred in (default_predictor(), random_predictor(seed)):
+        for name in registry.names():
+            plan = registry.create(name).plan(s, pred)
+            assert plan_violations(s, plan) == [], (name, seed)  # never a request that is not sheddable
+            for r in plan.rejections:
+                i = s.index_of[r.id]
+                assert s.sheddable[i] and not s.is_decoding[i]
+                if s.slack[i] > 0:
+                    assert r.reason == "ttft_unreachable"
+                else:
+                    by_e2e = s.e2e_deadline[i] < s.ttft_deadline[i]
+                    assert r.reason == ("e2e_expired" if by_e2e else "ttft_expired"), (seed, r)
+
+
+def test_shedding_past_the_e2e_deadline_says_e2e_expired() -> None:
+    # arrived 2 s ago: TTFT 5 s not passed, end to end 1.5 s passed
+    reqs = [Request("e2e-gone", 0.0, 400, ttft_slo=5.0, e2e_slo=1.5, sheddable=True),
+            Request("e2e-kept", 0.0, 400, ttft_slo=5.0, e2e_slo=1.5),  # not sheddable: served
+            Request("ttft-gone", 0.0, 400, ttft_slo=0.5, e2e_slo=1.5, sheddable=True),  # TTFT first
+            Request("on-time", 0.0, 40, ttft_slo=5.0, e2e_slo=9.0, sheddable=True),
+            Request("none", 0.0, 40, ttft_slo=5.0, sheddable=True)]
+    s = Snapshot.from_requests(reqs, now=2.0)
+    plan = registry.create("slidingserve").plan(s, default_predictor())
+    assert plan.rejections == (Rejection("e2e-gone", "e2e_expired"), Rejection("ttft-gone", "ttft_expired"))
+    assert set(plan.tokens_by_id()) == {"e2e-kept", "on-time", "none"}
+    assert plan_violations(s, plan) == []
+    assert Plan.from_dict(plan.to_dict()).rejections == plan.rejections
+    assert plan_from_pb(pb.Plan.FromString(plan_to_pb(plan).SerializeToString())).rejections == plan.rejections
+    # without the end-to-end objective nothing of it is expired
+    assert registry.create("slidingserve").plan(_with(s, e2e_slo=np.zeros(5)), default_predictor()
+                                                ).rejections == (Rejection("ttft-gone", "ttft_expired"),)
+
+
+def test_e2e_expired_is_a_listed_reason() -> None:
+    from scheduler_service.core.plan import REJECT_REASONS
+    from tests.test_wire_compat import PROTO, PROTO_FILE
+
+    assert set(REJECT_REASONS) == {"ttft_expired", "e2e_expired", "ttft_unreachable"}
+    text = (PROTO / PROTO_FILE).read_text()
+    assert all(f'"{r}"' in text for r in REJECT_REASONS)  # each documented where the field is
+
+
+# ------------------------------------------------------- e2e in the simulator
+def _fcfs_engine(w: object) -> SimulatedEngine:
+    from clients.bench.runner import profile_predictor
+    from engine_adapter.core import AdapterCore, AdapterSettings
+    from engine_adapter.inprocess import InProcessBackend
+    from engine_adapter.sim.groundtruth import DEFAULT_PROFILE, PROFILES, load_ground_truth
+
+    prof = PROFILES[DEFAULT_PROFILE]
+    pred = profile_predictor(DEFAULT_PROFILE)
+    s = AdapterSettings(policy="vllm-fcfs", profile=prof.key, report_inline=True)
+    return SimulatedEngine(w, load_ground_truth(DEFAULT_PROFILE), prof,  # type: ignore[arg-type]
+                           AdapterCore(InProcessBackend(s, pred), s, pred), EngineConfig(noise_seed=3))
+
+
+def test_simulator_counts_a_late_last_token_as_violated() -> None:
+    """vllm-fcfs does not look at SLOs, so the runs are the same; with each request's
+    end-to-end objective just before (odd requests) or just after (even) its last token,
+    exactly the odd ones that kept formula (1) become violated."""
+    w = make_workload("mixed-v1", 80, 2.0, seed=3)
+    base = _fcfs_engine(w)
+    r0 = base.run()
+    assert r0.completed == len(w)
+    took = base.last_token - w.arrival
+    odd = np.arange(len(w)) % 2 == 1
+    e2e = np.where(odd, took - 1e-3, took + 1e-3)
+    we = replace(w, e2e_slo=e2e)
+    eng = _fcfs_engine(we)
+    seen: list[bool] = []
+    eng.on_iteration = lambda _e, snap, _d: seen.append(bool(snap.e2e_slo.any()))
+    r1 = eng.run()
+    assert r1.iterations == r0.iterations and np.array_equal(eng.last_token, base.last_token)
+    assert all(seen)  # the snapshots carry the objective
+    assert np.array_equal(r1.violated, r0.violated | odd)
+    assert (odd & ~r0.violated).any()
+    # without any objective (the default) nothing changes
+    r2 = _fcfs_engine(replace(w, e2e_slo=np.zeros(len(w)))).run()
+    assert np.array_equal(r2.violated, r0.violated)
+
+
+def test_class_mix_may_set_an_e2e_objective_and_the_default_mix_does_not() -> None:
+    w = make_workload("mixed-v1", 500, 2.0, seed=4, classes="interactive-batch")
+    assert not w.e2e_slo.any() and all(c.e2e_s == 0 for c in CLASS_MIXES["interactive-batch"].classes)
+    mix = ClassMix((SLOClass("chat", 0.5, e2e_s=30.0), SLOClass("bulk", 0.5, priority=1)))
+    w = make_workload("mixed-v1", 500, 2.0, seed=4, classes=mix)
+    assert set(w.e2e_slo[w.priority == 0].tolist()) == {30.0} and not w.e2e_slo[w.priority == 1].any()
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="e2e_s"):
+            SLOClass("x", 0.5, e2e_s=bad)

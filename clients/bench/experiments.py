@@ -375,7 +375,8 @@ def _class_rows(cfg: BenchConfig, grouped: Mapping[str, Mapping[str, list[dict[s
         rows.append(row)
     desc = ", ".join(f"{c.name} {c.fraction:.0%} (priority {c.priority}{', sheddable' if c.sheddable else ''}"
                      f"{f', TTFT x{c.ttft_scale:g}' if c.ttft_scale != 1 else ''}"
-                     f"{f', TBT x{c.tbt_scale:g}' if c.tbt_scale != 1 else ''}, weight {c.weight:g})"
+                     f"{f', TBT x{c.tbt_scale:g}' if c.tbt_scale != 1 else ''}"
+                     f"{f', end to end {c.e2e_s:g} s' if c.e2e_s else ''}, weight {c.weight:g})"
                      for c in mix.classes)
     return {"note": (f"class mix {cfg.class_mix}: {desc}; runs to completion at "
                      f"{', '.join(f'{f:g}x' for f in CLASS_FACTORS)} the reference rate {ref:.3f} rps = {basis}; "

@@ -20,7 +20,8 @@ Semantics:
   vLLM does): its blocks are freed and its prompt and generated tokens are
   prefilled again, after which generation continues.
 * Token k (1-based) of request i is due at a_i + L_i^ttft + (k − 1)·L_i^tbt
-  (formula (1)); a request violates its SLO when any token is late.
+  (formula (1)); a request violates its SLO when any token is late, or, with an
+  end-to-end objective (``e2e_slo > 0``), when its last token comes after a_i + e2e_slo_i.
 * The simulated clock does not include the policy's own decision time (it is
   measured and reported separately); the ground truth's fixed CPU overhead
   stands for the engine's.
@@ -59,6 +60,8 @@ class Workload:
     #: default class for every request (priority 0, not sheddable).
     priority: np.ndarray | None = None
     sheddable: np.ndarray | None = None
+    #: End-to-end objective (seconds after arrival for the last token); None or 0 = none.
+    e2e_slo: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = len(self.arrival)
@@ -66,7 +69,10 @@ class Workload:
             object.__setattr__(self, "priority", np.zeros(n, np.int64))
         if self.sheddable is None:
             object.__setattr__(self, "sheddable", np.zeros(n, np.bool_))
-        for f in ("prompt_tokens", "output_tokens", "ttft_slo", "tbt_slo", "protected", "priority", "sheddable"):
+        if self.e2e_slo is None:
+            object.__setattr__(self, "e2e_slo", np.zeros(n, np.float64))
+        for f in ("prompt_tokens", "output_tokens", "ttft_slo", "tbt_slo", "protected", "priority", "sheddable",
+                  "e2e_slo"):
             if len(getattr(self, f)) != n:
                 raise ValueError(f"workload column {f} has {len(getattr(self, f))} rows, expected {n}")
         if n and np.any(np.diff(self.arrival) < 0):
@@ -218,6 +224,7 @@ class SimulatedEngine:
             protected=w.protected[act],
             priority=w.priority[act],
             sheddable=w.sheddable[act],
+            e2e_slo=w.e2e_slo[act],
             free_kv_tokens=max(0, int(free)),
             prefill_throughput=self.prefill_ema,
             profile=self.profile.key,
@@ -251,7 +258,8 @@ class SimulatedEngine:
         whose next token is overdue."""
         w = self.w
         nxt = w.arrival[act] + w.ttft_slo[act] + self.generated[act] * w.tbt_slo[act]
-        overdue = (nxt < self.clock) & ~self.violated[act]
+        e2e = w.e2e_slo[act]
+        overdue = ((nxt < self.clock) | ((e2e > 0) & (w.arrival[act] + e2e < self.clock))) & ~self.violated[act]
         return int(self.violated.sum() + overdue.sum())
 
     # ------------------------------------------------------------------ run
@@ -392,6 +400,8 @@ class SimulatedEngine:
         tally.out_tokens += len(emit)
         fin = emit[self.generated[emit] >= w.output_tokens[emit]]
         if len(fin):
+            e2e = w.e2e_slo[fin]  # the last token against the end-to-end deadline, where set
+            self.violated[fin] |= (e2e > 0) & (self.clock > w.arrival[fin] + e2e + 1e-9)
             self.done[fin] = True
             self.used_blocks -= int(self.blocks[fin].sum())
             self.blocks[fin] = 0

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from scheduler_service.core import Snapshot
-from scheduler_service.core.snapshot import MAX_PRIORITY
+from scheduler_service.core.snapshot import MAX_PRIORITY, MAX_SECONDS
 
 __all__ = ["ClassSlo", "RequestSlo", "SloDefaults", "SnapshotBuilder", "request_slo"]
 
@@ -44,6 +44,8 @@ class ClassSlo:
     ttft_s: float = 0.0
     tbt_s: float = 0.0
     sheddable: bool = False
+    #: End-to-end objective (the last token within this many seconds of arrival); 0 = none.
+    e2e_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +67,7 @@ class RequestSlo:
     protected: bool
     priority: int = 0
     sheddable: bool = False
+    e2e_s: float = 0.0
 
 
 def _positive(v: Any) -> float | None:
@@ -80,11 +83,12 @@ _TRUE = (True, 1, "1", "true", "True", "yes")
 
 def request_slo(extra_args: Any, prompt_tokens: int, defaults: SloDefaults, priority: int = 0) -> RequestSlo:
     """SLOs from ``SamplingParams.extra_args`` (``slo_ttft_ms``, ``slo_tbt_ms``,
-    ``slo_protected``, ``slo_sheddable``; a nested ``{"slo": {"ttft_ms", "tbt_ms",
-    "protected", "sheddable"}}`` works too), else the class table's entry for the
-    request's vLLM ``priority``, else the defaults.  Malformed values fall back:
-    a client must not be able to break the engine's scheduling with a bad field."""
-    ttft = tbt = None
+    ``slo_protected``, ``slo_sheddable``, ``slo_e2e_ms``; a nested ``{"slo": {"ttft_ms",
+    "tbt_ms", "protected", "sheddable", "e2e_ms"}}`` works too), else the class table's
+    entry for the request's vLLM ``priority``, else the defaults (no end-to-end
+    objective).  Malformed values fall back: a client must not be able to break the
+    engine's scheduling with a bad field."""
+    ttft = tbt = e2e = None
     protected: Any = False
     cls = defaults.classes.get(priority)
     sheddable: Any = cls.sheddable if cls is not None else False
@@ -96,6 +100,7 @@ def request_slo(extra_args: Any, prompt_tokens: int, defaults: SloDefaults, prio
         tbt = _positive(src.get(pre + "tbt_ms"))
         protected = src.get(pre + "protected", False)
         sheddable = src.get(pre + "sheddable", sheddable)
+        e2e = _positive(src.get(pre + "e2e_ms"))
     if ttft is not None:
         ttft_s = ttft / 1e3
     elif cls is not None and cls.ttft_s > 0:
@@ -106,7 +111,9 @@ def request_slo(extra_args: Any, prompt_tokens: int, defaults: SloDefaults, prio
         tbt_s = tbt / 1e3
     else:
         tbt_s = cls.tbt_s if cls is not None and cls.tbt_s > 0 else defaults.tbt_s
-    return RequestSlo(ttft_s, tbt_s, protected in _TRUE, int(priority), sheddable in _TRUE)
+    e2e_s = e2e / 1e3 if e2e is not None else (cls.e2e_s if cls is not None else 0.0)
+    return RequestSlo(ttft_s, tbt_s, protected in _TRUE, int(priority), sheddable in _TRUE,
+                      min(e2e_s, MAX_SECONDS))
 
 
 _ids_of = operator.attrgetter("request_id")
@@ -120,7 +127,7 @@ _num_tokens_of = operator.attrgetter("num_tokens")
 _chain = itertools.chain.from_iterable
 
 
-_POOL_COLUMNS = 6
+_POOL_COLUMNS = 7
 
 
 def _priority(r: Any) -> int:
@@ -148,7 +155,7 @@ class SnapshotBuilder:
         self.profile = profile
         self._slo: dict[str, RequestSlo] = {}
         self._slot: dict[str, int] = {}
-        #: rows: arrival, ttft_s, tbt_s, protected (0/1), priority, sheddable (0/1)
+        #: rows: arrival, ttft_s, tbt_s, protected (0/1), priority, sheddable (0/1), e2e_s
         self._pool = np.zeros((1024, _POOL_COLUMNS), np.float64)
         self.last_computed = np.zeros(0, np.int64)
         self.last_running_rows = 0
@@ -166,7 +173,7 @@ class SnapshotBuilder:
     def _add(self, r: Any) -> int:
         s = self._slo_of(r)
         row = (float(r.arrival_time), s.ttft_s, s.tbt_s, 1.0 if s.protected else 0.0, float(s.priority),
-               1.0 if s.sheddable else 0.0)
+               1.0 if s.sheddable else 0.0, s.e2e_s)
         if not (math.isfinite(row[0]) and 0 < row[1] < math.inf and 0 < row[2] < math.inf):
             raise ValueError(f"request {r.request_id!r}: arrival/SLO not finite and positive: {row[:3]}")
         slot = len(self._slot)
@@ -260,7 +267,7 @@ class SnapshotBuilder:
             max_batch_tokens=int(max_batch_tokens), max_num_seqs=int(max_num_seqs),
             ids=tuple(ids), arrival=_ro(c[0]), prompt_tokens=_ro(prompt), computed_tokens=_ro(computed),
             output_tokens=_ro(output), ttft_slo=_ro(c[1]), tbt_slo=_ro(c[2]), protected=_ro(c[3] != 0),
-            priority=_ro(c[4].astype(np.int64)), sheddable=_ro(c[5] != 0),
+            priority=_ro(c[4].astype(np.int64)), sheddable=_ro(c[5] != 0), e2e_slo=_ro(c[6]),
             free_kv_tokens=None if free_kv_tokens is None else int(free_kv_tokens), profile=self.profile,
         )
         return snap, reqs

@@ -18,7 +18,8 @@ def plan_violations(snapshot: Snapshot, plan: Plan, *, limit: int = 10) -> list[
     A valid plan names only known requests, each at most once, with
     1 ≤ tokens ≤ what the request still needs (1 for a decode), and stays
     within ``max_batch_tokens``, ``max_num_seqs`` and ``free_kv_tokens``.  A rejection
-    names a known, sheddable request, at most once, that the plan does not also run.
+    names a known, sheddable request, at most once, that the plan does not also run; its
+    reason is not checked (``REJECT_REASONS`` lists today's, a later service may add one).
     """
     problems: list[str] = []
     index = snapshot.index_of

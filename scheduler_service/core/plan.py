@@ -20,9 +20,10 @@ class Allocation(NamedTuple):
     tokens: int
 
 
-#: Why a plan rejects a request (docs/usage.md, Plan): its TTFT deadline has passed, or the
-#: prediction says it cannot be met any more.
-REJECT_REASONS = ("ttft_expired", "ttft_unreachable")
+#: Why a plan rejects a request (docs/usage.md, Plan): its TTFT deadline has passed, its
+#: end-to-end deadline has passed (and comes before its TTFT deadline), or the prediction
+#: says its TTFT cannot be met any more.
+REJECT_REASONS = ("ttft_expired", "e2e_expired", "ttft_unreachable")
 
 
 class Rejection(NamedTuple):

@@ -250,14 +250,21 @@ class SlidingServePolicy:
 
 def _shed(snap: Snapshot, pre: np.ndarray, lost: np.ndarray
           ) -> tuple[np.ndarray, np.ndarray, tuple[Rejection, ...]]:
-    """Split the sheddable prefills that cannot meet their TTFT any more off the queue:
-    (the rest of ``pre``, its ``lost`` mask, the rejections).  Expired ones first, then
-    those the lost rule gives up on, each in queue (row) order."""
+    """Split the sheddable prefills that cannot meet their TTFT (or end-to-end deadline)
+    any more off the queue: (the rest of ``pre``, its ``lost`` mask, the rejections).
+    Expired ones first (``e2e_expired`` where the end-to-end deadline is the earlier one,
+    else ``ttft_expired``), then those the lost rule gives up on, each in queue (row) order."""
     expired = snap.slack[pre] <= 0
     out = snap.sheddable[pre] & (expired | lost)
     if not out.any():
         return pre, lost, ()
     ids = snap.ids
-    rej = tuple(Rejection(ids[i], "ttft_expired") for i in pre[out & expired].tolist())
+    gone = pre[out & expired]
+    if snap.any_e2e:
+        by_e2e = (snap.e2e_deadline[gone] < snap.ttft_deadline[gone]).tolist()
+        rej = tuple(Rejection(ids[i], "e2e_expired" if e else "ttft_expired")
+                    for i, e in zip(gone.tolist(), by_e2e, strict=True))
+    else:
+        rej = tuple(Rejection(ids[i], "ttft_expired") for i in gone.tolist())
     rej += tuple(Rejection(ids[i], "ttft_unreachable") for i in pre[out & ~expired].tolist())
     return pre[~out], lost[~out], rej

@@ -60,10 +60,12 @@ COLUMN_DTYPES: dict[str, Any] = {
     "protected": np.bool_,
 }
 #: The request-class columns (docs/usage.md, SLO classes): optional everywhere.  A
-#: snapshot without them is all priority 0, nothing sheddable (the v1 contract).
+#: snapshot without them is all priority 0, nothing sheddable, no end-to-end objective
+#: (the v1 contract).
 CLASS_COLUMN_DTYPES: dict[str, Any] = {
     "priority": np.int64,
     "sheddable": np.bool_,
+    "e2e_slo": np.float64,
 }
 #: Bound on ``|priority|`` (vLLM takes any int; 32 bits keep keys exact in float64).
 MAX_PRIORITY = (1 << 31) - 1
@@ -85,6 +87,9 @@ class Request:
     priority: int = 0
     #: The scheduler may reject this request early when its SLO cannot be met.
     sheddable: bool = False
+    #: End-to-end objective: seconds after arrival by which the last token must be out;
+    #: 0 = none.
+    e2e_slo: float = 0.0
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
@@ -102,7 +107,8 @@ class Snapshot:
     rows; ids are unique non-empty strings; ``0 <= computed_tokens <=
     prompt_tokens``; ``prompt_tokens >= 1``; ``output_tokens == 0`` while
     ``computed_tokens < prompt_tokens`` and ``>= 1`` once equal; times and SLOs
-    finite, SLOs > 0; ``max_batch_tokens >= 1``, ``max_num_seqs >= 1``.
+    finite, SLOs > 0 (``e2e_slo`` >= 0, 0 = none); ``max_batch_tokens >= 1``,
+    ``max_num_seqs >= 1``.
     """
 
     now: float
@@ -123,6 +129,7 @@ class Snapshot:
     #: Class columns (:data:`CLASS_COLUMN_DTYPES`); left out (empty), the defaults are filled in.
     priority: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     sheddable: np.ndarray = field(default_factory=lambda: np.zeros(0, np.bool_))
+    e2e_slo: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
     _cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -154,9 +161,10 @@ class Snapshot:
         max_requests: int = DEFAULT_MAX_REQUESTS,
         priority: Any = None,
         sheddable: Any = None,
+        e2e_slo: Any = None,
     ) -> Snapshot:
         """Validate columns and build a snapshot; raises :class:`ValidationError`.
-        ``priority`` and ``sheddable`` may be left out (None): all 0 / False."""
+        ``priority``, ``sheddable`` and ``e2e_slo`` may be left out (None): all 0 / False / 0."""
         errs: list[FieldViolation] = []
         scal = _validate_scalars(
             errs, now, max_batch_tokens, max_num_seqs, free_kv_tokens, prefill_throughput
@@ -172,7 +180,7 @@ class Snapshot:
             "tbt_slo": (tbt_slo, np.float64),
             "protected": (protected, np.bool_),
         }
-        for name, values in (("priority", priority), ("sheddable", sheddable)):
+        for name, values in (("priority", priority), ("sheddable", sheddable), ("e2e_slo", e2e_slo)):
             if values is not None:
                 cols[name] = (values, CLASS_COLUMN_DTYPES[name])
         ids_t, arrays = _validate_requests(errs, ids, cols, n)
@@ -264,6 +272,7 @@ class Snapshot:
             protected=[r.protected for r in reqs],
             priority=[r.priority for r in reqs],
             sheddable=[r.sheddable for r in reqs],
+            e2e_slo=[r.e2e_slo for r in reqs],
             free_kv_tokens=free_kv_tokens,
             prefill_throughput=prefill_throughput,
             profile=profile,
@@ -301,6 +310,7 @@ class Snapshot:
             protected=cols["protected"],
             priority=cols["priority"],
             sheddable=cols["sheddable"],
+            e2e_slo=cols["e2e_slo"],
             max_requests=max_requests,
         )
 
@@ -330,7 +340,7 @@ class Snapshot:
             for i, rid in enumerate(self.ids)
         ]
         # the class fields only where they differ from the default (the v1 form stays as it was)
-        for name, col in (("priority", self.priority), ("sheddable", self.sheddable)):
+        for name, col in (("priority", self.priority), ("sheddable", self.sheddable), ("e2e_slo", self.e2e_slo)):
             for i in np.flatnonzero(col).tolist():
                 out["requests"][i][name] = col[i].item()
         return out
@@ -368,12 +378,30 @@ class Snapshot:
         return self._memo("ttft_deadline", lambda: self.arrival + self.ttft_slo)
 
     @property
+    def e2e_deadline(self) -> np.ndarray:
+        """a_i + e2e_slo_i, by when the last token must be out; +inf without an objective."""
+        return self._memo("e2e_deadline", lambda: np.where(self.e2e_slo > 0, self.arrival + self.e2e_slo, np.inf))
+
+    @property
+    def any_e2e(self) -> bool:
+        """Some request has an end-to-end objective."""
+        v = self._cache.get("any_e2e")
+        if v is None:
+            v = self._cache["any_e2e"] = bool(self.e2e_slo.any())
+        return bool(v)
+
+    @property
     def slack(self) -> np.ndarray:
-        """s_i: TTFT slack for prefills (11), TBT slack for decodes (formula (1))."""
+        """s_i: TTFT slack for prefills (11), TBT slack for decodes (formula (1)); where the
+        request has an end-to-end objective, at most the time left to its deadline
+        (``e2e_deadline − now``)."""
 
         def compute() -> np.ndarray:
             k = np.where(self.is_decoding, self.output_tokens, 0)
-            return self.arrival + self.ttft_slo + k * self.tbt_slo - self.now
+            s = self.arrival + self.ttft_slo + k * self.tbt_slo - self.now
+            if self.any_e2e:  # else exactly formula (1), bit for bit
+                s = np.minimum(s, self.e2e_deadline - self.now)
+            return s
 
         return self._memo("slack", compute)
 
@@ -426,6 +454,7 @@ _REQUEST_FIELDS: dict[str, tuple[Any, bool]] = {
     "protected": (False, False),
     "priority": (0, False),
     "sheddable": (False, False),
+    "e2e_slo": (0.0, False),
 }
 
 
@@ -665,6 +694,10 @@ def _validate_rows(errs: list[FieldViolation], a: dict[str, np.ndarray]) -> None
     if "priority" in a:
         pr = a["priority"]  # not np.abs: |int64 min| overflows to itself, which would pass
         checks.append(("priority", (pr < -MAX_PRIORITY) | (pr > MAX_PRIORITY), f"must be within ±{MAX_PRIORITY}"))
+    if "e2e_slo" in a:
+        e = a["e2e_slo"]
+        checks.append(("e2e_slo", ~((e >= 0) & (e <= MAX_SECONDS)),
+                       f"must be finite and >= 0 (0 = none), at most {MAX_SECONDS:g}"))
     for name, bad, msg in checks:
         if not bad.any():
             continue
@@ -750,4 +783,6 @@ def _rows_ok(a: dict[str, np.ndarray]) -> bool:
         and np.array_equal(c == p, o > 0)
         and ("priority" not in a or not len(a["priority"])
              or (a["priority"].min() >= -MAX_PRIORITY and a["priority"].max() <= MAX_PRIORITY))
+        and ("e2e_slo" not in a or not len(a["e2e_slo"])
+             or (a["e2e_slo"].min() >= 0 and a["e2e_slo"].max() <= MAX_SECONDS))
     )

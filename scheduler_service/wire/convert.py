@@ -68,7 +68,7 @@ _COLUMNS = (
     ("protected", np.bool_),
 )
 #: The optional class columns (empty on the wire = the default class).
-_CLASS_COLUMNS = (("priority", np.int64), ("sheddable", np.bool_))
+_CLASS_COLUMNS = (("priority", np.int64), ("sheddable", np.bool_), ("e2e_slo", np.float64))
 _COLUMN_FIELD_NUMBERS = {f.name: f.number for f in pb.RequestColumns.DESCRIPTOR.fields}
 _FIXED_COLUMNS = ("arrival", "ttft_slo", "tbt_slo", "protected")
 _VARINT_COLUMNS = ("prompt_tokens", "computed_tokens", "output_tokens")
@@ -212,9 +212,9 @@ def snapshot_to_pb(
     elif encoding == "rows":
         lists = [getattr(snap, name).tolist() for name, _ in _COLUMNS + _CLASS_COLUMNS]
         add = msg.rows.requests.add
-        for rid, a, p, cp, o, ttft, tbt, g, pr, sh in zip(snap.ids, *lists, strict=True):
+        for rid, a, p, cp, o, ttft, tbt, g, pr, sh, e2e in zip(snap.ids, *lists, strict=True):
             add(id=rid, arrival=a, prompt_tokens=p, computed_tokens=cp, output_tokens=o,
-                ttft_slo=ttft, tbt_slo=tbt, protected=g, priority=pr, sheddable=sh)
+                ttft_slo=ttft, tbt_slo=tbt, protected=g, priority=pr, sheddable=sh, e2e_slo=e2e)
     else:
         raise ValueError(f"encoding must be 'columns' or 'rows', got {encoding!r}")
     return msg

@@ -117,3 +117,94 @@ def test_rejected_requests_finish_with_a_clear_reason_and_free_their_kv(base: ty
     assert [(x.labels, x.value) for x in fam.samples if x.name.endswith("_total")] == [
         ({"reason": "ttft_expired"}, 3.0)]
     s.slidingserve_close()
+
+
+# ------------------------------------------------------- end-to-end objective
+E2E_TABLE = ('{"0": {"ttft_ms": 400, "tbt_ms": 40, "e2e_ms": 20000}, '
+             '"2": {"ttft_ms": 4000, "tbt_ms": 100, "sheddable": true, "e2e_ms": 1500}}')
+
+
+def test_class_table_takes_an_e2e_objective() -> None:
+    s = VllmAdapterSettings.from_env({"SLIDINGSERVE_SLO_CLASSES": E2E_TABLE})
+    assert parse_slo_classes(s.slo_classes) == {
+        0: ClassSlo(0.4, 0.04, False, e2e_s=20.0), 2: ClassSlo(4.0, 0.1, True, e2e_s=1.5)}
+    assert parse_slo_classes(TABLE)[2].e2e_s == 0.0  # none unless set
+
+
+@pytest.mark.parametrize(("text", "msg"), [
+    ('{"1": {"e2e_ms": -1}}', r"SLIDINGSERVE_SLO_CLASSES\['1'\]\.e2e_ms must be a number of milliseconds >= 0"),
+    ('{"1": {"e2e_ms": "10s"}}', r"e2e_ms must be a number of milliseconds >= 0, got '10s'"),
+    ('{"1": {"e2e_ms": false}}', r"e2e_ms must be a number"),
+    ('{"1": {"e2e_ms": 1e300}}', r"e2e_ms must be at most 1e\+15"),
+    ('{"1": {"e2e": 5}}', r"keys from \['e2e_ms'"),
+])
+def test_bad_e2e_in_the_class_table_fails_with_the_entry_named(text: str, msg: str) -> None:
+    with pytest.raises(SettingsError, match=msg):
+        VllmAdapterSettings.from_env({"SLIDINGSERVE_SLO_CLASSES": text})
+
+
+def test_request_e2e_precedence() -> None:
+    d = SloDefaults(ttft_s=1.0, tbt_s=0.05, classes=parse_slo_classes(E2E_TABLE))
+    assert request_slo(None, 100, d, priority=2).e2e_s == 1.5  # the class's
+    assert request_slo({"slo_e2e_ms": 900}, 100, d, priority=2).e2e_s == 0.9  # its own wins
+    assert request_slo({"slo": {"e2e_ms": 700}}, 100, d, priority=7).e2e_s == 0.7  # nested form
+    assert request_slo({"slo_e2e_ms": "soon"}, 100, d, priority=2).e2e_s == 1.5  # malformed: falls back
+    assert request_slo({"slo_e2e_ms": float("nan")}, 100, d, priority=7).e2e_s == 0.0
+    assert request_slo(None, 100, d, priority=7).e2e_s == 0.0  # no class, no objective
+    assert request_slo({"slo_e2e_ms": 1e300}, 100, d).e2e_s == 1e12  # within the snapshot's bound
+
+
+def test_snapshot_carries_the_e2e_objective() -> None:
+    b = SnapshotBuilder(SloDefaults(classes=parse_slo_classes(E2E_TABLE)), profile="")
+    reqs = [make_request(64, 8, priority=2), make_request(64, 8), make_request(64, 8, priority=-3),
+            make_request(64, 8, priority=2, extra_args={"slo_e2e_ms": 2500}),
+            make_request(64, 8, priority=-3, extra_args={"slo": {"e2e_ms": 300}})]
+    snap, rows = b.build([], reqs, max_batch_tokens=512, max_num_seqs=8, free_kv_tokens=10_000)
+    assert rows == reqs
+    assert snap.e2e_slo.tolist() == [1.5, 20.0, 0.0, 2.5, 0.3]
+    assert snap.sheddable.tolist() == [True, False, False, True, False]
+    assert snap.e2e_deadline.tolist()[2] == float("inf")
+    arrival = [r.arrival_time for r in reqs]
+    assert snap.e2e_deadline.tolist()[3] == arrival[3] + 2.5
+    # the same again from the pool (SLOs are parsed once per request)
+    again, _ = b.build([], reqs, max_batch_tokens=512, max_num_seqs=8, free_kv_tokens=10_000)
+    assert again.e2e_slo.tolist() == snap.e2e_slo.tolist()
+
+
+@pytest.mark.parametrize("base,async_", CASES, ids=["sync", "async"])
+def test_requests_past_their_e2e_deadline_are_rejected_with_that_reason(base: type, async_: bool,
+                                                                         mdir: str) -> None:
+    """Sheddable requests whose end-to-end deadline has passed (their TTFT has not) finish
+    with ``slidingserve:e2e_expired``; the same requests not sheddable are served in full."""
+    clock = FakeClock()
+    cls = scheduler_class(base, {"SLIDINGSERVE_ADDRESS": "inproc", "SLIDINGSERVE_POLICY": "slidingserve"}, clock)
+    s = build_scheduler(cls, mdir, async_scheduling=async_, num_blocks=400)
+    now = time.time()
+    # arrived 5 s ago: TTFT 60 s ahead, end to end 2 s already past
+    late = {"slo_ttft_ms": 65_000, "slo_tbt_ms": 60, "slo_e2e_ms": 2000}
+    shed = [make_request(300, 4, arrival=now - 5, extra_args={**late, "slo_sheddable": True}) for _ in range(2)]
+    keep = [make_request(300, 4, arrival=now - 5, extra_args=late) for _ in range(2)]
+    for r in shed + keep:
+        s.add_request(r)
+    outs: list[Any] = []
+    orig = s.update_from_output
+
+    def spy(so: Any, out: Any) -> Any:
+        eco = orig(so, out)
+        outs.extend(o for v in eco.values() for o in v.outputs)
+        return eco
+    s.update_from_output = spy
+    res = Driver(s, clock, async_scheduling=async_).run()
+    final = {o.request_id: o for o in outs if o.finish_reason is not None}
+    for r in shed:
+        o = final[r.request_id]
+        assert o.finish_reason == FinishReason.ABORT and o.stop_reason == "slidingserve:e2e_expired"
+        assert r.request_id not in res.scheduled
+    for r in keep:
+        assert res.finished[r.request_id] == 4 and final[r.request_id].finish_reason == FinishReason.LENGTH
+    st = s.slidingserve_stats()
+    assert st["rejected"] == {"e2e_expired": 2}
+    fam = next(f for f in collect_families(st, {}) if f.name == "slidingserve_adapter_rejected_requests")
+    assert [(x.labels, x.value) for x in fam.samples if x.name.endswith("_total")] == [
+        ({"reason": "e2e_expired"}, 2.0)]
+    s.slidingserve_close()

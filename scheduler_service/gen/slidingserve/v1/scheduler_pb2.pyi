@@ -109,6 +109,7 @@ class RequestColumns(_message.Message):
     PROTECTED_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     SHEDDABLE_FIELD_NUMBER: _builtins.int
+    E2E_SLO_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Unique, non-empty request ids (at most 256 characters each)."""
@@ -151,6 +152,12 @@ class RequestColumns(_message.Message):
         Empty = none is.
         """
 
+    @_builtins.property
+    def e2e_slo(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """End-to-end objective (seconds after arrival by which the last token must be out;
+        finite, >= 0; 0 = none). Empty = no request has one. Added after v1.0.
+        """
+
     def __init__(
         self,
         *,
@@ -164,10 +171,11 @@ class RequestColumns(_message.Message):
         protected: _abc.Iterable[_builtins.bool] | None = ...,
         priority: _abc.Iterable[_builtins.int] | None = ...,
         sheddable: _abc.Iterable[_builtins.bool] | None = ...,
+        e2e_slo: _abc.Iterable[_builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrival", b"arrival", "computed_tokens", b"computed_tokens", "ids", b"ids", "output_tokens", b"output_tokens", "priority", b"priority", "prompt_tokens", b"prompt_tokens", "protected", b"protected", "sheddable", b"sheddable", "tbt_slo", b"tbt_slo", "ttft_slo", b"ttft_slo"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrival", b"arrival", "computed_tokens", b"computed_tokens", "e2e_slo", b"e2e_slo", "ids", b"ids", "output_tokens", b"output_tokens", "priority", b"priority", "prompt_tokens", b"prompt_tokens", "protected", b"protected", "sheddable", b"sheddable", "tbt_slo", b"tbt_slo", "ttft_slo", b"ttft_slo"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -189,6 +197,7 @@ class Request(_message.Message):
     PROTECTED_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     SHEDDABLE_FIELD_NUMBER: _builtins.int
+    E2E_SLO_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Unique, non-empty request id."""
     arrival: _builtins.float
@@ -209,6 +218,8 @@ class Request(_message.Message):
     """Class priority (smaller is served first)."""
     sheddable: _builtins.bool
     """Sheddable flag."""
+    e2e_slo: _builtins.float
+    """End-to-end objective (seconds after arrival; 0 = none)."""
     def __init__(
         self,
         *,
@@ -222,10 +233,11 @@ class Request(_message.Message):
         protected: _builtins.bool = ...,
         priority: _builtins.int = ...,
         sheddable: _builtins.bool = ...,
+        e2e_slo: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrival", b"arrival", "computed_tokens", b"computed_tokens", "id", b"id", "output_tokens", b"output_tokens", "priority", b"priority", "prompt_tokens", b"prompt_tokens", "protected", b"protected", "sheddable", b"sheddable", "tbt_slo", b"tbt_slo", "ttft_slo", b"ttft_slo"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrival", b"arrival", "computed_tokens", b"computed_tokens", "e2e_slo", b"e2e_slo", "id", b"id", "output_tokens", b"output_tokens", "priority", b"priority", "prompt_tokens", b"prompt_tokens", "protected", b"protected", "sheddable", b"sheddable", "tbt_slo", b"tbt_slo", "ttft_slo", b"ttft_slo"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -465,8 +477,10 @@ class Plan(_message.Message):
 
     @_builtins.property
     def reject_reasons(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Why each of reject_ids is rejected (same order): "ttft_expired" (its TTFT has passed)
-        or "ttft_unreachable" (the prediction says it can no longer be met).
+        """Why each of reject_ids is rejected (same order): "ttft_expired" (its TTFT has passed),
+        "e2e_expired" (its end-to-end deadline has passed, before its TTFT's) or
+        "ttft_unreachable" (the prediction says it can no longer be met).  Engines should
+        accept reasons they do not know.
         """
 
     def __init__(
