@@ -285,6 +285,8 @@ class SimulatedEngine:
             plan = self._plan_iteration(act, tally)
             if plan.rejections:
                 self._reject(plan, tally)
+            for rid in plan.preemptions:  # the plan counts their KV as free
+                self._preempt(self.index[rid])
             if not plan.allocations:
                 self._no_plan(act, arrived, tally)
                 continue

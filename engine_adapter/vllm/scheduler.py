@@ -540,6 +540,8 @@ class SlidingServeMixin:
             return None
         if decision.plan.rejections:
             self._reject(decision.plan.rejections)
+        if decision.plan.preemptions and self._preempt(decision.plan.preemptions):
+            free_blocks = int(self.kv_cache_manager.block_pool.get_num_free_blocks())
         plan = decision.plan.tokens_by_id()
         if not plan:
             self._fallback("empty_plan", f"policy path {decision.plan.path!r} schedules nothing")
@@ -570,6 +572,26 @@ class SlidingServeMixin:
             why = reason[req.request_id]
             self._ss_rejected_out.append((req, why))
             self._ss_rejects[why] += 1
+
+    def _preempt(self, ids: Sequence[str]) -> int:
+        """Preempt the requests a plan lists (to free KV for a higher class), now, before
+        vLLM schedules, as vLLM's own preemption does: their KV is freed and they wait at
+        the front of the queue to be recomputed.  The plan check let through only requests
+        holding KV; those no longer running (finished, or preempted by vLLM since the
+        plan's view was taken) are skipped.  Returns how many were preempted."""
+        now = time.monotonic()
+        done = 0
+        for rid in ids:
+            req = self.requests.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING or req not in self.running:
+                continue
+            if not self._request_blocks_can_be_freed(req):
+                continue  # a KV connector still reads them
+            self.running.remove(req)
+            self._preempt_request(req, now)
+            done += 1
+        self._ss_counts["plan_preemptions"] += done
+        return done
 
     def _rejected_outputs(self, outputs: dict[int, Any]) -> None:
         """Add the final outputs of the requests rejected in this step to vLLM's."""
@@ -890,6 +912,7 @@ class SlidingServeMixin:
             "trimmed_admissions": c["trimmed_admissions"],
             "rejected": dict(self._ss_rejects),
             "rejected_total": sum(self._ss_rejects.values()),
+            "plan_preemptions": c["plan_preemptions"],
             "reports": c["reports"],
             "report_errors": c["report_errors"],
             "mean_decide_us": c["decide_us"] / max(1, c["iterations"]),

@@ -46,8 +46,24 @@ def plan_violations(snapshot: Snapshot, plan: Plan, *, limit: int = 10) -> list[
         problems.append(f"{total} tokens exceed max_batch_tokens {snapshot.max_batch_tokens}")
     if len(plan.allocations) > snapshot.max_num_seqs:
         problems.append(f"{len(plan.allocations)} requests exceed max_num_seqs {snapshot.max_num_seqs}")
-    if snapshot.free_kv_tokens is not None and total > snapshot.free_kv_tokens:
-        problems.append(f"{total} tokens exceed free_kv_tokens {snapshot.free_kv_tokens}")
+    freed = 0
+    preempted: set[str] = set()
+    for rid in plan.preemptions:
+        i = index.get(rid)
+        if i is None:
+            problems.append(f"preempts unknown request {rid!r}")
+        elif snapshot.computed_tokens[i] <= 0:
+            problems.append(f"preempts request {rid!r}, which holds no KV")
+        elif rid in seen:
+            problems.append(f"preempts request {rid!r} and also allocates it tokens")
+        elif rid in preempted:
+            problems.append(f"preempts request {rid!r} twice")
+        else:
+            freed += int(snapshot.kv_tokens[i])
+        preempted.add(rid)
+    if snapshot.free_kv_tokens is not None and total > snapshot.free_kv_tokens + freed:
+        extra = f" + {freed} freed by preemption" if freed else ""
+        problems.append(f"{total} tokens exceed free_kv_tokens {snapshot.free_kv_tokens}{extra}")
     rejected: set[str] = set()
     for r in plan.rejections:
         i = index.get(r.id)
@@ -59,5 +75,7 @@ def plan_violations(snapshot: Snapshot, plan: Plan, *, limit: int = 10) -> list[
             problems.append(f"rejects request {r.id!r} and also allocates it tokens")
         elif r.id in rejected:
             problems.append(f"rejects request {r.id!r} twice")
+        elif r.id in preempted:
+            problems.append(f"rejects request {r.id!r} and also preempts it")
         rejected.add(r.id)
     return problems[:limit]

@@ -58,6 +58,10 @@ class Plan:
     deployment: str = ""
     #: Sheddable requests to finish now (overload control); never an allocated one.
     rejections: tuple[Rejection, ...] = ()
+    #: Requests holding KV whose KV the engine frees now, to recompute them later (vLLM's
+    #: recompute preemption): the plan already counts their KV as free.  Never an
+    #: allocated or rejected one.
+    preemptions: tuple[str, ...] = ()
 
     def decision_key(self) -> tuple[Any, ...]:
         key = (
@@ -69,8 +73,10 @@ class Plan:
             self.predicted_latency_ms,
             self.allocations,
         )
-        # a plan without rejections keeps the key it had before rejections existed
-        return (*key, self.rejections) if self.rejections else key
+        # a plan without rejections or preemptions keeps the key it had before they existed
+        if self.rejections:
+            key = (*key, self.rejections)
+        return (*key, ("preempt", self.preemptions)) if self.preemptions else key
 
     def tokens_by_id(self) -> dict[str, int]:
         """Request id → tokens this iteration (what an engine executes; ``to_dict`` is the
@@ -94,6 +100,8 @@ class Plan:
             out["deployment"] = self.deployment
         if self.rejections:
             out["rejections"] = [{"id": r.id, "reason": r.reason} for r in self.rejections]
+        if self.preemptions:
+            out["preemptions"] = list(self.preemptions)
         return out
 
     def to_json(self, indent: int | None = None) -> str:
@@ -113,4 +121,5 @@ class Plan:
             breakdown_us={str(k): int(v) for k, v in d.get("breakdown_us", {}).items()},
             deployment=str(d.get("deployment", "")),
             rejections=tuple(Rejection(str(r["id"]), str(r["reason"])) for r in d.get("rejections", ())),
+            preemptions=tuple(str(r) for r in d.get("preemptions", ())),
         )

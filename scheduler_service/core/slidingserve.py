@@ -16,7 +16,7 @@ The ablations switch parts off: ``sarathi-edf+sc`` (EDF order, chunker only),
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
@@ -29,7 +29,7 @@ from .params import param
 from .plan import Plan, Rejection
 from .predictor import BatchLatencyPredictor
 from .snapshot import Snapshot
-from .sorter import class_late_set, edf_order, late_set, mlps_order, prefill_indices
+from .sorter import class_late_set, edf_order, late_set, mlps_order, ordered, prefill_indices
 
 __all__ = ["SlidingServeParams", "SlidingServePolicy"]
 
@@ -90,6 +90,11 @@ class SlidingServeParams:
         doc="request classes: lower-class decodes sit out an iteration when the decodes alone "
             "would make a higher-class decode miss its token",
     )
+    preempt: bool = param(
+        True,
+        doc="request classes: when KV keeps out a live request, free the KV of lower-class "
+            "requests given up part-way through their prefill (the plan's preemptions)",
+    )
     shed: bool = param(
         True,
         doc="reject sheddable requests whose first token is already late or that the lost rule "
@@ -113,6 +118,16 @@ class SlidingServePolicy:
         pre = prefill_indices(snap)
         rho = snap.prefill_throughput or predictor.prefill_throughput(snap.max_batch_tokens)
         lost = self._lost(snap, predictor, pre, rho)
+        if p.preempt and not snap.one_class and snap.free_kv_tokens is not None and len(pre):
+            victims = _kv_victims(snap, pre, lost, len(dec_all), p.kv_growth_iters, p.kv_decode_reserve)
+            if len(victims):
+                # plan on the snapshot without them, their KV counted as free
+                keep = np.ones(len(snap), dtype=bool)
+                keep[victims] = False
+                sub = _without(snap, keep, snap.free_kv_tokens + int(snap.kv_tokens[victims].sum()))
+                plan = replace(self, params=replace(p, preempt=False)).plan(sub, predictor)
+                return replace(plan, preemptions=tuple(snap.ids[i] for i in victims.tolist()),
+                               decision_us=(time.perf_counter_ns() - t0) // 1000)
         if p.shed and snap.any_sheddable and len(pre) and bool(snap.sheddable[pre].any()):
             pre, lost, rejections = _shed(snap, pre, lost)
             plan = self._choose(snap, predictor, t0, dec_all, pre, lost, rho)
@@ -268,3 +283,48 @@ def _shed(snap: Snapshot, pre: np.ndarray, lost: np.ndarray
         rej = tuple(Rejection(ids[i], "ttft_expired") for i in gone.tolist())
     rej += tuple(Rejection(ids[i], "ttft_unreachable") for i in pre[out & ~expired].tolist())
     return pre[~out], lost[~out], rej
+
+
+def _kv_victims(snap: Snapshot, pre: np.ndarray, lost: np.ndarray, n_dec: int, growth_iters: int,
+                decode_reserve: int) -> np.ndarray:
+    """Snapshot indices of the requests to preempt so that KV admits the highest class's
+    live new prefills (docs/policies.md, Request classes); empty when KV already does.
+
+    c is the highest class with a live new prefill (nothing computed, slack left, not
+    given up); it needs min(their remaining tokens, max_batch_tokens) of KV beyond what
+    the KV-growth watermark keeps.  Victims are requests of a lower class than c that were
+    given up, or whose TTFT passed, part-way through their prefill: they hold KV and
+    wait behind every live request.  Lowest class first, then the most KV first, until
+    the need is met (each also frees its share of the watermark); all of them when that
+    is not enough."""
+    comp = snap.computed_tokens[pre]
+    live = (snap.slack[pre] > 0) & ~lost
+    new = live & (comp == 0)
+    if not new.any():
+        return np.zeros(0, np.int64)
+    prio = snap.priority[pre]
+    c = prio[new].min()
+    parked = (comp > 0) & (lost | (snap.slack[pre] <= 0)) & (prio > c)
+    if not parked.any():
+        return np.zeros(0, np.int64)
+    assert snap.free_kv_tokens is not None
+    need = int(min(snap.remaining_prefill[pre][new & (prio == c)].sum(), snap.max_batch_tokens))
+    holders = int(np.count_nonzero(snap.computed_tokens > 0))
+    avail = snap.free_kv_tokens - growth_iters * holders - decode_reserve * n_dec
+    if avail >= need:
+        return np.zeros(0, np.int64)
+    cand = pre[parked]
+    cand = ordered(snap, cand, -snap.priority[cand], -snap.kv_tokens[cand])
+    gain = np.cumsum(snap.kv_tokens[cand] + growth_iters)
+    m = min(int(np.searchsorted(gain, need - avail)) + 1, len(cand))
+    return np.sort(cand[:m])
+
+
+def _without(snap: Snapshot, keep: np.ndarray, free_kv_tokens: int) -> Snapshot:
+    """``snap``'s rows ``keep`` (a mask), with ``free_kv_tokens`` free: every per-request
+    column is cut the same way, whichever columns the snapshot has."""
+    n = len(snap)
+    cols = {f.name: getattr(snap, f.name)[keep] for f in fields(snap)
+            if isinstance(getattr(snap, f.name), np.ndarray) and len(getattr(snap, f.name)) == n}
+    ids = tuple(r for r, k in zip(snap.ids, keep.tolist(), strict=True) if k)
+    return replace(snap, ids=ids, free_kv_tokens=free_kv_tokens, _cache={}, **cols)

@@ -270,6 +270,8 @@ def plan_to_pb(plan: Plan) -> pb.Plan:
     if plan.rejections:
         msg.reject_ids.extend([r.id for r in plan.rejections])
         msg.reject_reasons.extend([r.reason for r in plan.rejections])
+    if plan.preemptions:
+        msg.preempt_ids.extend(plan.preemptions)
     return msg
 
 
@@ -288,6 +290,7 @@ def plan_from_pb(msg: pb.Plan) -> Plan:
         breakdown_us=dict(msg.breakdown_us),
         deployment=msg.deployment,
         rejections=tuple(map(Rejection, msg.reject_ids, msg.reject_reasons)),
+        preemptions=tuple(msg.preempt_ids),
     )
 
 

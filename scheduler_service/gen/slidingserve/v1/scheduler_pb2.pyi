@@ -439,6 +439,7 @@ class Plan(_message.Message):
     DEPLOYMENT_FIELD_NUMBER: _builtins.int
     REJECT_IDS_FIELD_NUMBER: _builtins.int
     REJECT_REASONS_FIELD_NUMBER: _builtins.int
+    PREEMPT_IDS_FIELD_NUMBER: _builtins.int
     policy: _builtins.str
     """Name of the policy that decided."""
     policy_version: _builtins.str
@@ -483,6 +484,13 @@ class Plan(_message.Message):
         accept reasons they do not know.
         """
 
+    @_builtins.property
+    def preempt_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Requests holding KV whose KV the engine should free now and recompute later (vLLM's
+        recompute preemption); the plan's allocations already count that KV as free.  Never an
+        allocated or rejected request.  Added after v1.0: older services send none.
+        """
+
     def __init__(
         self,
         *,
@@ -499,10 +507,11 @@ class Plan(_message.Message):
         deployment: _builtins.str = ...,
         reject_ids: _abc.Iterable[_builtins.str] | None = ...,
         reject_reasons: _abc.Iterable[_builtins.str] | None = ...,
+        preempt_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocation_ids", b"allocation_ids", "allocation_tokens", b"allocation_tokens", "breakdown_us", b"breakdown_us", "decision_us", b"decision_us", "deployment", b"deployment", "path", b"path", "policy", b"policy", "policy_version", b"policy_version", "predicted_latency_ms", b"predicted_latency_ms", "predictor_version", b"predictor_version", "reject_ids", b"reject_ids", "reject_reasons", b"reject_reasons", "token_budget", b"token_budget"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocation_ids", b"allocation_ids", "allocation_tokens", b"allocation_tokens", "breakdown_us", b"breakdown_us", "decision_us", b"decision_us", "deployment", b"deployment", "path", b"path", "policy", b"policy", "policy_version", b"policy_version", "predicted_latency_ms", b"predicted_latency_ms", "predictor_version", b"predictor_version", "preempt_ids", b"preempt_ids", "reject_ids", b"reject_ids", "reject_reasons", b"reject_reasons", "token_budget", b"token_budget"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
