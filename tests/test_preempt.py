@@ -70,20 +70,21 @@ def test_the_plan_check_refuses_bad_preemptions(preempt: tuple[str, ...], alloc:
     assert expect in plan_violations(s, bad)
 
 
-def _classes(s: Snapshot, priority: np.ndarray) -> Snapshot:
+def _classes(s: Snapshot, priority: np.ndarray, sheddable: np.ndarray | None = None) -> Snapshot:
     cols = {k: getattr(s, k) for k in ("arrival", "prompt_tokens", "computed_tokens", "output_tokens",
-                                        "ttft_slo", "tbt_slo", "protected", "sheddable")}
+                                        "ttft_slo", "tbt_slo", "protected")}
+    cols["sheddable"] = s.sheddable if sheddable is None else sheddable
     return Snapshot.from_columns(now=s.now, max_batch_tokens=s.max_batch_tokens, max_num_seqs=s.max_num_seqs,
                                  ids=list(s.ids), free_kv_tokens=s.free_kv_tokens,
                                  prefill_throughput=s.prefill_throughput, priority=priority, **cols)
 
 
 def _tight(seed: int) -> Snapshot:
-    """Three classes, partly prefilled requests, little free KV."""
+    """Three classes (a fifth sheddable), partly prefilled requests, little free KV."""
     rng = np.random.default_rng(seed + 31)
     s = random_snapshot(seed, n=16, max_prompt=300, max_batch_tokens=int(rng.integers(16, 256)),
                         free_kv_tokens=int(rng.integers(0, 1200)), decode_frac=0.25)
-    return _classes(s, rng.integers(0, 3, len(s)).astype(np.int64))
+    return _classes(s, rng.integers(0, 3, len(s)).astype(np.int64), rng.random(len(s)) < 0.2)
 
 
 def _check(s: Snapshot, plan: Plan, pred: object) -> None:
@@ -103,10 +104,11 @@ def _check(s: Snapshot, plan: Plan, pred: object) -> None:
         # a partly prefilled request of a lower class than a live new one, given up or late
         assert not s.is_decoding[i] and s.computed_tokens[i] > 0
         assert s.priority[i] > top and i in given_up
+        assert not s.sheddable[i]  # a sheddable one is rejected, not preempted
     # lowest class first, then the most KV first, and only as many as needed
     p = pol.params  # type: ignore[attr-defined]
     chosen = [s.index_of[r] for r in plan.preemptions]
-    cand = [i for i in given_up if s.computed_tokens[i] > 0 and s.priority[i] > top]
+    cand = [i for i in given_up if s.computed_tokens[i] > 0 and s.priority[i] > top and not s.sheddable[i]]
     key = {i: (-int(s.priority[i]), -int(s.kv_tokens[i])) for i in cand}
     assert all(key[u] >= key[v] for u in set(cand) - set(chosen) for v in chosen)
     chosen.sort(key=key.__getitem__)

@@ -64,7 +64,7 @@ class Plan:
     preemptions: tuple[str, ...] = ()
 
     def decision_key(self) -> tuple[Any, ...]:
-        key = (
+        key: tuple[Any, ...] = (
             self.policy,
             self.policy_version,
             self.predictor_version,

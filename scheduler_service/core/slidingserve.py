@@ -119,7 +119,7 @@ class SlidingServePolicy:
         rho = snap.prefill_throughput or predictor.prefill_throughput(snap.max_batch_tokens)
         lost = self._lost(snap, predictor, pre, rho)
         if p.preempt and not snap.one_class and snap.free_kv_tokens is not None and len(pre):
-            victims = _kv_victims(snap, pre, lost, len(dec_all), p.kv_growth_iters, p.kv_decode_reserve)
+            victims = _kv_victims(snap, pre, lost, len(dec_all), p.kv_growth_iters, p.kv_decode_reserve, p.shed)
             if len(victims):
                 # plan on the snapshot without them, their KV counted as free
                 keep = np.ones(len(snap), dtype=bool)
@@ -286,7 +286,7 @@ def _shed(snap: Snapshot, pre: np.ndarray, lost: np.ndarray
 
 
 def _kv_victims(snap: Snapshot, pre: np.ndarray, lost: np.ndarray, n_dec: int, growth_iters: int,
-                decode_reserve: int) -> np.ndarray:
+                decode_reserve: int, shed: bool) -> np.ndarray:
     """Snapshot indices of the requests to preempt so that KV admits the highest class's
     live new prefills (docs/policies.md, Request classes); empty when KV already does.
 
@@ -294,9 +294,9 @@ def _kv_victims(snap: Snapshot, pre: np.ndarray, lost: np.ndarray, n_dec: int, g
     given up); it needs min(their remaining tokens, max_batch_tokens) of KV beyond what
     the KV-growth watermark keeps.  Victims are requests of a lower class than c that were
     given up, or whose TTFT passed, part-way through their prefill: they hold KV and
-    wait behind every live request.  Lowest class first, then the most KV first, until
-    the need is met (each also frees its share of the watermark); all of them when that
-    is not enough."""
+    wait behind every live request (sheddable ones are rejected instead when ``shed``).
+    Lowest class first, then the most KV first, until the need is met (each also frees
+    its share of the watermark); all of them when that is not enough."""
     comp = snap.computed_tokens[pre]
     live = (snap.slack[pre] > 0) & ~lost
     new = live & (comp == 0)
@@ -305,6 +305,8 @@ def _kv_victims(snap: Snapshot, pre: np.ndarray, lost: np.ndarray, n_dec: int, g
     prio = snap.priority[pre]
     c = prio[new].min()
     parked = (comp > 0) & (lost | (snap.slack[pre] <= 0)) & (prio > c)
+    if shed and snap.any_sheddable:
+        parked &= ~snap.sheddable[pre]
     if not parked.any():
         return np.zeros(0, np.int64)
     assert snap.free_kv_tokens is not None
