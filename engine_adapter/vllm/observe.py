@@ -98,6 +98,8 @@ def collect_families(s: dict[str, Any], info: dict[str, str]) -> Iterator[Any]:
     yield _fam("counter", p + "rejected_requests", "Sheddable requests finished early because a plan rejected "
                "them, by reason (ttft_expired, e2e_expired, ttft_unreachable)", labels=["reason"],
                samples=[([r], n) for r, n in sorted(s.get("rejected", {}).items())])
+    yield _fam("counter", p + "plan_preemptions", "Requests preempted (KV freed, recomputed later) because a "
+               "plan listed them, to admit a higher class", s.get("plan_preemptions", 0))
     yield _fam("counter", p + "reports", "Iteration reports queued for ReportIterations", s["reports"])
     yield _fam("counter", p + "reports_sent", "Iteration reports delivered to the service",
                core.get("reports_sent", 0))

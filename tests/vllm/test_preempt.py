@@ -9,6 +9,7 @@ import pytest
 from vllm.v1.request import RequestStatus
 
 from engine_adapter.vllm import RemoteScheduler, RemoteSyncScheduler
+from engine_adapter.vllm.observe import collect_families
 
 from .support import Driver, FakeClock, build_scheduler, make_request, scheduler_class
 
@@ -49,4 +50,6 @@ def test_a_plan_preempts_a_lower_class_request_to_admit_a_higher_one(base: type,
     assert not s.requests and s.kv_cache_manager.block_pool.get_num_free_blocks() == free0
     st = s.slidingserve_stats()
     assert st["plan_preemptions"] == 1
+    fam = next(f for f in collect_families(st, {}) if f.name == "slidingserve_adapter_plan_preemptions")
+    assert [x.value for x in fam.samples if x.name.endswith("_total")] == [1.0]
     s.slidingserve_close()
