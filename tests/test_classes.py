@@ -712,3 +712,52 @@ def test_class_mix_may_set_an_e2e_objective_and_the_default_mix_does_not() -> No
     for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="e2e_s"):
             SLOClass("x", 0.5, e2e_s=bad)
+
+
+# ------------------------------------------- BatchConstructor value with classes
+@pytest.mark.parametrize("seed", range(200))
+def test_batch_constructor_never_takes_a_lower_class_in_place_of_a_higher_one(seed: int) -> None:
+    """In a BatchConstructor selection no lower-class request takes the place of a higher-class
+    candidate that would fit there: swapping a chosen non-anchor request for an unchosen
+    candidate of a higher class, no larger and with at least the anchor's slack, breaks the
+    capacity or the predicted-time check (formula (18) with class values)."""
+    from scheduler_service.core.batch import BudgetCurve, CandidateQueue
+    from scheduler_service.core.sorter import prefill_indices
+    from tests.factories import decoding, make_snapshot, waiting
+    from tests.test_constructor import PRED
+
+    # more prefills than one batch holds, all at risk: the knapsack must choose
+    rng = np.random.default_rng(seed + 3)
+    reqs = [decoding(f"d{i}", 20, 3, arrival=9.9, ttft=0.5) for i in range(int(rng.integers(0, 3)))]
+    reqs += [waiting(f"p{i:02d}", int(rng.integers(5, 60)), arrival=float(10.0 - rng.uniform(0, 0.05)),
+                     ttft=float(rng.uniform(0.03, 0.09))) for i in range(int(rng.integers(6, 16)))]
+    snap = make_snapshot(reqs, now=10.0, max_batch_tokens=int(rng.integers(48, 160)))
+    snap = _with(snap, priority=rng.integers(0, 3, len(snap)).astype(np.int64))
+    dec = np.flatnonzero(snap.is_decoding)
+    cq = CandidateQueue.build(snap, PRED, dec, prefill_indices(snap), n_all_decodes=len(dec))
+    curve = BudgetCurve(cq.fill_curve_ms(), len(dec))
+    n_dec, t_full, token_cap = len(dec), float(curve.times[-1]) + 50.0, cq.iter_cap
+    decodes = np.flatnonzero(snap.is_decoding)
+    pre = np.flatnonzero(~snap.is_decoding)
+    live = pre[snap.slack[pre] > 0]
+    got = construct_batch(snap, live, curve, n_dec, t_full, token_cap=token_cap, seq_cap=1000,
+                          max_candidates=1000, margin=1.1, predictor=PRED, decodes=decodes)
+    if got is None:
+        return
+    chosen = list(got.chosen)
+    s_a = snap.slack[got.anchor]
+    cap = min(int(curve.prefill_tokens_within(s_a * 1e3 / 1.1)), token_cap)
+
+    def fits(sel: list[int]) -> bool:
+        idx = np.array(sel, dtype=np.int64)
+        if int(snap.remaining_prefill[idx].sum()) > cap:
+            return False
+        f = piece_features(np.concatenate([np.ones(len(decodes)), snap.remaining_prefill[idx]]),
+                           np.concatenate([snap.kv_tokens[decodes], snap.computed_tokens[idx]]))
+        return 1.1 * float(PRED.predict_ms(combine(f)[None, :])[0]) <= snap.slack[idx].min() * 1e3
+
+    for i in chosen[1:]:
+        for j in set(live.tolist()) - set(chosen):
+            if snap.priority[j] < snap.priority[i] and snap.slack[j] >= s_a and \
+                    snap.remaining_prefill[j] <= snap.remaining_prefill[i]:
+                assert not fits([j if k == i else k for k in chosen]), (seed, snap.ids[i], snap.ids[j])

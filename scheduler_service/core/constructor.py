@@ -27,7 +27,10 @@ Decisions where the paper is silent or the naive form is too slow:
   at least the anchor's slack, of any class; and the batch's time is bounded
   by the slack of every scheduled decode of a higher class than the anchors'
   too (a lower class's anchor never costs a higher class's decode its token).
-  With one class, formula (17) as is.
+  The values (18) are scaled class by class (``class_values``) so that each
+  request is worth more than all lower-class requests together: the knapsack,
+  which maximises Σv, takes a higher-class request before any set of
+  lower-class ones it could take instead.  With one class, (17) and (18) as is.
 * Final check and repair.  C_a comes from the fill curve of the *sorted*
   queue, but the knapsack takes other requests, whose cached tokens (x1, x3)
   and chunk sizes (x2, x7) can cost more than the queue's head.  So, as in the
@@ -64,6 +67,22 @@ class ConstructorResult:
     #: Snapshot indices of the chosen prefills, anchor included.
     chosen: tuple[int, ...]
     value: float
+
+
+def class_values(v: np.ndarray, priority: np.ndarray) -> np.ndarray:
+    """The values (18) scaled class by class, from the lowest up, so that every request is
+    worth more than all requests of lower classes together: a knapsack that maximises Σv
+    then takes a higher-class request before any set of lower-class ones that it could
+    take instead.  Within a class the values keep their ratios."""
+    out = v.astype(np.float64).copy()
+    below = 0.0  # total (scaled) value of the classes done so far
+    for level in np.unique(priority)[::-1].tolist():  # lowest class (largest priority) first
+        m = priority == level
+        low = float(out[m].min())
+        if below > 0.0:
+            out[m] *= 2.0 * below / low if 2.0 * below > low else 1.0
+        below += float(out[m].sum())
+    return out
 
 
 def _order_by_slack_desc(snap: Snapshot, idx: np.ndarray) -> np.ndarray:
@@ -111,6 +130,8 @@ def construct_batch(
                 limit_s = float(snap.slack[above].min())
     r_all = snap.remaining_prefill[live].astype(np.float64)
     v_all = 1.0 / (s_all / s_all.sum() + r_all / r_all.sum())  # (18)
+    if not snap.one_class:
+        v_all = class_values(v_all, snap.priority[live])
     cap_of = _anchor_capacities(snap, risky, curve, token_cap, margin, limit_s)
     if not cap_of:
         return None
