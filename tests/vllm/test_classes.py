@@ -83,13 +83,14 @@ def test_rejected_requests_finish_with_a_clear_reason_and_free_their_kv(base: ty
     s = build_scheduler(cls, mdir, async_scheduling=async_, num_blocks=400)
     free0 = s.kv_cache_manager.block_pool.get_num_free_blocks()
     # already past their TTFT (arrived 5 s ago, 100 ms TTFT): sheddable or not.  Snapshots
-    # are taken on the wall clock (the fake clock only times the steps).
+    # are taken on the wall clock (the fake clock only times the steps), so the on-time ones
+    # get a minute: a loaded machine must not make them late.
     now = time.time()
     late = {"slo_ttft_ms": 100, "slo_tbt_ms": 60}
     shed = [make_request(300, 4, arrival=now - 5, extra_args={**late, "slo_sheddable": True})
             for _ in range(3)]
     keep = [make_request(300, 4, arrival=now - 5, extra_args=late) for _ in range(2)]
-    fresh = [make_request(64, 4, arrival=now, extra_args={"slo_ttft_ms": 2000, "slo_tbt_ms": 60,
+    fresh = [make_request(64, 4, arrival=now, extra_args={"slo_ttft_ms": 60000, "slo_tbt_ms": 60000,
                                                              "slo_sheddable": True}) for _ in range(3)]
     for r in shed + keep + fresh:
         s.add_request(r)
