@@ -385,10 +385,7 @@ class Snapshot:
     @property
     def any_e2e(self) -> bool:
         """Some request has an end-to-end objective."""
-        v = self._cache.get("any_e2e")
-        if v is None:
-            v = self._cache["any_e2e"] = bool(self.e2e_slo.any())
-        return bool(v)
+        return self._flag("any_e2e", lambda: self.e2e_slo.any())
 
     @property
     def slack(self) -> np.ndarray:
@@ -409,18 +406,12 @@ class Snapshot:
     def one_class(self) -> bool:
         """Every request has the same priority (the v1 contract, and the common case): the
         class-aware steps of a policy can skip their per-subset checks."""
-        v = self._cache.get("one_class")
-        if v is None:
-            p = self.priority
-            v = self._cache["one_class"] = bool(len(p) == 0 or p.min() == p.max())
-        return bool(v)
+        p = self.priority
+        return self._flag("one_class", lambda: len(p) == 0 or p.min() == p.max())
 
     @property
     def any_sheddable(self) -> bool:
-        v = self._cache.get("any_sheddable")
-        if v is None:
-            v = self._cache["any_sheddable"] = bool(self.sheddable.any())
-        return bool(v)
+        return self._flag("any_sheddable", lambda: self.sheddable.any())
 
     @property
     def kv_tokens(self) -> np.ndarray:
@@ -441,6 +432,13 @@ class Snapshot:
             v = _readonly(np.asarray(fn()))
             self._cache[key] = v
         return v
+
+    def _flag(self, key: str, fn: Any) -> bool:
+        """A memoised yes/no fact about the snapshot (``_memo`` for a bool)."""
+        v = self._cache.get(key)
+        if v is None:
+            v = self._cache[key] = bool(fn())
+        return bool(v)
 
 
 _REQUEST_FIELDS: dict[str, tuple[Any, bool]] = {
