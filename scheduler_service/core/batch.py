@@ -94,7 +94,7 @@ def fit_class_decodes(snap: Snapshot, predictor: BatchLatencyPredictor, decodes:
     # What the decodes left after dropping the first m predict (m = 0..n-1): the
     # decode-only terms, linear in the count and the context.
     kept_u = u_o[::-1].cumsum()[::-1]
-    t_ms = np.array([predictor.model(DECODE).base_ms(n - m, float(kept_u[m])) for m in range(n)])
+    t_ms = predictor.model(DECODE).base_ms_many(np.arange(n, 0, -1, dtype=np.float64), kept_u)
     # Whom dropping order[m] would protect: the safe decodes of a strictly higher class,
     # all after order[m]'s class in the drop order.
     safe = np.where(s_o > 0, s_o, np.inf)

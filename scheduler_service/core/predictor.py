@@ -83,8 +83,12 @@ class LinearModel:
     def base_ms(self, n_decodes: float, decode_u: float) -> float:
         """Intercept plus the terms of ``n_decodes`` decodes of total context
         ``decode_u`` (x3, x4, x5)."""
+        return float(self.base_ms_many(n_decodes, decode_u))
+
+    def base_ms_many(self, n_decodes: Any, decode_u: Any) -> Any:
+        """:meth:`base_ms` elementwise over arrays (the same operations in the same order)."""
         w = self.weights
-        return float(self.intercept_ms + w[2] * decode_u + w[3] * n_decodes + w[4] * decode_u)
+        return self.intercept_ms + w[2] * decode_u + w[3] * n_decodes + w[4] * decode_u
 
     def piece_ms(self, c: np.ndarray, u: np.ndarray) -> np.ndarray:
         """Terms x1..x6 of each piece of c tokens on u cached ones (formula
