@@ -72,6 +72,21 @@ def test_snapshot_carries_vllm_priority_and_class() -> None:
 CASES = [(RemoteSyncScheduler, False), (RemoteScheduler, True)]
 
 
+def _run_keeping_final_outputs(s: Any, clock: FakeClock, async_: bool) -> tuple[Any, dict[str, Any]]:
+    """Drive ``s`` to the end; the run's result and every request's final output, as its
+    client receives it."""
+    outs: list[Any] = []
+    orig = s.update_from_output
+
+    def spy(so: Any, out: Any) -> Any:
+        eco = orig(so, out)
+        outs.extend(o for v in eco.values() for o in v.outputs)
+        return eco
+    s.update_from_output = spy
+    res = Driver(s, clock, async_scheduling=async_).run()
+    return res, {o.request_id: o for o in outs if o.finish_reason is not None}
+
+
 @pytest.mark.parametrize("base,async_", CASES, ids=["sync", "async"])
 def test_rejected_requests_finish_with_a_clear_reason_and_free_their_kv(base: type, async_: bool,
                                                                          mdir: str) -> None:
@@ -94,16 +109,7 @@ def test_rejected_requests_finish_with_a_clear_reason_and_free_their_kv(base: ty
                                                              "slo_sheddable": True}) for _ in range(3)]
     for r in shed + keep + fresh:
         s.add_request(r)
-    outs: list[Any] = []
-    orig = s.update_from_output
-
-    def spy(so: Any, out: Any) -> Any:
-        eco = orig(so, out)
-        outs.extend(o for v in eco.values() for o in v.outputs)
-        return eco
-    s.update_from_output = spy
-    res = Driver(s, clock, async_scheduling=async_).run()
-    final = {o.request_id: o for o in outs if o.finish_reason is not None}
+    res, final = _run_keeping_final_outputs(s, clock, async_)
     for r in shed:
         o = final[r.request_id]
         assert o.finish_reason == FinishReason.ABORT and o.stop_reason == "slidingserve:ttft_expired"
@@ -187,16 +193,7 @@ def test_requests_past_their_e2e_deadline_are_rejected_with_that_reason(base: ty
     keep = [make_request(300, 4, arrival=now - 5, extra_args=late) for _ in range(2)]
     for r in shed + keep:
         s.add_request(r)
-    outs: list[Any] = []
-    orig = s.update_from_output
-
-    def spy(so: Any, out: Any) -> Any:
-        eco = orig(so, out)
-        outs.extend(o for v in eco.values() for o in v.outputs)
-        return eco
-    s.update_from_output = spy
-    res = Driver(s, clock, async_scheduling=async_).run()
-    final = {o.request_id: o for o in outs if o.finish_reason is not None}
+    res, final = _run_keeping_final_outputs(s, clock, async_)
     for r in shed:
         o = final[r.request_id]
         assert o.finish_reason == FinishReason.ABORT and o.stop_reason == "slidingserve:e2e_expired"
