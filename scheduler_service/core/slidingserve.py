@@ -25,6 +25,7 @@ from .assemble import assemble_plan, in_queue_order
 from .batch import CandidateQueue, fit_class_decodes, select_decodes
 from .chunker import sliding_chunk, window_limits_ms
 from .constructor import construct_batch
+from .features import DECODE
 from .params import param
 from .plan import Plan, Rejection
 from .predictor import BatchLatencyPredictor
@@ -100,6 +101,18 @@ class SlidingServeParams:
         doc="reject sheddable requests whose first token is already late or that the lost rule "
             "gives up on (the plan's rejections); requests that are not sheddable are never rejected",
     )
+    class_reserve: float = param(
+        0.95, lo=0.0, hi=10.0,
+        doc="request classes: the k-th class below the top class present admits new requests only "
+            "while the decodes and partial prefills are predicted to take at most this to the power "
+            "k times the tightest higher-class TBT per iteration (0 = off)",
+    )
+    class_rescue: bool = param(
+        True,
+        doc="request classes: when the top class's prefills lose more first tokens at the pace left "
+            "beside every decode than with lower-class decodes sitting out, the fewest lower-class "
+            "decodes that close the gap sit out",
+    )
     order: str = param("mlps", choices=("mlps", "edf"), doc="prefill queue order")
     batch_constructor: bool = param(True, doc="route risky batches to BatchConstructor")
 
@@ -138,11 +151,22 @@ class SlidingServePolicy:
                 pre: np.ndarray, lost: np.ndarray, rho: float) -> Plan:
         """The plan with decodes that need no token now sitting out, when a prefill can use
         their room; else with every decode."""
+        p = self.params
+        rescued = None
+        if not snap.one_class and len(pre):
+            if p.class_reserve > 0:
+                pre, lost = _reserve(snap, predictor, dec_all, pre, lost, p.class_reserve)
+            if p.class_rescue and len(dec_all):
+                lost, rescued = _rescue(snap, predictor, dec_all, pre, lost, p.margin)
         live, out = self._sit_out(snap, dec_all, pre, lost)
+        if rescued is not None:
+            out |= rescued
         if out.any():
             plan = self._plan(snap, predictor, t0, dec_all, dec_all[~out], pre, lost, live, rho)
             if plan.path in _PREFILL_PATHS:  # a prefill got the room
                 return plan
+            if rescued is not None:  # the higher-class decodes catch up without them
+                return self._plan(snap, predictor, t0, dec_all, dec_all[~rescued], pre, lost, live, rho)
             # No prefill could use the room (KV, limits): sitting out would only idle decodes.
         return self._plan(snap, predictor, t0, dec_all, dec_all, pre, lost, live, rho)
 
@@ -261,6 +285,102 @@ class SlidingServePolicy:
             {"sorter": t1 - t0, "predictor": t2 - t1, "constructor": t3 - t2, "chunker": t4 - t3},
             predicted,
         )
+
+
+def _reserve(snap: Snapshot, predictor: BatchLatencyPredictor, dec_all: np.ndarray, pre: np.ndarray,
+             lost: np.ndarray, beta: float) -> tuple[np.ndarray, np.ndarray]:
+    """Request classes, class reserve (docs/policies.md): ``pre`` and ``lost`` without the
+    new requests (nothing computed) of the classes that wait this iteration.
+
+    T̂_dec is the decode-only time of the decodes plus the partial prefills (each with its
+    whole prompt as context: they decode next).  Walking the classes present from the
+    second highest down, the k-th waits, with every class below it, when
+    T̂_dec > beta^k × the tightest TBT of the classes above it.  The top class and the
+    requests already partly prefilled never wait."""
+    new = snap.computed_tokens[pre] == 0
+    if not new.any():
+        return pre, lost
+    partial = pre[~new]
+    n = len(dec_all) + len(partial)
+    u = float(snap.kv_tokens[dec_all].sum() + snap.prompt_tokens[partial].sum())
+    t_ms = predictor.model(DECODE).base_ms(n, u) if n else 0.0
+    prio = snap.priority
+    hold = np.zeros(len(pre), dtype=bool)
+    for k, level in enumerate(np.unique(prio)[1:].tolist(), start=1):
+        if t_ms > beta ** k * float(snap.tbt_slo[prio < level].min()) * 1e3:
+            hold = new & (snap.priority[pre] >= level)
+            break
+    if not hold.any():
+        return pre, lost
+    return pre[~hold], lost[~hold]
+
+
+def _rescue(snap: Snapshot, predictor: BatchLatencyPredictor, dec_all: np.ndarray, pre: np.ndarray,
+            lost: np.ndarray, margin: float) -> tuple[np.ndarray, np.ndarray | None]:
+    """Request classes, class rescue (docs/policies.md): (``lost`` with the top-class
+    prefills the rescue keeps no longer given up, the mask over ``dec_all`` of the
+    lower-class decodes that sit out), or (``lost``, None) when there is nothing to rescue.
+
+    The top class c is the highest class with a live prefill.  Its pace with m lower-class
+    decodes sitting out is :func:`_pace`.  When Moore-Hodgson on class c's prefills (and the
+    higher classes' expired ones) gives up more at the pace beside every decode than with
+    every lower-class decode out, the fewest decodes in drop order (already late first,
+    then the lowest class, then the most slack) that give up no more than that sit out."""
+    prio_pre = snap.priority[pre]
+    live = snap.slack[pre] > 0
+    if not live.any():
+        return lost, None
+    c = int(prio_pre[live].min())
+    pr = snap.priority[dec_all]
+    lower = np.flatnonzero(pr > c)
+    if not len(lower):
+        return lost, None
+    s = snap.slack[dec_all[lower]]
+    drop = lower[np.lexsort((-s, -pr[lower], s > 0))]
+    top = np.flatnonzero(prio_pre <= c)
+    idx = pre[top]
+    u = snap.kv_tokens[dec_all].astype(np.float64)
+    kept_u = float(u.sum()) - np.concatenate([[0.0], np.cumsum(u[drop])])
+    tbt_ms = float(snap.tbt_slo[snap.priority <= c].min()) * 1e3
+
+    def given_up(m: int) -> np.ndarray:
+        rate = _pace(snap, predictor, len(dec_all) - m, float(kept_u[m]), tbt_ms, margin)
+        return late_set(snap, idx, rate)
+
+    n_best = int(given_up(len(drop)).sum())
+    if int(given_up(0).sum()) <= n_best:
+        return lost, None
+    lo, hi = 1, len(drop)  # the fewest drops that give up no more than all of them
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if int(given_up(mid).sum()) <= n_best:
+            hi = mid
+        else:
+            lo = mid + 1
+    out = lost.copy()
+    out[top] &= given_up(lo)
+    mask = np.zeros(len(dec_all), dtype=bool)
+    mask[drop[:lo]] = True
+    return out, mask
+
+
+def _pace(snap: Snapshot, predictor: BatchLatencyPredictor, n_dec: int, dec_u: float, tbt_ms: float,
+          margin: float) -> float:
+    """Prefill tokens/s beside ``n_dec`` decodes of total context ``dec_u`` that keep one
+    token per ``tbt_ms``: each iteration of T̂(decodes + P) ≤ tbt_ms / margin takes the P
+    tokens the time left holds at the marginal cost of a full-budget chunk."""
+    chunk = max(1, snap.max_batch_tokens - n_dec)
+    t_dec = predictor.model(DECODE).base_ms(n_dec, dec_u) if n_dec else 0.0
+    room = tbt_ms / margin - t_dec
+    if room <= 0:
+        return 1e-3  # the decodes alone fill the TBT: no pace to speak of
+    c = np.ones(n_dec + 1, np.int64)
+    c[-1] = chunk
+    uu = np.full(n_dec + 1, dec_u / max(n_dec, 1))
+    uu[-1] = 0.0
+    per_token = max(predictor.predict_batch_ms(c, uu) - t_dec, 1e-9) / chunk
+    tokens = min(float(chunk), room / per_token)
+    return tokens / max(tbt_ms, t_dec + per_token * tokens) * 1e3
 
 
 def _shed(snap: Snapshot, pre: np.ndarray, lost: np.ndarray
