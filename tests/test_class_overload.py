@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 import numpy as np
@@ -188,7 +189,7 @@ def test_lower_class_decodes_sit_out_for_a_top_class_prompt_that_needs_the_pace(
     s = make_snapshot(_burst(), now=100.0)
     dec = np.flatnonzero(s.is_decoding)
     pre = prefill_indices(s)
-    lost, mask = _rescue(s, pred, dec, pre, np.zeros(len(pre), bool), 1.1)
+    _lost, mask = _rescue(s, pred, dec, pre, np.zeros(len(pre), bool), 1.1)
     assert mask is not None and mask.any()
     assert (s.priority[dec[mask]] == 1).all()  # only lower-class decodes sit out
     on = registry.create("slidingserve").plan(s, pred)
@@ -258,5 +259,5 @@ def test_pace_grows_as_decodes_leave() -> None:
     pred = default_predictor()
     s = replace(make_snapshot(_burst(), now=100.0), _cache={})
     paces = [_pace(s, pred, n, 1520.0 * n, 50.0, 1.1) for n in range(80, -1, -5)]
-    assert all(b >= a for a, b in zip(paces, paces[1:], strict=False))
+    assert all(b >= a for a, b in itertools.pairwise(paces))
     assert paces[0] < paces[-1]
