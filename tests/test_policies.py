@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from scheduler_service.core import Plan, Policy, ValidationError, registry
+from scheduler_service.core import Plan, Policy, ValidationError, registry, slidingserve
 from scheduler_service.core.registry import PolicySpec
 from tests.factories import decoding, make_snapshot, prefilling, token_predictor, waiting
 
@@ -271,7 +271,7 @@ def test_duplicate_registration_raises() -> None:
     spec = PolicySpec("slidingserve", "9", "dup", None, lambda n, v, p: None)  # type: ignore[arg-type,return-value]
     with pytest.raises(ValueError, match="already registered"):
         registry.register(spec)
-    assert registry.create("slidingserve").version == "1.0.0"
+    assert registry.create("slidingserve").version == slidingserve.VERSION
 
 
 def test_params_override_parse_and_validate() -> None:
@@ -302,14 +302,14 @@ def test_versions_differ_with_overrides() -> None:
     w1 = registry.create("slidingserve", {"window": "1"})
     w1b = registry.create("slidingserve", {"window": 1})
     w3 = registry.create("slidingserve", {"window": 3})
-    assert base.version == "1.0.0"
-    assert w1.version.startswith("1.0.0+") and w1.version == w1b.version
+    assert base.version == slidingserve.VERSION
+    assert w1.version.startswith(slidingserve.VERSION + "+") and w1.version == w1b.version
     assert len({base.version, w1.version, w3.version}) == 3
     assert registry.create("slidingserve", {"window": 2}).version == base.version  # the default
     # the ablations share a base version but differ in parameters, not in name/version pairs
-    assert registry.create("sarathi-edf+sc").version == "1.0.0"
+    assert registry.create("sarathi-edf+sc").version == slidingserve.VERSION
     snap = make_snapshot(create_waiting(), now=10.0)
-    assert base.plan(snap, PRED).policy_version == "1.0.0"
+    assert base.plan(snap, PRED).policy_version == slidingserve.VERSION
     assert w1.plan(snap, PRED).policy_version == w1.version
 
 

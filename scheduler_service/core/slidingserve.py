@@ -34,7 +34,7 @@ from .sorter import class_late_set, edf_order, late_set, mlps_order, ordered, pr
 
 __all__ = ["SlidingServeParams", "SlidingServePolicy"]
 
-VERSION = "1.0.0"
+VERSION = "1.1.0"
 #: Paths whose plan gives tokens to a prefill.
 _PREFILL_PATHS = ("batch_constructor", "sliding_chunker")
 
