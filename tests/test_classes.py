@@ -629,11 +629,9 @@ def test_every_policy_plans_validly_with_e2e_and_rejections_say_why(seed: int, l
             for r in plan.rejections:
                 i = s.index_of[r.id]
                 assert s.sheddable[i] and not s.is_decoding[i]
-                if s.slack[i] > 0:
-                    assert r.reason == "ttft_unreachable"
-                else:
-                    by_e2e = s.e2e_deadline[i] < s.ttft_deadline[i]
-                    assert r.reason == ("e2e_expired" if by_e2e else "ttft_expired"), (seed, r)
+                by_e2e = s.e2e_deadline[i] < s.ttft_deadline[i]
+                why = "unreachable" if s.slack[i] > 0 else "expired"
+                assert r.reason == ("e2e_" if by_e2e else "ttft_") + why, (name, seed, r)
 
 
 def test_shedding_past_the_e2e_deadline_says_e2e_expired() -> None:
@@ -655,11 +653,32 @@ def test_shedding_past_the_e2e_deadline_says_e2e_expired() -> None:
                                                 ).rejections == (Rejection("ttft-gone", "ttft_expired"),)
 
 
+def test_shedding_an_unreachable_e2e_deadline_says_e2e_unreachable() -> None:
+    """A sheddable prompt whose TTFT is far off but whose end-to-end deadline (the earlier
+    one) the prediction cannot meet is rejected as ``e2e_unreachable``, not as a TTFT miss;
+    without the objective it is served."""
+    # 8k prompts arrived just now, behind running decodes: 0.3 s end to end cannot be met
+    reqs = [Request(f"d{j}", -5.0, 200, computed_tokens=200, output_tokens=10, ttft_slo=5.0)
+            for j in range(8)]
+    reqs += [Request("e2e-far", 0.0, 8000, ttft_slo=30.0, e2e_slo=0.3, sheddable=True),
+             Request("ttft-far", 0.0, 8000, ttft_slo=0.3, e2e_slo=30.0, sheddable=True),
+             Request("kept", 0.0, 8000, ttft_slo=30.0, e2e_slo=0.3)]  # not sheddable: never rejected
+    s = Snapshot.from_requests(reqs, now=0.01)
+    assert (s.slack[s.index_of["e2e-far"]] > 0) and (s.slack[s.index_of["ttft-far"]] > 0)
+    plan = registry.create("slidingserve").plan(s, default_predictor())
+    assert set(plan.rejections) == {Rejection("e2e-far", "e2e_unreachable"),
+                                    Rejection("ttft-far", "ttft_unreachable")}, plan.rejections
+    assert plan_violations(s, plan) == []
+    assert plan_from_pb(pb.Plan.FromString(plan_to_pb(plan).SerializeToString())).rejections == plan.rejections
+    no_e2e = registry.create("slidingserve").plan(_with(s, e2e_slo=np.zeros(len(s))), default_predictor())
+    assert "e2e-far" not in {r.id for r in no_e2e.rejections}
+
+
 def test_e2e_expired_is_a_listed_reason() -> None:
     from scheduler_service.core.plan import REJECT_REASONS
     from tests.test_wire_compat import PROTO, PROTO_FILE
 
-    assert set(REJECT_REASONS) == {"ttft_expired", "e2e_expired", "ttft_unreachable"}
+    assert set(REJECT_REASONS) == {"ttft_expired", "e2e_expired", "ttft_unreachable", "e2e_unreachable"}
     text = (PROTO / PROTO_FILE).read_text()
     assert all(f'"{r}"' in text for r in REJECT_REASONS)  # each documented where the field is
 

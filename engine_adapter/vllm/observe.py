@@ -96,7 +96,7 @@ def collect_families(s: dict[str, Any], info: dict[str, str]) -> Iterator[Any]:
     yield _fam("counter", p + "trimmed_admissions", "Admissions dropped from plans by vLLM's admission rules",
                s["trimmed_admissions"])
     yield _fam("counter", p + "rejected_requests", "Sheddable requests finished early because a plan rejected "
-               "them, by reason (ttft_expired, e2e_expired, ttft_unreachable)", labels=["reason"],
+               "them, by reason (ttft_expired, e2e_expired, ttft_unreachable, e2e_unreachable)", labels=["reason"],
                samples=[([r], n) for r, n in sorted(s.get("rejected", {}).items())])
     yield _fam("counter", p + "plan_preemptions", "Requests preempted (KV freed, recomputed later) because a "
                "plan listed them, to admit a higher class", s.get("plan_preemptions", 0))

@@ -21,9 +21,10 @@ class Allocation(NamedTuple):
 
 
 #: Why a plan rejects a request (docs/usage.md, Plan): its TTFT deadline has passed, its
-#: end-to-end deadline has passed (and comes before its TTFT deadline), or the prediction
-#: says its TTFT cannot be met any more.
-REJECT_REASONS = ("ttft_expired", "e2e_expired", "ttft_unreachable")
+#: end-to-end deadline has passed (and comes before its TTFT deadline), the prediction says
+#: its TTFT cannot be met any more, or the same of its end-to-end deadline (where that one
+#: comes first).
+REJECT_REASONS = ("ttft_expired", "e2e_expired", "ttft_unreachable", "e2e_unreachable")
 
 
 class Rejection(NamedTuple):

@@ -388,21 +388,26 @@ def _shed(snap: Snapshot, pre: np.ndarray, lost: np.ndarray
     """Split the sheddable prefills that cannot meet their TTFT (or end-to-end deadline)
     any more off the queue: (the rest of ``pre``, its ``lost`` mask, the rejections).
     Expired ones first (``e2e_expired`` where the end-to-end deadline is the earlier one,
-    else ``ttft_expired``), then those the lost rule gives up on, each in queue (row) order."""
+    else ``ttft_expired``), then those the lost rule gives up on (``e2e_unreachable`` or
+    ``ttft_unreachable``, by the same test), each in queue (row) order."""
     expired = snap.slack[pre] <= 0
     out = snap.sheddable[pre] & (expired | lost)
     if not out.any():
         return pre, lost, ()
-    ids = snap.ids
-    gone = pre[out & expired]
-    if snap.any_e2e:
-        by_e2e = (snap.e2e_deadline[gone] < snap.ttft_deadline[gone]).tolist()
-        rej = tuple(Rejection(ids[i], "e2e_expired" if e else "ttft_expired")
-                    for i, e in zip(gone.tolist(), by_e2e, strict=True))
-    else:
-        rej = tuple(Rejection(ids[i], "ttft_expired") for i in gone.tolist())
-    rej += tuple(Rejection(ids[i], "ttft_unreachable") for i in pre[out & ~expired].tolist())
+    rej = _rejections(snap, pre[out & expired], "expired")
+    rej += _rejections(snap, pre[out & ~expired], "unreachable")
     return pre[~out], lost[~out], rej
+
+
+def _rejections(snap: Snapshot, rows: np.ndarray, why: str) -> tuple[Rejection, ...]:
+    """``ttft_<why>`` for each row, ``e2e_<why>`` where the end-to-end deadline is the
+    earlier one (then it is what the slack, and so the verdict, came from)."""
+    ids = snap.ids
+    if not snap.any_e2e:
+        return tuple(Rejection(ids[i], f"ttft_{why}") for i in rows.tolist())
+    by_e2e = (snap.e2e_deadline[rows] < snap.ttft_deadline[rows]).tolist()
+    return tuple(Rejection(ids[i], f"e2e_{why}" if e else f"ttft_{why}")
+                 for i, e in zip(rows.tolist(), by_e2e, strict=True))
 
 
 def _kv_victims(snap: Snapshot, pre: np.ndarray, lost: np.ndarray, n_dec: int, growth_iters: int,

@@ -479,9 +479,10 @@ class Plan(_message.Message):
     @_builtins.property
     def reject_reasons(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Why each of reject_ids is rejected (same order): "ttft_expired" (its TTFT has passed),
-        "e2e_expired" (its end-to-end deadline has passed, before its TTFT's) or
-        "ttft_unreachable" (the prediction says it can no longer be met).  Engines should
-        accept reasons they do not know.
+        "e2e_expired" (its end-to-end deadline has passed, before its TTFT's),
+        "ttft_unreachable" (the prediction says its TTFT can no longer be met) or
+        "e2e_unreachable" (the same, where its end-to-end deadline comes first).  Engines
+        should accept reasons they do not know.
         """
 
     @_builtins.property
