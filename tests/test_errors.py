@@ -9,7 +9,10 @@
 
 from __future__ import annotations
 
+import logging
 import socket
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -140,3 +143,44 @@ def test_cli_reports_an_unreachable_server(tmp_path: Path, capsys: pytest.Captur
     assert code == EXIT_USAGE
     assert err.startswith(("error: UNAVAILABLE: ", "error: DEADLINE_EXCEEDED: ")), err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_a_caller_that_ends_its_stream_is_no_internal_error(server: SchedulerServer,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """An engine that cancels its report stream or its schedule stream while the server
+    reads it (an engine stopping, a deadline passing) is logged as ``rpc_cancelled``, not as
+    an INTERNAL failure with a traceback; the server goes on serving."""
+    from scheduler_service.gen.slidingserve.v1 import scheduler_pb2_grpc as pb_grpc
+
+    assert server.servicer is not None
+    registry = server.servicer._metrics.registry
+    before = _errors(server, "INTERNAL")
+    gate = threading.Event()
+
+    def blocked() -> Iterator[pb.IterationReport]:
+        gate.wait(10.0)  # the server waits in its read of the stream
+        return
+        yield
+
+    try:
+        with grpc.insecure_channel(server.target) as ch:
+            stub = pb_grpc.SchedulerServiceStub(ch)
+            reports = stub.ReportIterations.future(blocked(), timeout=10)
+            stream = stub.ScheduleStream(blocked(), timeout=10)
+            end = time.monotonic() + 5.0
+            while registry.get_sample_value("slidingserve_active_streams") != 1.0:
+                assert time.monotonic() < end, "the schedule stream never reached the server"
+                time.sleep(0.02)
+            time.sleep(0.3)  # the report stream too
+            reports.cancel()
+            stream.cancel()
+            while registry.get_sample_value("slidingserve_active_streams") != 0.0:
+                assert time.monotonic() < end, "the schedule stream never ended on the server"
+                time.sleep(0.02)
+            time.sleep(0.5)  # the report handler ends as promptly
+    finally:
+        gate.set()
+    assert _errors(server, "INTERNAL") == before
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    with SchedulerClient(server.target, timeout_s=10.0) as c:  # still serving
+        assert c.schedule(mixed_snapshot(0, 4, 4)).allocations

@@ -10,6 +10,11 @@
 Unary and client-streaming RPCs get it from :func:`rpc_errors`, which aborts the call with
 the status; ``ScheduleStream`` answers each failed request with the same code and message in
 a ``ScheduleError`` (:meth:`RpcFailure.to_pb`) and keeps the stream open.
+
+A call its caller ended (cancelled, past its deadline, connection lost) while the server
+was reading the caller's stream (``ReportIterations``) is no failure of the server's
+(:func:`peer_gone`): logged as ``rpc_cancelled`` at info, with no traceback, and not
+counted as an error.  (gRPC itself ends a cancelled ``ScheduleStream`` quietly.)
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from scheduler_service.wire.status import MAX_FIELD_BYTES, MAX_MESSAGE_BYTES, cl
 from .handlers import Undecodable
 from .metrics import Metrics
 
-__all__ = ["RpcFailure", "failure", "rpc_errors"]
+__all__ = ["RpcFailure", "failure", "peer_gone", "rpc_errors"]
 
 log = structlog.get_logger("slidingserve.server")
 
@@ -60,6 +65,12 @@ class RpcFailure:
         if self.invalid is not None:
             err.field_violations.extend(violations_to_pb(self.invalid))
         return pb.ScheduleResponse(request_id=request_id, error=err)
+
+
+def peer_gone(exc: BaseException, context: grpc.ServicerContext) -> bool:
+    """Whether ``exc`` is what reading a request stream raises once the caller has ended
+    the call (gRPC's bare ``RpcError``; the call is no longer active)."""
+    return isinstance(exc, grpc.RpcError) and not context.is_active()
 
 
 def failure(exc: Exception, metrics: Metrics, rpc: str, request_id: str = "", *,
@@ -98,6 +109,9 @@ def rpc_errors(*, ready: bool = True, log_rejected: bool = True) -> Callable[[Ca
                     raise request.error
                 return method(self, request, context)
             except Exception as e:
+                if peer_gone(e, context):
+                    log.info("rpc_cancelled", rpc=rpc)
+                    context.abort(grpc.StatusCode.CANCELLED, "the caller ended the call")
                 request_id = getattr(request, "request_id", "")
                 failure(e, self._metrics, rpc, request_id, log_rejected=log_rejected).abort(context)
 
