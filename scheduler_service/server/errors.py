@@ -13,7 +13,7 @@ a ``ScheduleError`` (:meth:`RpcFailure.to_pb`) and keeps the stream open.
 
 A call its caller ended (cancelled, past its deadline, connection lost) while the server
 was reading the caller's stream (``ReportIterations``) is no failure of the server's
-(:func:`peer_gone`): logged as ``rpc_cancelled`` at info, with no traceback, and not
+(:func:`_peer_gone`): logged as ``rpc_cancelled`` at info, with no traceback, and not
 counted as an error.  (gRPC itself ends a cancelled ``ScheduleStream`` quietly.)
 """
 
@@ -36,7 +36,7 @@ from scheduler_service.wire.status import MAX_FIELD_BYTES, MAX_MESSAGE_BYTES, cl
 from .handlers import Undecodable
 from .metrics import Metrics
 
-__all__ = ["RpcFailure", "failure", "peer_gone", "rpc_errors"]
+__all__ = ["RpcFailure", "failure", "rpc_errors"]
 
 log = structlog.get_logger("slidingserve.server")
 
@@ -67,7 +67,7 @@ class RpcFailure:
         return pb.ScheduleResponse(request_id=request_id, error=err)
 
 
-def peer_gone(exc: BaseException, context: grpc.ServicerContext) -> bool:
+def _peer_gone(exc: BaseException, context: grpc.ServicerContext) -> bool:
     """Whether ``exc`` is what reading a request stream raises once the caller has ended
     the call (gRPC's bare ``RpcError``; the call is no longer active)."""
     return isinstance(exc, grpc.RpcError) and not context.is_active()
@@ -109,7 +109,7 @@ def rpc_errors(*, ready: bool = True, log_rejected: bool = True) -> Callable[[Ca
                     raise request.error
                 return method(self, request, context)
             except Exception as e:
-                if peer_gone(e, context):
+                if _peer_gone(e, context):
                     log.info("rpc_cancelled", rpc=rpc)
                     context.abort(grpc.StatusCode.CANCELLED, "the caller ended the call")
                 request_id = getattr(request, "request_id", "")
