@@ -16,7 +16,7 @@ E2E_PY    := $(E2E_VENV)/bin/python
 E2E_STAMP := $(E2E_VENV)/.installed
 E2E_REQ   := tests/e2e/requirements.txt
 
-.PHONY: setup setup-vllm setup-e2e test test-fast vllm-suite e2e lint proto proto-check buf-lint deploy-check demo clean
+.PHONY: setup setup-vllm setup-e2e test test-fast vllm-suite e2e live-bench lint proto proto-check buf-lint deploy-check demo clean
 
 setup: $(STAMP)
 
@@ -82,6 +82,14 @@ vllm-suite: $(VSTAMP)      ## vLLM's own scheduler tests with our scheduler clas
 # above) is not passed on: the CPU build knows its device.
 e2e: $(E2E_STAMP)          ## end to end: vllm serve + slidingserve serve + openai client
 	env -u VLLM_TARGET_DEVICE $(E2E_PY) -m pytest -q -rA tests/e2e
+
+# The live benchmark (clients/live, docs/results.md "Live vLLM"): vLLM's own scheduler against
+# the adapter in process and through `slidingserve serve`, on a real `vllm serve` (CPU build),
+# 3 rates x 5 seeds; about an hour on 2 cores.  LIVE_ARGS adds flags (`--help` lists them);
+# runs already in the output folder are not repeated.
+LIVE_ARGS ?=
+live-bench: $(E2E_STAMP)   ## SLO attainment and goodput on a live vLLM, with table and plot
+	env -u VLLM_TARGET_DEVICE $(E2E_PY) -m clients.live $(LIVE_ARGS)
 
 deploy-check: $(STAMP)     ## render the Kustomize overlays and validate every manifest offline
 	tools/validate_deploy.sh --python $(PY)

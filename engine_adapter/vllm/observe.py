@@ -79,8 +79,9 @@ def collect_families(s: dict[str, Any], info: dict[str, str]) -> Iterator[Any]:
     get ``_total`` on counters); ``info``: labels of ``slidingserve_adapter_info``."""
     p = "slidingserve_adapter_"
     core = s.get("core_totals") or {}
-    yield InfoMetricFamily(p + "info", "The adapter's scheduler class, service, policy, engine profile, vLLM version",
-                           value=info)
+    # an info family's samples get "_info": this one is scraped as slidingserve_adapter_info
+    yield InfoMetricFamily(p.rstrip("_"), "The adapter's scheduler class, service, policy, engine profile, "
+                           "vLLM version", value=info)
     yield _fam("counter", p + "iterations", "schedule() calls", s["iterations"])
     yield _fam("counter", p + "planned", "Iterations executed from the service's plan", s["planned"])
     yield _fam("counter", p + "native", "Iterations vLLM scheduled natively (fallbacks and idle steps)", s["native"])

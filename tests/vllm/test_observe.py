@@ -58,7 +58,7 @@ def test_metrics_endpoint_serves_the_stats(mdir: str) -> None:
     assert m[(p + "own_seconds_total", ())] == pytest.approx(st["own_us"] / 1e6)
     assert m[(p + "own_seconds_per_iteration", ())] == pytest.approx(st["mean_own_us"] / 1e6)
     assert m[(p + "remote_decisions_total", ())] == st["core"]["remote_decisions"] > 0
-    info = [dict(k[1]) for k in m if k[0] == p + "info_info"]
+    info = [dict(k[1]) for k in m if k[0] == p + "info"]  # as docs/vllm.md names it
     assert info == [{"address": "inproc", "engine_id": "unit", "policy": "vllm-fcfs",
                      "profile": st["profile"], "scheduler": "RemoteSyncSchedulerUnderTest",
                      "vllm_version": info[0]["vllm_version"]}]

@@ -1,0 +1,7 @@
+"""``python -m clients.live``: see :mod:`clients.live.command`."""
+
+import sys
+
+from .command import main
+
+sys.exit(main())

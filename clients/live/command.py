@@ -1,0 +1,134 @@
+"""``python -m clients.live`` (``make live-bench``): the live benchmark's command line.
+
+Bad input gives one line on stderr and exit code 2; a server that does not come up gives
+its log's tail and exit code 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
+
+from .judge import TINY_LLAMA, write_model, write_tokenizer
+from .measure import Slo
+from .procs import EngineArgs
+from .report import markdown, write_plot
+from .runner import Config, LiveSpec, load_runs, run_sweep
+from .workload import WorkloadSpec
+
+__all__ = ["main"]
+
+DEFAULT_CONFIGS = "vllm inproc:slidingserve remote:slidingserve"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        out = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got {text!r}") from None
+    if not out or any(not x > 0 for x in out):
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return out
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        if "-" in text and "," not in text:
+            a, b = (int(x) for x in text.split("-"))
+            return tuple(range(a, b + 1))
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like 1,2,3 or 1-5, got {text!r}") from None
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="live-bench", description="SLO attainment and goodput on a live vLLM (CPU build): vLLM's "
+                "own scheduler against policies through the adapter, in process and remote.")
+    p.add_argument("--configs", default=DEFAULT_CONFIGS,
+                   help="configurations separated by spaces or ';': 'vllm' (vLLM's own scheduler) or "
+                        f"MODE:POLICY[:k=v,...] with MODE inproc or remote (default: '{DEFAULT_CONFIGS}')")
+    p.add_argument("--rates", type=_floats, default=(2.5, 3.5, 4.5), help="Poisson rates, req/s (default 2.5,3.5,4.5)")
+    p.add_argument("--seeds", type=_ints, default=(1, 2, 3, 4, 5), help="seeds, e.g. 1-5 or 1,3 (default 1-5)")
+    p.add_argument("--requests", type=int, default=120, help="measured requests per run (default 120)")
+    p.add_argument("--warmup", type=int, default=40, help="unmeasured requests before them (default 40)")
+    p.add_argument("--max-prompt", type=int, default=1024, help="prompts clipped to this many tokens (default 1024)")
+    p.add_argument("--max-output", type=int, default=128, help="outputs clipped to this many tokens (default 128)")
+    p.add_argument("--ttft-ms", type=float, default=1000.0, help="TTFT objective (default 1000)")
+    p.add_argument("--tbt-ms", type=float, default=50.0, help="TBT / TPOT objective (default 50)")
+    p.add_argument("--threshold", type=float, default=0.9,
+                   help="attainment at which goodput is read (default 0.9: what vLLM's own scheduler reaches "
+                        "on a shared 2-core machine; 0.99 is within its noise)")
+    p.add_argument("--budget", type=int, default=512, help="--max-num-batched-tokens (default 512)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="--max-num-seqs (default 64)")
+    p.add_argument("--prefix-caching", action="store_true", help="turn vLLM's prefix caching on (default off)")
+    p.add_argument("--deadline-ms", type=float, default=20.0, help="the adapter's plan deadline (default 20)")
+    p.add_argument("--judge-seeds", type=_ints, default=(), help="seeds whose runs vLLM's own `bench serve` "
+                   "replays as an independent judge (default none)")
+    p.add_argument("--out", type=Path, default=Path("live-bench"), help="output folder (default ./live-bench); "
+                   "runs already in its runs.jsonl are not repeated")
+    p.add_argument("--report-only", action="store_true", help="only rebuild the report from runs.jsonl")
+    return p
+
+
+def _configs(text: str) -> tuple[Config, ...]:
+    items = [x for x in text.replace(";", " ").split() if x]
+    if not items:
+        raise ValueError("no configuration given")
+    return tuple(Config.parse(x) for x in items)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        spec = LiveSpec(
+            configs=_configs(args.configs), rates=args.rates, seeds=args.seeds,
+            workload=WorkloadSpec(requests=args.requests, warmup=args.warmup, max_prompt=args.max_prompt,
+                                  max_output=args.max_output, vocab_size=int(TINY_LLAMA["vocab_size"])),
+            engine=EngineArgs(max_num_batched_tokens=args.budget, max_num_seqs=args.max_num_seqs,
+                              prefix_caching=args.prefix_caching),
+            slo=Slo(args.ttft_ms, args.tbt_ms), model=dict(TINY_LLAMA), deadline_ms=args.deadline_ms,
+            judge_seeds=args.judge_seeds)
+        if not 0 < args.threshold <= 1:
+            raise ValueError(f"--threshold must be in (0, 1], got {args.threshold}")
+    except ValueError as e:
+        print(f"live-bench: {e}", file=sys.stderr)
+        return 2
+    out: Path = args.out
+    runs = out / "runs.jsonl"
+    if not args.report_only:
+        model = out / "work" / "model"
+        write_model(model, TINY_LLAMA)
+        write_tokenizer(model, int(TINY_LLAMA["vocab_size"]))
+        t0 = time.monotonic()
+
+        def progress(i: int, n: int, note: str) -> None:
+            el = time.monotonic() - t0
+            print(f"[{i}/{n}] {el:.0f}s, eta {el / i * (n - i):.0f}s  {note}", flush=True)
+
+        try:
+            run_sweep(spec, out, str(model), log=lambda m: print(m, flush=True), progress=progress)
+        except RuntimeError as e:
+            print(f"live-bench: {e}", file=sys.stderr)
+            return 1
+    if not runs.exists():
+        print(f"live-bench: no runs in {out}", file=sys.stderr)
+        return 2
+    data = load_runs(runs)
+    text = markdown(data, args.threshold)
+    (out / "report.md").write_text(text)
+    (out / "goodput.json").write_text(json.dumps({"threshold": args.threshold}, indent=2))
+    png = write_plot(data, out / "live.png", args.threshold)
+    print(text)
+    print(f"wrote {out / 'report.md'}" + (f", {png}" if png else ""))
+    return 0

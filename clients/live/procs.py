@@ -1,0 +1,230 @@
+"""The processes of a live run: vLLM's OpenAI server (the CPU build) and ``slidingserve serve``.
+
+Pinning on a small machine: vLLM's CPU worker binds its OpenMP threads to the cores in
+``VLLM_CPU_OMP_THREADS_BIND`` (the last core here), so the forward pass has a core of its
+own; the API server process, the scheduling service and the client are moved to the other
+cores once they run.  Everything stays local: the model is a folder with a ``config.json``
+and a tokenizer, weights are drawn at load (``--load-format dummy``), no hub is reached.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["EngineArgs", "ServiceProcess", "VllmProcess", "free_port", "pin", "scrape", "worker_cores"]
+
+#: vLLM's OpenAI-compatible server, the module ``vllm serve`` runs (the CPU build's ``vllm``
+#: command cannot start: docs/vllm.md).
+ENTRY = "vllm.entrypoints.launchers.api_server.entry"
+SCHEDULER_CLS = "engine_adapter.vllm.RemoteSyncScheduler"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def worker_cores() -> tuple[int, set[int]]:
+    """(the core vLLM's worker gets, the cores left for everything else)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return cores[0], set(cores)
+    return cores[-1], set(cores[:-1])
+
+
+def pin(pid: int, cores: set[int]) -> None:
+    """Move process ``pid`` (0: this one) to ``cores``; a no-op where that is not allowed."""
+    with contextlib.suppress(OSError):
+        os.sched_setaffinity(pid, cores)
+
+
+def _tail(path: Path, n: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no output)"
+
+
+def _wait(what: str, ok: Callable[[], bool], timeout_s: float, proc: subprocess.Popen[bytes], log: Path) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what}: the process exited with {proc.returncode}; its log ({log}) ends:\n"
+                               + _tail(log))
+        with contextlib.suppress(Exception):
+            if ok():
+                return
+        time.sleep(0.5)
+    raise RuntimeError(f"{what}: not ready within {timeout_s:g} s; its log ({log}) ends:\n" + _tail(log))
+
+
+def _get(url: str, timeout_s: float = 5.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout_s) as r:
+        return str(r.read().decode())
+
+
+def scrape(port: int) -> list[tuple[str, dict[str, str], float]]:
+    """The samples of a Prometheus endpoint on this machine: (name, labels, value)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = _get(f"http://127.0.0.1:{port}/metrics")
+    return [(s.name, dict(s.labels), float(s.value))
+            for fam in text_string_to_metric_families(text) for s in fam.samples]
+
+
+def _clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith(("SLIDINGSERVE_", "VLLM_"))}
+
+
+def _stop(proc: subprocess.Popen[bytes] | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pass
+    # the engine core and its workers share the session: none may be left behind
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=30)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineArgs:
+    """The engine settings every configuration of a run shares."""
+
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+    kv_cache_gib: int = 2
+    prefix_caching: bool = False
+
+    def argv(self) -> list[str]:
+        return ["--load-format", "dummy", "--enforce-eager", "--dtype", "float32",
+                "--max-model-len", str(self.max_model_len),
+                "--max-num-batched-tokens", str(self.max_num_batched_tokens),
+                "--max-num-seqs", str(self.max_num_seqs),
+                "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching"]
+
+
+class VllmProcess:
+    """One ``vllm serve`` of the model folder: vLLM's own scheduler (``settings`` None) or
+    the adapter, whose settings file (``SLIDINGSERVE_CONFIG``) the runner rewrites to switch
+    policy and service without a restart."""
+
+    def __init__(self, workdir: Path, model: str, engine: EngineArgs, *, name: str,
+                 settings: Path | None = None, extra_env: dict[str, str] | None = None) -> None:
+        self.workdir, self.model, self.engine, self.name = workdir, model, engine, name
+        self.settings = settings
+        self.extra_env = extra_env or {}
+        self.port = free_port()
+        self.metrics_port = free_port() if settings is not None else None
+        self.log = workdir / f"vllm-{name}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def argv(self) -> list[str]:
+        out = [sys.executable, "-m", ENTRY, "--model", self.model, "--served-model-name", "live",
+               *self.engine.argv(), "--port", str(self.port), "--host", "127.0.0.1"]
+        if self.settings is not None:
+            out += ["--scheduler-cls", SCHEDULER_CLS]
+        return out
+
+    def env(self, worker_core: int) -> dict[str, str]:
+        env = _clean_env()
+        env.update({
+            "VLLM_CPU_KVCACHE_SPACE": str(self.engine.kv_cache_gib),
+            "VLLM_CPU_OMP_THREADS_BIND": str(worker_core),
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+            "HF_HOME": str(self.workdir / "hf-home"), "VLLM_CACHE_ROOT": str(self.workdir / "vllm-cache"),
+            "PYTHONUNBUFFERED": "1",
+        })
+        if self.settings is not None:
+            env.update({"SLIDINGSERVE_CONFIG": str(self.settings), "SLIDINGSERVE_ENGINE_ID": f"live-{self.name}",
+                        "SLIDINGSERVE_METRICS_PORT": str(self.metrics_port)})
+        env.update(self.extra_env)
+        return env
+
+    def start(self, worker_core: int, other_cores: set[int], timeout_s: float = 900) -> None:
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(self.argv(), stdout=out, stderr=subprocess.STDOUT, cwd=self.workdir,
+                                         env=self.env(worker_core), start_new_session=True)
+        _wait(f"vllm serve ({self.name})", lambda: _get(f"http://127.0.0.1:{self.port}/health") is not None,
+              timeout_s, self.proc, self.log)
+        pin(self.proc.pid, other_cores)  # the API server; the engine core keeps the worker's core
+
+    def adapter_info(self) -> dict[str, str]:
+        """The adapter's ``slidingserve_adapter_info`` labels (address, policy, ...)."""
+        assert self.metrics_port is not None
+        for name, labels, _ in scrape(self.metrics_port):
+            if name == "slidingserve_adapter_info":
+                return labels
+        return {}
+
+    def stop(self) -> None:
+        _stop(self.proc)
+        self.proc = None
+
+
+class ServiceProcess:
+    """``slidingserve serve`` on loopback, pinned off the worker's core."""
+
+    def __init__(self, workdir: Path, cores: set[int], *, refit_every: int = 128) -> None:
+        self.workdir, self.cores = workdir, cores
+        self.port, self.metrics_port = free_port(), free_port()
+        self.config = workdir / "service.yaml"
+        self.config.write_text(f"host: 127.0.0.1\nport: {self.port}\nmetrics_port: {self.metrics_port}\n"
+                               f"refit_every: {refit_every}\n")
+        self.log = workdir / "service.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 300) -> None:
+        argv: Sequence[str] = [str(Path(sys.executable).parent / "slidingserve"), "serve", "--config",
+                               str(self.config)]
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=self.workdir,
+                                         env=_clean_env(), start_new_session=True)
+        pin(self.proc.pid, self.cores)
+        _wait("slidingserve serve", lambda: bool(scrape(self.metrics_port)), timeout_s, self.proc, self.log)
+
+    def predictor_error(self) -> tuple[float, float]:
+        """(sum, count) of the service's ``slidingserve_predictor_abs_error_ms`` over every profile."""
+        s = c = 0.0
+        for name, _, v in scrape(self.metrics_port):
+            if name == "slidingserve_predictor_abs_error_ms_sum":
+                s += v
+            elif name == "slidingserve_predictor_abs_error_ms_count":
+                c += v
+        return s, c
+
+    def refits(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name, labels, v in scrape(self.metrics_port):
+            if name.startswith("slidingserve_predictor_refits"):
+                out[labels.get("outcome", "?")] = out.get(labels.get("outcome", "?"), 0.0) + v
+        return out
+
+    def stop(self) -> None:
+        _stop(self.proc)
+        self.proc = None

@@ -1,0 +1,149 @@
+"""Tables and plots of a live sweep (``runs.jsonl``): attainment per rate under both SLO
+definitions, goodput per definition with its spread over seeds and its ratio to vLLM's own
+scheduler taken seed by seed, latency percentiles, and the service's predictor error."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .measure import goodput
+
+__all__ = ["goodputs", "markdown", "write_plot"]
+
+DEFS = (("attain_f1", "formula (1)"), ("attain_tpot", "TTFT+TPOT"))
+
+
+def _configs(runs: Sequence[dict[str, Any]]) -> list[str]:
+    seen: dict[str, None] = {}
+    for r in runs:
+        seen.setdefault(r["config"], None)
+    return list(seen)
+
+
+def _by(runs: Sequence[dict[str, Any]]) -> dict[tuple[str, float, int], dict[str, Any]]:
+    return {(r["config"], float(r["rate"]), int(r["seed"])): r for r in runs}
+
+
+def goodputs(runs: Sequence[dict[str, Any]], key: str, threshold: float) -> dict[str, dict[int, float]]:
+    """config -> seed -> goodput (req/s) under attainment ``key``, over the rates that seed ran."""
+    by = _by(runs)
+    out: dict[str, dict[int, float]] = defaultdict(dict)
+    for c in _configs(runs):
+        for seed in sorted({s for (cc, _, s) in by if cc == c}):
+            rates = sorted(r for (cc, r, s) in by if cc == c and s == seed)
+            out[c][seed] = goodput(rates, [by[(c, r, seed)][key] for r in rates], threshold)
+    return out
+
+
+def _spread(xs: Sequence[float], fmt: str = "{:.2f}") -> str:
+    if not xs:
+        return "—"
+    return f"{fmt.format(float(np.mean(xs)))} ({fmt.format(min(xs))}–{fmt.format(max(xs))})"
+
+
+def _ratio(mine: dict[int, float], base: dict[int, float]) -> str:
+    seeds = [s for s in mine if s in base and base[s] > 0]
+    if not seeds:
+        return "—"
+    r = [mine[s] / base[s] for s in seeds]
+    return f"{np.mean(r):.2f}× ({min(r):.2f}–{max(r):.2f})"
+
+
+def markdown(runs: Sequence[dict[str, Any]], threshold: float, baseline: str = "vllm") -> str:
+    """The report: attainment by rate, then goodput and tails by configuration."""
+    configs = _configs(runs)
+    rates = sorted({float(r["rate"]) for r in runs})
+    by = _by(runs)
+    lines = ["SLO attainment, formula (1) / TTFT+TPOT, mean over seeds (min–max):", "",
+             "| configuration | " + " | ".join(f"{r:g} rps" for r in rates) + " |",
+             "|---|" + "---|" * len(rates)]
+    for c in configs:
+        cells = []
+        for rate in rates:
+            rs = [v for (cc, rr, _), v in by.items() if cc == c and rr == rate]
+            if not rs:
+                cells.append("—")
+                continue
+            f1 = [100 * v["attain_f1"] for v in rs]
+            tp = [100 * v["attain_tpot"] for v in rs]
+            cells.append(f"{_spread(f1, '{:.0f}')} / {_spread(tp, '{:.0f}')}")
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    gp = {key: goodputs(runs, key, threshold) for key, _ in DEFS}
+    lines += ["", f"Goodput (highest rate with attainment ≥ {threshold:.0%}, req/s), mean (min–max) over seeds; "
+              f"÷ {baseline} seed by seed; tails over every run:", "",
+              "| configuration | goodput, formula (1) | ÷ " + baseline + " | goodput, TTFT+TPOT | ÷ " + baseline
+              + " | TTFT p99 / max (s) | TPOT p50 / p99 (ms) | fallbacks |",
+              "|---|---|---|---|---|---|---|---|"]
+    for c in configs:
+        rs = [v for (cc, _, _), v in by.items() if cc == c]
+        g1, g2 = gp["attain_f1"][c], gp["attain_tpot"][c]
+        ttft = f"{np.median([v['ttft_p99_ms'] for v in rs]) / 1e3:.2f} / {max(v['ttft_max_ms'] for v in rs) / 1e3:.2f}"
+        tpot = f"{np.median([v['tpot_p50_ms'] for v in rs]):.1f} / {np.median([v['tpot_p99_ms'] for v in rs]):.1f}"
+        lines.append(f"| {c} | {_spread(list(g1.values()))} | {_ratio(g1, gp['attain_f1'].get(baseline, {}))} | "
+                     f"{_spread(list(g2.values()))} | {_ratio(g2, gp['attain_tpot'].get(baseline, {}))} | "
+                     f"{ttft} | {tpot} | {_fallbacks(rs)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _fallbacks(rs: Sequence[dict[str, Any]]) -> str:
+    """Share of the adapter's iterations vLLM scheduled natively because the plan was late,
+    failed or did not validate (idle steps aside)."""
+    ad = [v["adapter"] for v in rs if v.get("adapter")]
+    if not ad:
+        return "—"
+    it = sum(a.get("iterations", 0.0) for a in ad)
+    fb = sum(val for a in ad for k, val in a.items() if k.startswith("fallback_") and k != "fallback_empty_plan")
+    return f"{fb / it:.1%}" if it else "—"
+
+
+def write_plot(runs: Sequence[dict[str, Any]], path: Path, threshold: float) -> Path | None:
+    """attainment vs rate under both definitions, TTFT max vs rate, and the service's
+    predictor error run by run; None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    configs = _configs(runs)
+    by = _by(runs)
+    rates = sorted({float(r["rate"]) for r in runs})
+    fig, axes = plt.subplots(1, 4, figsize=(19, 4.2))
+    for c in configs:
+        for ax, (key, title) in zip(axes[:2], DEFS, strict=True):
+            m, lo, hi = [], [], []
+            for rate in rates:
+                xs = [100 * v[key] for (cc, rr, _), v in by.items() if cc == c and rr == rate]
+                m.append(np.mean(xs) if xs else math.nan)
+                lo.append(min(xs) if xs else math.nan)
+                hi.append(max(xs) if xs else math.nan)
+            (line,) = ax.plot(rates, m, marker="o", label=c)
+            ax.fill_between(rates, lo, hi, color=line.get_color(), alpha=0.15)
+            ax.set_title(f"SLO attainment, {title}")
+        tmax = [max((v["ttft_max_ms"] / 1e3 for (cc, rr, _), v in by.items() if cc == c and rr == rate),
+                    default=math.nan) for rate in rates]
+        axes[2].plot(rates, tmax, marker="o", label=c)
+    for ax in axes[:2]:
+        ax.axhline(100 * threshold, color="grey", lw=0.8, ls="--")
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel("% of requests within SLO")
+    axes[0].legend(fontsize=8)
+    axes[2].set_title("TTFT maximum")
+    axes[2].set_xlabel("request rate (req/s)")
+    axes[2].set_ylabel("s")
+    remote = sorted((v for v in runs if v.get("service_mae_ms") is not None), key=lambda v: v["time"])
+    axes[3].plot(range(1, len(remote) + 1), [v["service_mae_ms"] for v in remote], marker=".")
+    axes[3].set_title("service predictor: |predicted − measured|")
+    axes[3].set_xlabel("run (in order; remote runs report)")
+    axes[3].set_ylabel("mean absolute error (ms)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

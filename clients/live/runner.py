@@ -1,0 +1,250 @@
+"""The sweep of a live benchmark: rates x seeds x configurations, seeds interleaved.
+
+A configuration is ``vllm`` (vLLM's own scheduler, its own server) or ``MODE:POLICY`` with
+``MODE`` ``inproc`` (the policy inside the engine process) or ``remote`` (through
+``slidingserve serve`` over gRPC), optionally ``MODE:POLICY:k=v,k2=v2`` with policy
+parameters.  All adapter configurations share one ``vllm serve``: the runner rewrites its
+settings file (address, policy, parameters) and checks on the adapter's metrics endpoint
+that the engine took them.  Every run appends one JSON line to ``runs.jsonl`` in the output
+folder; a run already there is not repeated, so an interrupted sweep resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .client import run_requests
+from .judge import run_judge, write_dataset
+from .measure import Slo, summarize
+from .procs import EngineArgs, ServiceProcess, VllmProcess, pin, scrape, worker_cores
+from .workload import LiveRequest, WorkloadSpec, make_requests
+
+__all__ = ["Config", "LiveSpec", "run_sweep"]
+
+NATIVE = "vllm"
+MODES = ("inproc", "remote")
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    label: str
+    mode: str  # "native", "inproc" or "remote"
+    policy: str = ""
+    params: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> Config:
+        text = text.strip()
+        if text == NATIVE:
+            return cls(NATIVE, "native")
+        mode, _, rest = text.partition(":")
+        policy, _, params = rest.partition(":")
+        if mode not in MODES or not policy:
+            raise ValueError(f"configuration {text!r}: expected 'vllm' or MODE:POLICY[:k=v,...] with MODE in "
+                             f"{', '.join(MODES)}")
+        kv = []
+        for item in filter(None, params.split(",")):
+            k, sep, v = item.partition("=")
+            if not sep or not k:
+                raise ValueError(f"configuration {text!r}: parameter {item!r} is not k=v")
+            kv.append((k.strip(), v.strip()))
+        from scheduler_service.core import registry
+
+        registry.create(policy, dict(kv))  # fails here, with the policy's own message, on a bad name or value
+        return cls(text, mode, policy, tuple(kv))
+
+    def settings(self, service_address: str, slo: Slo) -> dict[str, Any]:
+        return {"address": service_address if self.mode == "remote" else "inproc", "policy": self.policy,
+                "params": dict(self.params), "default_ttft_ms": slo.ttft_ms, "default_tbt_ms": slo.tbt_ms}
+
+
+@dataclass(frozen=True, slots=True)
+class LiveSpec:
+    configs: tuple[Config, ...]
+    rates: tuple[float, ...]
+    seeds: tuple[int, ...]
+    workload: WorkloadSpec = field(default_factory=WorkloadSpec)
+    engine: EngineArgs = field(default_factory=EngineArgs)
+    slo: Slo = field(default_factory=Slo)
+    model: dict[str, Any] = field(default_factory=dict)
+    #: the adapter's plan deadline; remote plans later than this fall back to vLLM's scheduler
+    deadline_ms: float = 20.0
+    #: seeds whose runs are replayed once more by vLLM's own benchmark client (:mod:`.judge`)
+    judge_seeds: tuple[int, ...] = ()
+
+    def order(self) -> list[tuple[float, int, Config]]:
+        """Every run: rate by rate, seed by seed, the configurations rotated per seed so that
+        none always runs first."""
+        out = []
+        n = len(self.configs)
+        for rate in self.rates:
+            for j, seed in enumerate(self.seeds):
+                out += [(rate, seed, self.configs[(j + i) % n]) for i in range(n)]
+        return out
+
+
+def _done(path: Path) -> set[tuple[str, float, int]]:
+    if not path.exists():
+        return set()
+    out = set()
+    for line in path.read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            out.add((r["config"], float(r["rate"]), int(r["seed"])))
+    return out
+
+
+def _counters(v: VllmProcess) -> dict[str, float]:
+    """The adapter's planned / native iterations and fallbacks by reason, as totals."""
+    assert v.metrics_port is not None
+    out: dict[str, float] = {}
+    for name, labels, val in scrape(v.metrics_port):
+        if name in ("slidingserve_adapter_planned_total", "slidingserve_adapter_native_total",
+                    "slidingserve_adapter_iterations_total"):
+            out[name.removeprefix("slidingserve_adapter_").removesuffix("_total")] = val
+        elif name == "slidingserve_adapter_fallbacks_total":
+            out["fallback_" + labels.get("reason", "?")] = val
+    return out
+
+
+def _prime(server: VllmProcess) -> None:
+    """A few short requests before the first run: the engine's first steps (and, with the
+    adapter, the policy's first build: its compiled kernels load then) take seconds that
+    would otherwise land on the first run's requests."""
+    reqs = [LiveRequest(i, 0.1 * i, tuple(range(3, 35)), 4, True) for i in range(4)]
+    bad = [r.error for r in run_requests(server.base_url, "live", reqs, timeout_s=600) if not r.complete]
+    if bad:
+        raise RuntimeError(f"vllm serve ({server.name}) did not answer its first requests: {bad[0]}")
+
+
+class _Bench:
+    def __init__(self, spec: LiveSpec, out: Path, model_dir: str, log: Callable[[str], None]) -> None:
+        self.spec, self.out, self.model_dir, self.log = spec, out, model_dir, log
+        self.work = out / "work"
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.settings = self.work / "adapter.json"
+        self.worker, self.others = worker_cores()
+        self.native: VllmProcess | None = None
+        self.adapter: VllmProcess | None = None
+        self.service: ServiceProcess | None = None
+
+    def start(self) -> None:
+        model_dir = self.model_dir
+        modes = {c.mode for c in self.spec.configs}
+        if "remote" in modes:
+            self.service = ServiceProcess(self.work, self.others)
+            self.log("starting slidingserve serve")
+            self.service.start()
+        first = next((c for c in self.spec.configs if c.mode != "native"), None)
+        if first is not None:
+            self.write_settings(first)
+            self.adapter = VllmProcess(self.work, model_dir, self.spec.engine, name="adapter", settings=self.settings,
+                                       extra_env={"SLIDINGSERVE_DEADLINE_MS": f"{self.spec.deadline_ms:g}"})
+            self.log(f"starting vllm serve with the adapter (worker on core {self.worker}; 1-3 minutes)")
+            self.adapter.start(self.worker, self.others)
+        if "native" in modes:
+            self.native = VllmProcess(self.work, model_dir, self.spec.engine, name="native")
+            self.log(f"starting vllm serve with vLLM's own scheduler (worker on core {self.worker}; 1-3 minutes)")
+            self.native.start(self.worker, self.others)
+        pin(0, self.others)  # the client
+        for server in (self.adapter, self.native):
+            if server is not None:
+                _prime(server)
+
+    def write_settings(self, c: Config) -> None:
+        addr = self.service.address if self.service is not None else ""
+        tmp = self.settings.with_suffix(".tmp")
+        tmp.write_text(json.dumps(c.settings(addr, self.spec.slo)))
+        tmp.replace(self.settings)
+
+    def stop(self) -> None:
+        for p in (self.native, self.adapter, self.service):
+            if p is not None:
+                p.stop()
+
+    def run(self, rate: float, seed: int, c: Config) -> dict[str, Any]:
+        server = self.native if c.mode == "native" else self.adapter
+        assert server is not None
+        if c.mode != "native":
+            self.write_settings(c)
+            time.sleep(1.2)  # the adapter checks its settings file once a second
+        before = _counters(server) if c.mode != "native" else {}
+        err0 = self.service.predictor_error() if self.service is not None else (0.0, 0.0)
+        reqs = make_requests(self.spec.workload, rate, seed)
+        results = run_requests(server.base_url, "live", reqs)
+        measured = [r for r in results if not reqs[r.index].warmup]
+        summary = summarize(measured, self.spec.slo)
+        rec: dict[str, Any] = {"config": c.label, "mode": c.mode, "policy": c.policy or NATIVE, "rate": rate,
+                               "seed": seed, **summary.to_dict(), "time": time.time()}
+        if c.mode != "native":
+            info = server.adapter_info()
+            want = c.settings("", self.spec.slo)
+            if info.get("policy") != c.policy or (info.get("address") == "inproc") != (c.mode == "inproc"):
+                raise RuntimeError(f"the adapter did not take the settings of {c.label}: its metrics say {info}")
+            after = _counters(server)
+            rec["adapter"] = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+            rec["params"] = want["params"]
+        if self.service is not None:
+            s, n = self.service.predictor_error()
+            rec["service_mae_ms"] = (s - err0[0]) / (n - err0[1]) if n > err0[1] else None
+            rec["service_reports"] = n - err0[1]
+            rec["service_refits"] = self.service.refits()
+        if seed in self.spec.judge_seeds:
+            rec["judge"] = self.judge(server, [r for r in reqs if not r.warmup], c, rate, seed)
+        return rec
+
+    def judge(self, server: VllmProcess, reqs: Sequence[LiveRequest], c: Config, rate: float,
+              seed: int) -> dict[str, Any]:
+        """The same measured requests, at the same arrival times, replayed by vLLM's own
+        benchmark client right after our run (so the policy and predictor are warm)."""
+        name = f"judge-{c.label.replace(':', '_').replace(',', '_')}-{rate:g}-{seed}"
+        data = self.work / f"{name}.jsonl"
+        t0 = reqs[0].at_s
+        write_dataset(data, [(len(r.prompt), r.output_len) for r in reqs], [r.at_s - t0 for r in reqs])
+        res = run_judge(sys.executable, server.base_url, "live", data, None, len(reqs), seed, self.spec.slo.ttft_ms,
+                        self.spec.slo.tbt_ms, self.work / "judge", f"{name}.json", tokenizer=self.model_dir)
+        return dict(res)
+
+
+def run_sweep(spec: LiveSpec, out: Path, model_dir: str, *, log: Callable[[str], None] = print,
+              progress: Callable[[int, int, str], None] | None = None) -> Path:
+    """Run every (rate, seed, configuration) not yet in ``out/runs.jsonl``; its path."""
+    runs = out / "runs.jsonl"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "spec.json").write_text(json.dumps(_spec_dict(spec), indent=2))
+    todo = [(r, s, c) for r, s, c in spec.order() if (c.label, r, s) not in _done(runs)]
+    if not todo:
+        log(f"every run is already in {runs}")
+        return runs
+    bench = _Bench(spec, out, model_dir, log)
+    try:
+        bench.start()
+        for i, (rate, seed, c) in enumerate(todo):
+            rec = bench.run(rate, seed, c)
+            with open(runs, "a") as fh:
+                fh.write(json.dumps(rec) + "\n")
+            if progress is not None:
+                progress(i + 1, len(todo), f"{c.label} {rate:g} rps seed {seed}: formula (1) "
+                         f"{rec['attain_f1']:.1%}, TTFT+TPOT {rec['attain_tpot']:.1%}, "
+                         f"TTFT max {rec['ttft_max_ms'] / 1e3:.2f} s")
+    finally:
+        bench.stop()
+    return runs
+
+
+def _spec_dict(spec: LiveSpec) -> dict[str, Any]:
+    return {"configs": [c.label for c in spec.configs], "rates": list(spec.rates), "seeds": list(spec.seeds),
+            "workload": asdict(spec.workload), "engine": asdict(spec.engine), "slo": asdict(spec.slo),
+            "model": spec.model, "deadline_ms": spec.deadline_ms, "judge_seeds": list(spec.judge_seeds)}
+
+
+def load_runs(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+

@@ -1,0 +1,137 @@
+"""The live benchmark's measuring and bookkeeping (clients/live), without an engine: the two
+SLO definitions, goodput over a sweep, the requests of a run, configurations, the report.
+The benchmark itself runs against a real ``vllm serve`` in tests/e2e/test_live_bench.py."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from clients.live.measure import RequestResult, Slo, goodput, summarize
+from clients.live.report import goodputs, markdown
+from clients.live.runner import Config, LiveSpec
+from clients.live.workload import WorkloadSpec, make_requests
+
+SLO = Slo(ttft_ms=1000, tbt_ms=50)
+
+
+def _req(ttft: float, gaps: list[float], n: int | None = None) -> RequestResult:
+    times = list(np.cumsum([ttft, *gaps]))
+    return RequestResult(0, 0.0, n if n is not None else len(times), [float(t) for t in times])
+
+
+def test_formula1_allows_slack_the_tpot_definition_does_not() -> None:
+    # first token at 0.1 s leaves 0.9 s of slack: 20 tokens 90 ms apart are all on time
+    # under formula (1) (token k due at 1 + 0.05 k), but their mean TPOT is 90 ms > 50
+    r = _req(0.1, [0.09] * 19)
+    assert r.ok_formula1(SLO) and not r.ok_tpot(SLO)
+
+
+def test_tpot_definition_forgives_one_long_gap_formula1_does_not() -> None:
+    # first token at 0.95 s, then a 0.2 s stall and four 10 ms tokens: token 1 arrives at
+    # 1.15 s, due at 1.05 s under formula (1); the mean time per output token is 48 ms
+    r = _req(0.95, [0.2] + [0.01] * 4)
+    assert r.tpot_s == pytest.approx(0.24 / 5)
+    assert r.ok_tpot(SLO) and not r.ok_formula1(SLO)
+    assert _req(0.95, [0.05] * 5).ok_formula1(SLO)  # every token exactly on time counts
+
+
+def test_incomplete_or_failed_requests_miss_both() -> None:
+    short = _req(0.1, [0.01] * 3, n=10)
+    failed = RequestResult(1, 0.0, 4, [], error="ReadError: boom")
+    for r in (short, failed):
+        assert not r.ok_formula1(SLO) and not r.ok_tpot(SLO)
+    s = summarize([short, failed, _req(0.1, [0.01] * 3)], SLO)
+    assert (s.requests, s.completed, s.errors) == (3, 1, 1)
+    assert s.attain_f1 == s.attain_tpot == pytest.approx(1 / 3)
+    assert s.first_error == "ReadError: boom"
+
+
+def test_summary_percentiles_and_max() -> None:
+    rs = [RequestResult(i, 0.0, 3, [0.1 * (i + 1), 0.1 * (i + 1) + 0.02, 0.1 * (i + 1) + 0.04]) for i in range(10)]
+    s = summarize(rs, SLO)
+    assert s.ttft_max_ms == pytest.approx(1000.0)
+    assert s.ttft_p50_ms == pytest.approx(550.0)
+    assert s.tpot_p50_ms == pytest.approx(20.0)
+    assert s.attain_f1 == 1.0
+
+
+def test_goodput_interpolates_at_the_crossing() -> None:
+    assert goodput([1, 2, 3], [1.0, 0.95, 0.85], 0.9) == pytest.approx(2.5)
+    assert goodput([3, 1, 2], [0.85, 1.0, 0.95], 0.9) == pytest.approx(2.5)  # order does not matter
+    assert goodput([1, 2], [0.5, 0.4], 0.9) == 0.0
+    assert goodput([1, 2], [0.99, 0.95], 0.9) == 2.0
+    # a later recovery above the threshold does not count: the first crossing decides
+    assert goodput([1, 2, 3], [0.95, 0.8, 0.95], 0.9) == pytest.approx(1 + 0.05 / 0.15)
+    with pytest.raises(ValueError):
+        goodput([1, 2], [0.9], 0.9)
+
+
+@given(st.lists(st.floats(0, 1), min_size=1, max_size=6), st.floats(0.05, 1.0))
+def test_goodput_is_a_rate_where_the_sweep_met_the_threshold(att: list[float], thr: float) -> None:
+    rates = [float(i + 1) for i in range(len(att))]
+    g = goodput(rates, att, thr)
+    assert g == 0.0 or rates[0] <= g <= rates[-1]
+    if g > 0:
+        below = [r for r, a in zip(rates, att, strict=True) if r <= g]
+        assert all(a >= thr for r, a in zip(rates, att, strict=True) if r in below)
+
+
+def test_requests_repeat_per_seed_and_respect_the_engine() -> None:
+    spec = WorkloadSpec(requests=50, warmup=10, max_prompt=300, max_output=20)
+    a, b = make_requests(spec, 4.0, 3), make_requests(spec, 4.0, 3)
+    assert a == b
+    assert make_requests(spec, 4.0, 4) != a
+    assert len(a) == 60 and sum(r.warmup for r in a) == 10 and a[0].warmup and not a[-1].warmup
+    assert all(1 <= len(r.prompt) <= 300 and 2 <= r.output_len <= 20 for r in a)
+    assert all(3 <= t < spec.vocab_size for r in a for t in r.prompt)
+    at = [r.at_s for r in a]
+    assert at[0] == 0.0 and at == sorted(at)
+    # the same lengths at another rate; arrivals scale
+    c = make_requests(spec, 8.0, 3)
+    assert [len(r.prompt) for r in c] == [len(r.prompt) for r in a]
+    assert c[-1].at_s == pytest.approx(a[-1].at_s / 2)
+    long = make_requests(WorkloadSpec(requests=400, warmup=0), 5.0, 1)
+    assert np.mean(np.diff([r.at_s for r in long])) == pytest.approx(0.2, rel=0.15)
+    with pytest.raises(ValueError):
+        make_requests(spec, 0.0, 1)
+
+
+def test_config_parse() -> None:
+    assert Config.parse("vllm").mode == "native"
+    c = Config.parse("remote:slidingserve:decode_skip_tbts=0,skip_late_decodes=false")
+    assert (c.mode, c.policy, dict(c.params)) == ("remote", "slidingserve",
+                                                   {"decode_skip_tbts": "0", "skip_late_decodes": "false"})
+    assert c.settings("h:1", SLO)["address"] == "h:1"
+    assert Config.parse("inproc:qoserve").settings("h:1", SLO)["address"] == "inproc"
+    for bad in ("gpu:slidingserve", "inproc", "inproc:nope", "inproc:slidingserve:window", "inproc:slidingserve:window=9"):
+        with pytest.raises(ValueError):
+            Config.parse(bad)
+
+
+def test_runs_interleave_configurations_seed_by_seed() -> None:
+    cs = tuple(Config.parse(x) for x in ("vllm", "inproc:slidingserve", "remote:slidingserve"))
+    order = LiveSpec(cs, rates=(1.0, 2.0), seeds=(1, 2, 3)).order()
+    assert len(order) == 18 and len(set((r, s, c.label) for r, s, c in order)) == 18
+    firsts = [order[i][2].label for i in range(0, 9, 3)]
+    assert firsts == ["vllm", "inproc:slidingserve", "remote:slidingserve"]
+
+
+def _run(config: str, rate: float, seed: int, f1: float, tp: float) -> dict[str, object]:
+    return {"config": config, "mode": "native" if config == "vllm" else "inproc", "rate": rate, "seed": seed,
+            "attain_f1": f1, "attain_tpot": tp, "ttft_p99_ms": 900.0, "ttft_max_ms": 1500.0 + seed,
+            "tpot_p50_ms": 20.0, "tpot_p99_ms": 40.0}
+
+
+def test_report_goodput_and_ratio_seed_by_seed() -> None:
+    runs = [_run("vllm", 1, 1, 1.0, 1.0), _run("vllm", 2, 1, 0.8, 0.8),
+            _run("inproc:slidingserve", 1, 1, 1.0, 1.0), _run("inproc:slidingserve", 2, 1, 0.9, 0.7)]
+    g = goodputs(runs, "attain_f1", 0.9)
+    assert g["vllm"][1] == pytest.approx(1.5) and g["inproc:slidingserve"][1] == 2.0
+    text = markdown(runs, 0.9)
+    assert "| inproc:slidingserve | 2.00 (2.00–2.00) | 1.33× (1.33–1.33) |" in text
+    assert "1.50" in text and not math.isnan(g["vllm"][1])
