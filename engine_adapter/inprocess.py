@@ -31,10 +31,14 @@ class InProcessBackend:
     from its reports (the same registry the service uses)."""
 
     def __init__(self, settings: AdapterSettings, predictor: BatchLatencyPredictor | None = None,
-                 refit: bool = True) -> None:
+                 refit: bool = True, predictors: PredictorRegistry | None = None) -> None:
+        """``predictors``: a registry to learn into that outlives this backend (the vLLM
+        adapter keeps one across settings reloads, so a policy switch keeps what the
+        predictor learned of the engine); it is not closed with the backend."""
         self._policy = registry.create(settings.policy or "slidingserve", settings.params)
         self._profile = settings.profile or "default"
-        self._registry = PredictorRegistry(
+        self._owns_registry = predictors is None
+        self._registry = predictors if predictors is not None else PredictorRegistry(
             predictor or default_predictor(), RefitSettings(), synchronous=settings.report_inline
         ) if refit else None
         self._fixed = predictor or default_predictor()
@@ -59,5 +63,5 @@ class InProcessBackend:
         return self._registry.wait_idle(timeout) if self._registry else True
 
     def close(self) -> None:
-        if self._registry is not None:
+        if self._registry is not None and self._owns_registry:
             self._registry.close()

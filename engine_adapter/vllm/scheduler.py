@@ -79,7 +79,8 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 from engine_adapter.core import AdapterCore, AdapterSettings, Decision, IterationSample  # noqa: E402
 from engine_adapter.inprocess import InProcessBackend  # noqa: E402
 from engine_adapter.remote import GrpcBackend  # noqa: E402
-from scheduler_service.core import Plan, Rejection, Snapshot  # noqa: E402
+from scheduler_service.core import Plan, Rejection, Snapshot, default_predictor  # noqa: E402
+from scheduler_service.server.predictors import PredictorRegistry, RefitSettings  # noqa: E402
 
 from .settings import (  # noqa: E402
     FOLLOW_DEFAULT,
@@ -164,8 +165,9 @@ def _channel_factory(s: VllmAdapterSettings) -> Any:
     return make
 
 
-def build_core(s: VllmAdapterSettings, profile: str) -> AdapterCore:
-    """An :class:`AdapterCore` whose fallback is "no plan" (vLLM's native scheduling)."""
+def build_core(s: VllmAdapterSettings, profile: str, predictors: PredictorRegistry | None = None) -> AdapterCore:
+    """An :class:`AdapterCore` whose fallback is "no plan" (vLLM's native scheduling);
+    in process, learning into ``predictors`` when given (it outlives the core)."""
     a = AdapterSettings(
         policy="" if s.policy == FOLLOW_DEFAULT else s.policy, params=dict(s.params), deadline_ms=s.deadline_ms, fallback_policy="",
         profile=profile, engine_id=s.engine_id or default_engine_id(), report_batch=s.report_batch,
@@ -173,7 +175,7 @@ def build_core(s: VllmAdapterSettings, profile: str) -> AdapterCore:
     )
     backend: Any
     if s.address == "inproc":
-        backend = InProcessBackend(a)
+        backend = InProcessBackend(a, predictors=predictors)
     else:
         backend = GrpcBackend(s.address, a, channel_factory=_channel_factory(s), security=s.client_security())
     return AdapterCore(backend, a)
@@ -251,6 +253,7 @@ class SlidingServeMixin:
         self._ss_profile = detect_profile(self.vllm_config, self._ss_settings)
         self._ss_builder = SnapshotBuilder(self._slo_defaults(self._ss_settings), self._ss_profile)
         self._ss_core: AdapterCore | None = None  # created on first schedule(): after vLLM forks
+        self._ss_predictors: PredictorRegistry | None = None  # likewise (its refit thread)
         self._ss_unsupported = ""
         if self.policy != SchedulingPolicy.FCFS:
             self._ss_unsupported = f"scheduling policy {self.policy.name} (only fcfs)"
@@ -306,7 +309,7 @@ class SlidingServeMixin:
     def _core(self) -> AdapterCore:
         core = self._ss_core
         if core is None:
-            core = self._ss_core = build_core(self._ss_settings, self._ss_profile)
+            core = self._ss_core = build_core(self._ss_settings, self._ss_profile, self._predictors())
         new = self._ss_watcher.poll()
         if new is not None:
             self._swap(new)
@@ -314,12 +317,19 @@ class SlidingServeMixin:
             assert core is not None
         return core
 
+    def _predictors(self) -> PredictorRegistry:
+        """The in-process predictor registry, one per engine: a settings reload (another
+        policy, in process again after a remote spell) keeps what it learned of this engine."""
+        if self._ss_predictors is None:
+            self._ss_predictors = PredictorRegistry(default_predictor(), RefitSettings())
+        return self._ss_predictors
+
     def _swap(self, new: VllmAdapterSettings) -> None:
         """Hot reload: a new core (backend, policy, deadline); the old one is closed in
         the background so its queued reports are still delivered."""
         old = self._ss_core
         try:
-            core = build_core(new, self._ss_profile)
+            core = build_core(new, self._ss_profile, self._predictors())
         except Exception as e:
             log.error("slidingserve: cannot apply the new settings, keeping the old ones: %s", e)
             return
@@ -947,6 +957,9 @@ class SlidingServeMixin:
         if self._ss_core is not None:
             self._ss_core.close()
             self._ss_core = None
+        if self._ss_predictors is not None:
+            self._ss_predictors.close()
+            self._ss_predictors = None
 
     def shutdown(self) -> None:
         try:

@@ -99,6 +99,31 @@ def test_scheduler_hot_swaps_policy_without_restart(tmp_path: Path, mdir: str) -
     s.slidingserve_close()
 
 
+def test_hot_swap_keeps_what_the_in_process_predictor_learned(tmp_path: Path, mdir: str) -> None:
+    """A settings reload builds a new core, but the in-process predictor registry is the
+    engine's: the new policy (and a later in-process spell after a remote one) plans with
+    what was learned of this engine, not with the bundled default again."""
+    p = tmp_path / "live.yaml"
+    p.write_text("policy: slidingserve\n")
+    s: Any = build_scheduler(scheduler_class(RemoteSyncScheduler, {"SLIDINGSERVE_CONFIG": str(p)}), mdir,
+                             async_scheduling=False)
+    s._ss_watcher.period_s = 0
+    for _ in range(3):
+        s.add_request(make_request(40, 50))
+    s.schedule()
+    reg = s._ss_predictors
+    assert reg is not None and s._ss_core.backend._registry is reg
+    first_core = s._ss_core
+    _touch(p, "policy: sarathi-edf\n")
+    s.schedule()
+    assert s._ss_core is not first_core and s.slidingserve_stats()["policy"] == "sarathi-edf"
+    assert s._ss_predictors is reg and s._ss_core.backend._registry is reg
+    first_core.close()  # the retired core closes (in the background too): the registry stays open
+    assert not reg._closed
+    s.slidingserve_close()
+    assert reg._closed and s._ss_predictors is None
+
+
 def test_bad_file_at_start_fails_fast(tmp_path: Path, mdir: str) -> None:
     p = tmp_path / "bad.json"
     p.write_text("{")
