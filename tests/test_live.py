@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from clients.live.measure import RequestResult, Slo, goodput, summarize
-from clients.live.report import goodputs, markdown
+from clients.live.report import goodputs, judge_table, markdown, sim_table
 from clients.live.runner import Config, LiveSpec
 from clients.live.workload import WorkloadSpec, make_requests
 
@@ -135,3 +135,46 @@ def test_report_goodput_and_ratio_seed_by_seed() -> None:
     text = markdown(runs, 0.9)
     assert "| inproc:slidingserve | 2.00 (2.00–2.00) | 1.33× (1.33–1.33) |" in text
     assert "1.50" in text and not math.isnan(g["vllm"][1])
+
+
+def test_fitted_truth_follows_its_predictor_with_mean_one_noise() -> None:
+    from clients.live.sim import FittedTruth, cost_structure
+    from scheduler_service.core import default_predictor
+
+    pred = default_predictor()
+    truth = FittedTruth(pred, noise_sigma=0.2)
+    c, u = np.array([1, 1, 300, 0]), np.array([100, 50, 0, 999])
+    exact = float(pred.predict_batch_ms(c[:3], u[:3]))
+    assert truth.iteration_ms(c, u) == pytest.approx(exact)  # pieces with no token are not in the batch
+    assert truth.iteration_ms(np.array([0]), np.array([5])) == 0.0
+    rng = np.random.default_rng(0)
+    noisy = [truth.iteration_ms(c, u, rng) for _ in range(4000)]
+    assert np.mean(noisy) == pytest.approx(exact, rel=0.02) and np.std(noisy) > 0.1 * exact
+    cost = cost_structure(pred)
+    assert cost["per_decode_ms"] > 0 and cost["per_prefill_token_ms"] > 0 and cost["prefill_512_ms"] > cost["one_decode_ms"]
+
+
+def test_simulated_replay_has_the_live_records_shape() -> None:
+    from clients.live.sim import simulate_sweep
+    from scheduler_service.core import default_predictor
+
+    spec = LiveSpec(tuple(Config.parse(x) for x in ("vllm", "inproc:slidingserve")), rates=(2.0,), seeds=(1,),
+                    workload=WorkloadSpec(requests=30, warmup=5))
+    sim = simulate_sweep(spec, default_predictor(), 0.1)
+    assert [r["config"] for r in sim] == ["vllm", "inproc:slidingserve"]
+    assert [r["policy"] for r in sim] == ["vllm-fcfs", "slidingserve"]
+    for r in sim:
+        assert r["requests"] == r["completed"] == 30 and 0 <= r["attain_tpot"] <= 1 and 0 <= r["attain_f1"] <= 1
+        assert r["ttft_max_ms"] >= r["ttft_p50_ms"] > 0
+    text = sim_table([{**r, "source": "live"} for r in sim], sim)
+    rows = [x for x in text.splitlines() if x.startswith("| vllm |") or x.startswith("| inproc")]
+    assert len(rows) == 2 and not any("⚠" in x for x in rows)  # the same records: no gap
+    off = [{**r, "attain_tpot": r["attain_tpot"] - 0.2} for r in sim]
+    assert "⚠" in sim_table(off, sim).splitlines()[-1]
+
+
+def test_judge_table_sets_the_two_measurements_side_by_side() -> None:
+    run = {**_run("vllm", 2, 1, 1.0, 1.0), "good_rps_tpot": 1.9,
+           "judge": {"goodput": 1.8, "ttft_max_ms": 1400.0, "tpot_p50_ms": 21.0}}
+    assert "| vllm | 2 | 1 | 1.90 / 1.80 | 1.50 / 1.40 | 20.0 / 21.0 |" in judge_table([run])
+    assert judge_table([_run("vllm", 2, 1, 1.0, 1.0)]) == ""

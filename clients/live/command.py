@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from .judge import TINY_LLAMA, write_model, write_tokenizer
 from .measure import Slo
 from .procs import EngineArgs
-from .report import markdown, write_plot
+from .report import judge_table, markdown, sim_table, write_plot
 from .runner import Config, LiveSpec, load_runs, run_sweep
 from .workload import WorkloadSpec
 
@@ -78,6 +79,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=Path("live-bench"), help="output folder (default ./live-bench); "
                    "runs already in its runs.jsonl are not repeated")
     p.add_argument("--report-only", action="store_true", help="only rebuild the report from runs.jsonl")
+    p.add_argument("--sim", action="store_true", help="also replay the sweep in the simulator on the engine's "
+                   "fitted cost model (engine_predictor.json, saved by sweeps with a remote configuration)")
+    p.add_argument("--sim-noise", type=float, default=0.15,
+                   help="lognormal spread of the simulated iteration times (default 0.15)")
     return p
 
 
@@ -88,7 +93,42 @@ def _configs(text: str) -> tuple[Config, ...]:
     return tuple(Config.parse(x) for x in items)
 
 
+def _simulate(spec: LiveSpec, out: Path, noise: float) -> list[dict[str, Any]]:
+    from scheduler_service.core import BatchLatencyPredictor
+
+    from .sim import simulate_sweep
+
+    path = out / "engine_predictor.json"
+    if not path.exists():
+        raise ValueError(f"--sim needs {path}: run a sweep with a remote configuration first")
+    pred = BatchLatencyPredictor.from_dict(json.loads(path.read_text())["predictor"])
+    print(f"simulating {len(spec.order())} runs on the engine's fitted cost model", flush=True)
+    sim = simulate_sweep(spec, pred, noise)
+    (out / "sim.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sim))
+    return sim
+
+
+def _cost(out: Path) -> str:
+    path = out / "engine_predictor.json"
+    if not path.exists():
+        return ""
+    from scheduler_service.core import BatchLatencyPredictor
+
+    from .sim import cost_structure
+
+    info = json.loads(path.read_text())
+    c = cost_structure(BatchLatencyPredictor.from_dict(info["predictor"]))
+    return (f"The engine's cost model (the service's predictor fitted on {info['reports_accepted']} iteration reports): "
+            f"a lone decode {c['one_decode_ms']:.1f} ms, each more decode {c['per_decode_ms']:.3f} ms, each prefill "
+            f"token {c['per_prefill_token_ms']:.4f} ms, a 512-token prefill {c['prefill_512_ms']:.1f} ms.\n")
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # through the runner's cleanup: no vllm serve is left behind
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _terminated)
     args = parser().parse_args(argv)
     try:
         spec = LiveSpec(
@@ -125,10 +165,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"live-bench: no runs in {out}", file=sys.stderr)
         return 2
     data = load_runs(runs)
-    text = markdown(data, args.threshold)
+    sim = _simulate(spec, out, args.sim_noise) if args.sim else []
+    text = "\n".join(x for x in (markdown(data, args.threshold), judge_table(data), sim_table(data, sim),
+                                  _cost(out)) if x)
     (out / "report.md").write_text(text)
-    (out / "goodput.json").write_text(json.dumps({"threshold": args.threshold}, indent=2))
-    png = write_plot(data, out / "live.png", args.threshold)
+    png = write_plot(data, out / "live.png", args.threshold, sim)
     print(text)
     print(f"wrote {out / 'report.md'}" + (f", {png}" if png else ""))
     return 0

@@ -163,6 +163,22 @@ class _Bench:
         tmp.write_text(json.dumps(c.settings(addr, self.spec.slo)))
         tmp.replace(self.settings)
 
+    def save_predictor(self) -> None:
+        """The service's predictor of this engine, fitted on the remote runs' iteration
+        reports: ``engine_predictor.json`` (the engine's cost model; :mod:`.sim` replays
+        the sweep on it)."""
+        if self.service is None or self.adapter is None or self.service.proc is None:
+            return
+        from scheduler_service.client import SchedulerClient
+
+        key = self.adapter.adapter_info().get("profile", "")
+        with SchedulerClient(self.service.address) as client:
+            info = client.get_predictor(profile=key or None, timeout_s=10)
+        if info.reports_accepted:
+            (self.out / "engine_predictor.json").write_text(json.dumps(info.to_dict(), indent=2))
+            self.log(f"wrote {self.out / 'engine_predictor.json'} (profile {info.profile_key}, "
+                     f"{info.reports_accepted} reports, {info.published} of {info.refits} refits published)")
+
     def stop(self) -> None:
         for p in (self.native, self.adapter, self.service):
             if p is not None:
@@ -233,6 +249,7 @@ def run_sweep(spec: LiveSpec, out: Path, model_dir: str, *, log: Callable[[str],
                 progress(i + 1, len(todo), f"{c.label} {rate:g} rps seed {seed}: formula (1) "
                          f"{rec['attain_f1']:.1%}, TTFT+TPOT {rec['attain_tpot']:.1%}, "
                          f"TTFT max {rec['ttft_max_ms'] / 1e3:.2f} s")
+        bench.save_predictor()
     finally:
         bench.stop()
     return runs
