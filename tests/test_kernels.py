@@ -123,6 +123,24 @@ def test_orders_and_lost_set_agree(snap: Snapshot, rho: float, alpha: float, exp
     assert same(ref, got)
 
 
+@KERNELS
+@given(snap=snapshots(max_n=20), skip=st.sampled_from([0.0, 1.0, 6.0]), late=st.booleans(),
+       starve=st.sampled_from([0.0, 0.5, 3.0]), shift=st.sampled_from([0.0, 0.1, 1.0]), data=st.data())
+def test_sit_out_agrees(snap: Snapshot, skip: float, late: bool, starve: float, shift: float,
+                        data: st.DataObject) -> None:
+    """Which decodes sit out (far ahead, late but not starving) and the live prefills."""
+    d = snap.to_dict()
+    d["now"] += shift  # later: more late and starving decodes
+    snap = Snapshot.from_json(d)
+    pol = registry.create("slidingserve", {"decode_skip_tbts": skip, "skip_late_decodes": late,
+                                           "starve_after": starve})
+    pre = prefill_indices(snap)
+    lost = np.array(data.draw(st.lists(st.booleans(), min_size=len(pre), max_size=len(pre))), dtype=bool)
+    dec = np.flatnonzero(snap.is_decoding)
+    ref, got = both(lambda: pol._sit_out(snap, dec, pre, lost))  # type: ignore[attr-defined]
+    assert same(ref[0], got[0]) and same(ref[1], got[1])
+
+
 def test_orders_break_exact_ties_by_id_on_both_backends() -> None:
     reqs = [waiting(f"z{i}", 50, arrival=1.0) for i in (3, 1, 2)] + [waiting("a", 50, arrival=1.0)]
     snap = make_snapshot(reqs, now=1.5)
@@ -190,6 +208,7 @@ def test_one_token_remainders_go_back_to_numpy_and_agree(decodes: bool) -> None:
 VARIANTS: list[tuple[str, dict[str, Any]]] = [(n, {}) for n in registry.names()] + [
     ("slidingserve", {"window": 1}), ("slidingserve", {"window": 4, "granularity": 1}),
     ("slidingserve", {"lost_rule": "alone", "margin": 1.0}),
+    ("slidingserve", {"starve_after": 0}), ("slidingserve", {"starve_after": 0.5, "decode_skip_tbts": 1}),
 ]
 
 
@@ -221,8 +240,11 @@ def test_plans_are_identical_on_both_backends(name: str, params: dict[str, Any])
             assert ref.decision_key() == got.decision_key(), (name, params, seed)
             assert repr(ref.predicted_latency_ms) == repr(got.predicted_latency_ms)
             paths.add(got.path)
-    if name == "slidingserve" and not params:
+    if name == "slidingserve" and params == {"starve_after": 0}:
         assert {"batch_constructor", "sliding_chunker"} <= paths  # both halves were compared
+    # (these snapshots hold a request that waited 3 TTFTs nearly always: the chunker path)
+    if name == "slidingserve" and not params:
+        assert "sliding_chunker" in paths
 
 
 # ----------------------------------------------------------------- the switch

@@ -182,7 +182,7 @@ def test_slidingserve_ablations_never_construct() -> None:
 def test_slidingserve_expired_is_never_an_anchor_but_still_served() -> None:
     reqs = [
         decoding("d", 10, 1, arrival=9.0, ttft=1.0, tbt=0.1),
-        waiting("X", 20, arrival=8.0, ttft=0.5),            # expired
+        waiting("X", 20, arrival=9.4, ttft=0.5),            # expired, not starving
         waiting("L", 100, arrival=9.0, ttft=2.0),
     ]
     plan = registry.create("slidingserve").plan(make_snapshot(reqs, now=10.0, prefill_throughput=1e4), PRED)
@@ -401,8 +401,9 @@ def test_moore_gives_up_the_prefill_that_would_sink_another() -> None:
 
 def test_late_decodes_sit_out_while_prefills_that_can_make_it_wait() -> None:
     """A decode past its next token's deadline has missed its SLO: its token waits while a
-    live prefill runs, and runs as soon as none waits."""
-    late = decoding("late", 50, 2, arrival=9.0, ttft=0.5, tbt=0.05)      # slack -0.4 s
+    live prefill runs, and runs as soon as none waits; once it is starve_after TBTs late
+    (starving) it runs anyway."""
+    late = decoding("late", 50, 2, arrival=9.0, ttft=0.8, tbt=0.05)      # slack -0.1 s: 2 TBTs late
     close = decoding("close", 50, 2, arrival=9.0, ttft=1.05, tbt=0.05)   # slack 0.15 s
     w = waiting("w", 100, arrival=9.9, ttft=1.0)
     pol = registry.create("slidingserve")
@@ -410,6 +411,11 @@ def test_late_decodes_sit_out_while_prefills_that_can_make_it_wait() -> None:
     assert alloc(pol.plan(make_snapshot([late, close], now=10.0), PRED)) == {"late": 1, "close": 1}
     off = registry.create("slidingserve", {"skip_late_decodes": False})
     assert alloc(off.plan(make_snapshot([late, close, w], now=10.0), PRED)) == {"late": 1, "close": 1, "w": 100}
+    starving = decoding("starving", 50, 2, arrival=9.0, ttft=0.5, tbt=0.05)  # slack -0.4 s: 8 TBTs late
+    got = alloc(pol.plan(make_snapshot([starving, close, w], now=10.0), PRED))
+    assert got == {"starving": 1, "close": 1, "w": 100}
+    no_bound = registry.create("slidingserve", {"starve_after": 0})
+    assert alloc(no_bound.plan(make_snapshot([starving, close, w], now=10.0), PRED)) == {"close": 1, "w": 100}
 
 
 def test_decodes_do_not_sit_out_when_no_prefill_can_run() -> None:

@@ -43,9 +43,20 @@ PROPS = settings(max_examples=80, deadline=None, derandomize=True, database=None
 any_predictor = st.one_of(st.just(default_predictor()), predictors(), predictors(negative=True))
 
 
+def starving(snap: Snapshot, params: Any) -> np.ndarray:
+    """Mask over all requests (one class): prefills waiting since ``starve_after`` TTFTs and
+    decodes ``starve_after`` TBTs late (docs/policies.md, Starvation bound)."""
+    a = getattr(params, "starve_after", 0.0)
+    if a <= 0:
+        return np.zeros(len(snap), dtype=bool)
+    pre = ~snap.is_decoding & (snap.now - snap.arrival >= a * snap.ttft_slo)
+    return pre | (snap.is_decoding & (snap.slack <= -a * snap.tbt_slo))
+
+
 def lost_prefills(snap: Snapshot, pred: BatchLatencyPredictor, params: Any) -> np.ndarray:
     """Mask over all requests: live prefills SlidingServe gives up on, from the definitions
-    (hopeless alone at the full-budget rate; Moore–Hodgson's late set at the observed rate)."""
+    (hopeless alone at the full-budget rate; Moore–Hodgson's late set at the observed rate;
+    never a starving one)."""
     pre = np.flatnonzero(~snap.is_decoding)
     out = np.zeros(len(snap), dtype=bool)
     if len(pre) == 0:
@@ -57,7 +68,7 @@ def lost_prefills(snap: Snapshot, pred: BatchLatencyPredictor, params: Any) -> n
     if params.lost_rule == "moore":
         lost |= late_set(snap, pre, snap.prefill_throughput or pred.prefill_throughput(snap.max_batch_tokens))
     out[pre] = lost & (snap.slack[pre] > 0)
-    return out
+    return out & ~starving(snap, params)
 
 
 def check_invariants(name: str, chunk: int | None, snap: Snapshot, pred: BatchLatencyPredictor,
@@ -91,7 +102,7 @@ def check_invariants(name: str, chunk: int | None, snap: Snapshot, pred: BatchLa
             if params.decode_skip_tbts > 0:
                 sit |= snap.is_decoding & (snap.slack > params.decode_skip_tbts * snap.tbt_slo)
             if params.skip_late_decodes:
-                sit |= snap.is_decoding & (snap.slack <= 0)
+                sit |= snap.is_decoding & (snap.slack <= 0) & ~starving(snap, params)
         ran_sit = any(sit[idx[r]] for r in ids)
         prefilled = any(not snap.is_decoding[idx[r]] for r in ids)
         if waits and sit.any() and prefilled and not ran_sit:
@@ -153,13 +164,14 @@ def test_slidingserve_serves_lost_prefills_only_after_live_ones_fit(snap: Snapsh
     full-budget prefill rate × slack × hopeless_factor; with lost_rule moore, those
     Moore–Hodgson gives up on at the observed rate — sort last: one is served only when
     every live prefill is served in full, or the batch-constructor path picked whole live
-    requests (it never takes lost ones)."""
+    requests (it never takes lost ones).  Starving ones go first instead
+    (tests/test_starvation.py)."""
     pred = default_predictor()
     pol = registry.create("slidingserve", {"hopeless_factor": factor, "lost_rule": rule})
     plan = pol.plan(snap, pred)
     a = plan.tokens_by_id()
     idx = {rid: i for i, rid in enumerate(snap.ids)}
-    gone = lost_prefills(snap, pred, pol.params) | (snap.slack <= 0)
+    gone = (lost_prefills(snap, pred, pol.params) | (snap.slack <= 0)) & ~starving(snap, pol.params)
 
     served_lost = [r for r in a if not snap.is_decoding[idx[r]] and gone[idx[r]]]
     if plan.path == "batch_constructor":
@@ -226,7 +238,8 @@ def test_plans_are_predicted_within_the_slack_they_were_built_for(
         overrides: dict[str, Any], snap: Snapshot, pred: BatchLatencyPredictor) -> None:
     """A ``batch_constructor`` plan is predicted (× margin) within the TTFT slack of every
     prefill it completes; a ``sliding_chunker`` plan within T_cur, the least slack of its
-    live decodes, unless its decodes alone overrun it."""
+    live decodes, unless its decodes alone overrun it or a starving prefill gets its room
+    beyond the windows (tests/test_starvation.py)."""
     pol = registry.create("slidingserve", overrides)
     margin = pol.params.margin
     plan = pol.plan(snap, pred)
@@ -243,7 +256,7 @@ def test_plans_are_predicted_within_the_slack_they_were_built_for(
     elif plan.path == "sliding_chunker":
         dec = [i for i in rows if snap.is_decoding[i]]
         live = [i for i in dec if snap.slack[i] > 0]
-        if live:
+        if live and not (starving(snap, pol.params) & ~snap.is_decoding).any():
             t_cur = float(min(snap.slack[live])) * 1e3
             cu = [(1, int(snap.kv_tokens[i])) for i in dec]
             t_dec = predict_cu(pred, cu) * margin

@@ -54,12 +54,13 @@ __all__ = ["BudgetCurve", "CandidateQueue", "fit_class_decodes", "select_decodes
 _SCALAR_MINOR = 8
 
 
-def select_decodes(snap: Snapshot, dec_idx: np.ndarray) -> np.ndarray:
+def select_decodes(snap: Snapshot, dec_idx: np.ndarray, starve_tbts: float = 0.0) -> np.ndarray:
     """Decodes that fit the limits, most urgent first when not all fit.
 
     Priority: live decodes by ascending TBT slack, then expired ones (ties
-    by arrival and id).  Each decode takes one token of ``max_batch_tokens``,
-    one sequence slot and one KV slot.
+    by arrival and id); with ``starve_tbts`` > 0, before them the starving
+    decodes, at least that many TBTs late, the latest first.  Each decode
+    takes one token of ``max_batch_tokens``, one sequence slot and one KV slot.
     """
     cap = min(snap.max_batch_tokens, snap.max_num_seqs)
     if snap.free_kv_tokens is not None:
@@ -67,6 +68,9 @@ def select_decodes(snap: Snapshot, dec_idx: np.ndarray) -> np.ndarray:
     if len(dec_idx) <= cap:
         return dec_idx
     s = snap.slack[dec_idx]
+    if starve_tbts > 0:
+        fed = s > -starve_tbts * snap.tbt_slo[dec_idx]  # not starving
+        return np.sort(ordered(snap, dec_idx, fed, s <= 0, s)[:cap])
     return np.sort(ordered(snap, dec_idx, s <= 0, s)[:cap])
 
 

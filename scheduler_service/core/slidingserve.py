@@ -7,7 +7,10 @@ One decision (docs/policies.md):
 3. the violation check fills that queue greedily to TimeToBudget(T_cur) and
    predicts T̂_full; live prefills with slack below it are risky;
 4. risky → BatchConstructor; no risky or no feasible anchor → SlidingChunker
-   with window k, then a greedy fill of its budget.
+   with window k, then a greedy fill of its budget;
+5. starvation bound: prefills waiting ``starve_after`` × their TTFT go first,
+   oldest first, on the SlidingChunker path, and the oldest gets its tokens
+   even beyond the decode windows; decodes that late no longer sit out.
 
 The ablations switch parts off: ``sarathi-edf+sc`` (EDF order, chunker only),
 ``sarathi-edf+sc+mlps`` (MLPS order, chunker only).
@@ -34,7 +37,7 @@ from .sorter import class_late_set, edf_order, late_set, mlps_order, ordered, pr
 
 __all__ = ["SlidingServeParams", "SlidingServePolicy"]
 
-VERSION = "1.1.0"
+VERSION = "1.2.0"
 #: Paths whose plan gives tokens to a prefill.
 _PREFILL_PATHS = ("batch_constructor", "sliding_chunker")
 
@@ -86,6 +89,12 @@ class SlidingServeParams:
         doc="while live prefills wait, decodes already past their next token's deadline (their "
             "request has missed its SLO) sit out the iteration",
     )
+    starve_after: float = param(
+        3.0, lo=0.0, hi=1000.0,
+        doc="starvation bound: a prefill whose age reaches this many times its TTFT SLO goes first, "
+            "oldest first, with tokens every iteration; a decode this many TBTs late no longer sits "
+            "out (0 = off)",
+    )
     class_sit_out: bool = param(
         True,
         doc="request classes: lower-class decodes sit out an iteration when the decodes alone "
@@ -131,6 +140,8 @@ class SlidingServePolicy:
         pre = prefill_indices(snap)
         rho = snap.prefill_throughput or predictor.prefill_throughput(snap.max_batch_tokens)
         lost = self._lost(snap, predictor, pre, rho)
+        if p.starve_after > 0 and len(pre):
+            lost = lost & ~self._starving(snap, pre)  # no longer given up on
         if p.preempt and not snap.one_class and snap.free_kv_tokens is not None and len(pre):
             victims = _kv_victims(snap, pre, lost, len(dec_all), p.kv_growth_iters, p.kv_decode_reserve, p.shed)
             if len(victims):
@@ -177,12 +188,13 @@ class SlidingServePolicy:
 
         While prefills that can still make it wait, decodes whose token is not needed now
         sit out, and their time goes to the prefills: those far ahead of their next
-        deadline (deadlines are cumulative, formula (1)), and those already late."""
+        deadline (deadlines are cumulative, formula (1)), and those already late but by
+        less than ``starve_after`` TBTs (a decode later than that is starving and runs)."""
         p = self.params
         jit = kernels.jit()
         if jit is not None:
             return jit.sit_out(dec_all, pre, snap.slack, snap.tbt_slo, lost, float(p.decode_skip_tbts),
-                               bool(p.skip_late_decodes))
+                               bool(p.skip_late_decodes), float(p.starve_after))
         live = pre[(snap.slack[pre] > 0) & ~lost]
         out = np.zeros(len(dec_all), dtype=bool)
         if len(dec_all) and len(live):
@@ -190,8 +202,24 @@ class SlidingServePolicy:
             if p.decode_skip_tbts > 0:
                 out |= s > p.decode_skip_tbts * snap.tbt_slo[dec_all]
             if p.skip_late_decodes:
-                out |= s <= 0
+                late = s <= 0
+                if p.starve_after > 0:
+                    late &= s > -p.starve_after * snap.tbt_slo[dec_all]
+                out |= late
         return live, out
+
+    def _starving(self, snap: Snapshot, pre: np.ndarray) -> np.ndarray:
+        """Mask over ``pre`` of the starving prefills: waiting for their first token for at
+        least ``starve_after`` times their TTFT SLO (age = now − arrival, however much of
+        the prompt is computed or cached).  With request classes only the highest class in
+        the snapshot starves: a lower class never costs a higher one its tokens."""
+        a = self.params.starve_after
+        if a <= 0 or len(pre) == 0:
+            return np.zeros(len(pre), dtype=bool)
+        out = snap.now - snap.arrival[pre] >= a * snap.ttft_slo[pre]
+        if not snap.one_class:
+            out &= snap.priority[pre] == snap.priority.min()
+        return out
 
     def _lost(self, snap: Snapshot, predictor: BatchLatencyPredictor, pre: np.ndarray,
               rho: float) -> np.ndarray:
@@ -230,7 +258,7 @@ class SlidingServePolicy:
     def _plan(self, snap: Snapshot, predictor: BatchLatencyPredictor, t0: int, dec_all: np.ndarray,
               runnable: np.ndarray, pre: np.ndarray, lost: np.ndarray, live: np.ndarray, rho: float) -> Plan:
         p = self.params
-        decodes = select_decodes(snap, runnable)
+        decodes = select_decodes(snap, runnable, starve_tbts=p.starve_after)
         if p.class_sit_out and not snap.one_class:
             decodes = fit_class_decodes(snap, predictor, decodes, p.margin)
         n_dec = len(decodes)
@@ -238,6 +266,9 @@ class SlidingServePolicy:
             queue = mlps_order(snap, pre, rho, p.alpha, p.epsilon_s, lost=lost)
         else:
             queue = edf_order(snap, pre, expired_last=False)
+        starving = self._starving(snap, pre)
+        if starving.any():  # the starvation bound: they head the queue, oldest first
+            queue = np.concatenate([ordered(snap, pre[starving]), queue[np.isin(queue, pre[~starving])]])
         t1 = time.perf_counter_ns()
         cq = CandidateQueue.build(
             snap, predictor, decodes, queue,
@@ -250,7 +281,7 @@ class SlidingServePolicy:
 
         chosen = None
         t3 = t2
-        if p.batch_constructor and cq.first_cap > 0:
+        if p.batch_constructor and cq.first_cap > 0 and not starving.any():
             cand = cq.first_cap if W is None else max(curve.prefill_tokens_within(W[0], cq.first_cap), 0)
             t_full = float(curve.times[cand])
             chosen = construct_batch(
@@ -276,6 +307,8 @@ class SlidingServePolicy:
                 p1 = max(curve.prefill_tokens_within(W[0], cq.first_cap), 0)
             else:
                 p1 = sliding_chunk(cq, W, p.granularity, p.max_grid, curve, p.tie_tolerance_ms)
+            if starving.any():  # the oldest starving prefill (the queue's head) gets its room
+                p1 = max(p1, min(int(cq.r[0]), cq.first_cap))
             pre_alloc = cq.fill(p1)
             predicted = float(curve.times[p1])  # the curve holds exactly this batch
             path = "sliding_chunker" if pre_alloc else ("decode_only" if n_dec else "idle")

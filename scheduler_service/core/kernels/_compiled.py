@@ -433,9 +433,10 @@ def lost_mask(pre: np.ndarray, remaining: np.ndarray, slack: np.ndarray, protect
 
 @_jit
 def sit_out(dec_all: np.ndarray, pre: np.ndarray, slack: np.ndarray, tbt: np.ndarray, lost: np.ndarray,  # type: ignore[no-untyped-def]
-            skip_tbts: float, skip_late: bool):
+            skip_tbts: float, skip_late: bool, starve: float):
     """``SlidingServePolicy._sit_out``: the live prefills, and the mask over dec_all of
-    the decodes that sit out (none unless a decode and a live prefill exist)."""
+    the decodes that sit out (none unless a decode and a live prefill exist); a late
+    decode sits out only while less than ``starve`` TBTs late (``starve`` 0: always)."""
     keep = np.empty(len(pre), dtype=np.bool_)
     for i in range(len(pre)):
         keep[i] = slack[pre[i]] > 0 and not lost[i]
@@ -444,7 +445,8 @@ def sit_out(dec_all: np.ndarray, pre: np.ndarray, slack: np.ndarray, tbt: np.nda
     if len(dec_all) and len(live):
         for i in range(len(dec_all)):
             s = slack[dec_all[i]]
-            out[i] = (skip_tbts > 0 and s > skip_tbts * tbt[dec_all[i]]) or (skip_late and s <= 0)
+            late = skip_late and s <= 0 and (starve <= 0 or s > -starve * tbt[dec_all[i]])
+            out[i] = (skip_tbts > 0 and s > skip_tbts * tbt[dec_all[i]]) or late
     return live, out
 
 
