@@ -370,12 +370,16 @@ def test_hopeless_prefills_are_served_after_the_live_ones() -> None:
 
 def test_decodes_far_ahead_sit_out_while_prefills_wait() -> None:
     """TBT deadlines are cumulative (formula (1)): a decode 6+ TBTs ahead of its next
-    token's deadline can skip an iteration.  It does so only while a live prefill waits."""
+    token's deadline can skip an iteration.  It does so only while a live prefill waits
+    (``sit_out_when="waiting"``), and by default only when that prefill needs the room."""
     # now 10; next-token deadline = arrival + ttft + output·tbt
     ahead = decoding("ahead", 50, 2, arrival=9.0, ttft=1.5, tbt=0.05)    # slack 0.6 s = 12 TBT
     close = decoding("close", 50, 2, arrival=9.0, ttft=1.05, tbt=0.05)   # slack 0.15 s = 3 TBT
     w = waiting("w", 100, arrival=9.9, ttft=1.0)
-    pol = registry.create("slidingserve")
+    # w (100 tokens, 0.9 s of slack) makes its TTFT beside both decodes: nobody sits out
+    needed = registry.create("slidingserve")
+    assert alloc(needed.plan(make_snapshot([ahead, close, w], now=10.0), PRED)) == {"ahead": 1, "close": 1, "w": 100}
+    pol = registry.create("slidingserve", {"sit_out_when": "waiting"})
     assert alloc(pol.plan(make_snapshot([ahead, close, w], now=10.0), PRED)) == {"close": 1, "w": 100}
     # no prefill waiting: everyone decodes
     assert alloc(pol.plan(make_snapshot([ahead, close], now=10.0), PRED)) == {"ahead": 1, "close": 1}
@@ -406,7 +410,10 @@ def test_late_decodes_sit_out_while_prefills_that_can_make_it_wait() -> None:
     late = decoding("late", 50, 2, arrival=9.0, ttft=0.8, tbt=0.05)      # slack -0.1 s: 2 TBTs late
     close = decoding("close", 50, 2, arrival=9.0, ttft=1.05, tbt=0.05)   # slack 0.15 s
     w = waiting("w", 100, arrival=9.9, ttft=1.0)
-    pol = registry.create("slidingserve")
+    # by default only when w needs the room, which it does not here: the late decode runs
+    assert alloc(registry.create("slidingserve").plan(make_snapshot([late, close, w], now=10.0), PRED)) == {
+        "late": 1, "close": 1, "w": 100}
+    pol = registry.create("slidingserve", {"sit_out_when": "waiting"})
     assert alloc(pol.plan(make_snapshot([late, close, w], now=10.0), PRED)) == {"close": 1, "w": 100}
     assert alloc(pol.plan(make_snapshot([late, close], now=10.0), PRED)) == {"late": 1, "close": 1}
     off = registry.create("slidingserve", {"skip_late_decodes": False})
@@ -414,7 +421,7 @@ def test_late_decodes_sit_out_while_prefills_that_can_make_it_wait() -> None:
     starving = decoding("starving", 50, 2, arrival=9.0, ttft=0.5, tbt=0.05)  # slack -0.4 s: 8 TBTs late
     got = alloc(pol.plan(make_snapshot([starving, close, w], now=10.0), PRED))
     assert got == {"starving": 1, "close": 1, "w": 100}
-    no_bound = registry.create("slidingserve", {"starve_after": 0})
+    no_bound = registry.create("slidingserve", {"starve_after": 0, "sit_out_when": "waiting"})
     assert alloc(no_bound.plan(make_snapshot([starving, close, w], now=10.0), PRED)) == {"close": 1, "w": 100}
 
 

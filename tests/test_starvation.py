@@ -230,14 +230,14 @@ DIGESTS_1_1_0: list[tuple[dict[str, Any], str]] = [
 
 @pytest.mark.parametrize(("overrides", "digest"), DIGESTS_1_1_0, ids=[str(o) for o, _ in DIGESTS_1_1_0])
 def test_starve_after_0_plans_as_version_1_1_0(overrides: dict[str, Any], digest: str) -> None:
-    pol = registry.create("slidingserve", {**overrides, "starve_after": 0})
+    pol = registry.create("slidingserve", {**overrides, "starve_after": 0, "sit_out_when": "waiting"})
     h = hashlib.sha256()
     for seed in range(60):
         s = _seeded(seed)
         for pred in (default_predictor(), random_predictor(seed), random_predictor(seed, allow_negative=True)):
             h.update(repr(pol.plan(s, pred).decision_key()[3:]).encode())
     assert h.hexdigest()[:16] == digest
-    with_bound = registry.create("slidingserve", overrides)
+    with_bound = registry.create("slidingserve", {**overrides, "sit_out_when": "waiting"})
     assert any(with_bound.plan(_seeded(seed), default_predictor()).decision_key()[3:]
                != pol.plan(_seeded(seed), default_predictor()).decision_key()[3:] for seed in range(60))
 

@@ -84,6 +84,12 @@ class SlidingServeParams:
         doc="prefills given up on (served last, never anchors): 'alone' = those hopeless_factor "
             "marks; 'moore' = also those Moore-Hodgson drops at the observed prefill rate",
     )
+    sit_out_when: str = param(
+        "needed", choices=("needed", "waiting"),
+        doc="when the decode sit-out rules (decode_skip_tbts, skip_late_decodes) apply: 'waiting' = "
+            "whenever a live prefill waits; 'needed' = only when Moore-Hodgson on the live prefills at "
+            "the prefill pace left beside every decode (each keeping its TBT) would give up a first token",
+    )
     skip_late_decodes: bool = param(
         True,
         doc="while live prefills wait, decodes already past their next token's deadline (their "
@@ -170,6 +176,8 @@ class SlidingServePolicy:
             if p.class_rescue and len(dec_all):
                 lost, rescued = _rescue(snap, predictor, dec_all, pre, lost, p.margin)
         live, out = self._sit_out(snap, dec_all, pre, lost)
+        if out.any() and p.sit_out_when == "needed" and not _room_needed(snap, predictor, dec_all, live, p.margin):
+            out[:] = False  # every live prefill makes its TTFT beside every decode: no decode waits
         if rescued is not None:
             out |= rescued
         if out.any():
@@ -395,6 +403,18 @@ def _rescue(snap: Snapshot, predictor: BatchLatencyPredictor, dec_all: np.ndarra
     mask = np.zeros(len(dec_all), dtype=bool)
     mask[drop[:lo]] = True
     return out, mask
+
+
+def _room_needed(snap: Snapshot, predictor: BatchLatencyPredictor, dec_all: np.ndarray, live: np.ndarray,
+                 margin: float) -> bool:
+    """Whether Moore-Hodgson on the live prefills gives up a first token at the pace left
+    beside every decode keeping the tightest decode TBT (:func:`_pace`): only then does a
+    decode sitting out buy a prefill anything (``sit_out_when="needed"``)."""
+    if not len(live) or not len(dec_all):
+        return bool(len(live))
+    tbt_ms = float(snap.tbt_slo[dec_all].min()) * 1e3
+    rate = _pace(snap, predictor, len(dec_all), float(snap.kv_tokens[dec_all].sum()), tbt_ms, margin)
+    return bool(late_set(snap, live, rate).any())
 
 
 def _pace(snap: Snapshot, predictor: BatchLatencyPredictor, n_dec: int, dec_u: float, tbt_ms: float,
