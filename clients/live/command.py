@@ -59,10 +59,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--configs", default=DEFAULT_CONFIGS,
                    help="configurations separated by spaces or ';': 'vllm' (vLLM's own scheduler) or "
                         f"MODE:POLICY[:k=v,...] with MODE inproc or remote (default: '{DEFAULT_CONFIGS}')")
-    p.add_argument("--rates", type=_floats, default=(2.5, 3.5, 4.5), help="Poisson rates, req/s (default 2.5,3.5,4.5)")
+    p.add_argument("--rates", type=_floats, default=(2.0, 3.0, 4.0), help="Poisson rates, req/s (default 2,3,4)")
     p.add_argument("--seeds", type=_ints, default=(1, 2, 3, 4, 5), help="seeds, e.g. 1-5 or 1,3 (default 1-5)")
-    p.add_argument("--requests", type=int, default=120, help="measured requests per run (default 120)")
-    p.add_argument("--warmup", type=int, default=40, help="unmeasured requests before them (default 40)")
+    p.add_argument("--requests", type=int, default=100, help="measured requests per run (default 100)")
+    p.add_argument("--warmup", type=int, default=20, help="unmeasured requests before them (default 20)")
     p.add_argument("--max-prompt", type=int, default=1024, help="prompts clipped to this many tokens (default 1024)")
     p.add_argument("--max-output", type=int, default=128, help="outputs clipped to this many tokens (default 128)")
     p.add_argument("--ttft-ms", type=float, default=1000.0, help="TTFT objective (default 1000)")
@@ -74,8 +74,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=64, help="--max-num-seqs (default 64)")
     p.add_argument("--prefix-caching", action="store_true", help="turn vLLM's prefix caching on (default off)")
     p.add_argument("--deadline-ms", type=float, default=20.0, help="the adapter's plan deadline (default 20)")
-    p.add_argument("--judge-seeds", type=_ints, default=(), help="seeds whose runs vLLM's own `bench serve` "
-                   "replays as an independent judge (default none)")
+    p.add_argument("--judge-seeds", type=_ints, default=(1,), help="seeds whose runs vLLM's own `bench serve` "
+                   "replays as an independent judge (default 1; 0 = none)")
     p.add_argument("--out", type=Path, default=Path("live-bench"), help="output folder (default ./live-bench); "
                    "runs already in its runs.jsonl are not repeated")
     p.add_argument("--report-only", action="store_true", help="only rebuild the report from runs.jsonl")
@@ -138,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             engine=EngineArgs(max_num_batched_tokens=args.budget, max_num_seqs=args.max_num_seqs,
                               prefix_caching=args.prefix_caching),
             slo=Slo(args.ttft_ms, args.tbt_ms), model=dict(TINY_LLAMA), deadline_ms=args.deadline_ms,
-            judge_seeds=args.judge_seeds)
+            judge_seeds=tuple(x for x in args.judge_seeds if x != 0))
         if not 0 < args.threshold <= 1:
             raise ValueError(f"--threshold must be in (0, 1], got {args.threshold}")
     except ValueError as e:
