@@ -221,7 +221,7 @@ class ServiceProcess:
     def refits(self) -> dict[str, float]:
         out: dict[str, float] = {}
         for name, labels, v in scrape(self.metrics_port):
-            if name.startswith("slidingserve_predictor_refits"):
+            if name == "slidingserve_predictor_refits_total":
                 out[labels.get("outcome", "?")] = out.get(labels.get("outcome", "?"), 0.0) + v
         return out
 
