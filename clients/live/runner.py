@@ -12,6 +12,7 @@ folder; a run already there is not repeated, so an interrupted sweep resumes.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -197,7 +198,9 @@ class _Bench:
         measured = [r for r in results if not reqs[r.index].warmup]
         summary = summarize(measured, self.spec.slo)
         rec: dict[str, Any] = {"config": c.label, "mode": c.mode, "policy": c.policy or NATIVE, "rate": rate,
-                               "seed": seed, **summary.to_dict(), "time": time.time()}
+                               "seed": seed, **summary.to_dict(), "time": time.time(),
+                               # the machine's 1-minute load at the end: other work on shared cores shows here
+                               "loadavg": os.getloadavg()[0]}
         if c.mode != "native":
             info = server.adapter_info()
             want = c.settings("", self.spec.slo)
