@@ -18,7 +18,13 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler_service.core import BatchLatencyPredictor, Snapshot, default_predictor, plan_violations, registry
+from scheduler_service.core import (
+    BatchLatencyPredictor,
+    Snapshot,
+    default_predictor,
+    plan_violations,
+    registry,
+)
 from scheduler_service.core.slidingserve import _room_needed
 from scheduler_service.core.sorter import prefill_indices
 from tests.factories import decoding, make_snapshot, token_predictor, waiting
