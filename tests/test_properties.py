@@ -203,7 +203,9 @@ def cache_heavy_predictors(draw: st.DrawFn) -> BatchLatencyPredictor:
 
 @st.composite
 def prefix_heavy_snapshots(draw: st.DrawFn) -> Snapshot:
-    """Tight SLOs, partly prefilled requests with long computed prefixes, a few decodes."""
+    """Tight SLOs, partly prefilled requests with long computed prefixes, a few decodes.
+    Prefills are up to 0.2 s old, or up to 2.5 TTFTs: expired but not starving, so that the
+    BatchConstructor, which a starving request keeps out (docs/policies.md), has work."""
     n = draw(st.integers(1, 12))
     reqs = []
     for i in range(n):
@@ -214,9 +216,11 @@ def prefix_heavy_snapshots(draw: st.DrawFn) -> Snapshot:
             computed = draw(st.integers(1, prompt - 1))
         elif kind == "decoding":
             computed, output = prompt, draw(st.integers(1, 20))
-        reqs.append(Request(id=f"r{i:02d}", arrival=draw(st.floats(NOW - 0.2, NOW)), prompt_tokens=prompt,
+        ttft = draw(st.floats(0.005, 0.4))
+        age = draw(st.one_of(st.floats(0.0, 0.2), st.floats(0.0, 2.5).map(lambda f, t=ttft: f * t)))
+        reqs.append(Request(id=f"r{i:02d}", arrival=NOW - age, prompt_tokens=prompt,
                             computed_tokens=computed, output_tokens=output,
-                            ttft_slo=draw(st.floats(0.005, 0.4)), tbt_slo=draw(st.floats(0.002, 0.1)),
+                            ttft_slo=ttft, tbt_slo=draw(st.floats(0.002, 0.1)),
                             protected=draw(st.booleans())))
     return Snapshot.from_requests(reqs, now=NOW, max_batch_tokens=draw(st.integers(8, 512)),
                                   max_num_seqs=draw(st.integers(2, 64)),
@@ -229,8 +233,8 @@ PATHS_SEEN: dict[str, int] = {}
 
 
 @pytest.mark.parametrize("overrides", [{}, {"window": 1}, {"window": 3}, {"margin": 1.0}, {"margin": 1.25},
-                                       {"order": "edf"}],
-                         ids=["default", "k1", "k3", "margin1.0", "margin1.25", "edf"])
+                                       {"order": "edf"}, {"starve_after": 0}],
+                         ids=["default", "k1", "k3", "margin1.0", "margin1.25", "edf", "no-starve"])
 @PROMISE
 @given(snap=st.one_of(prefix_heavy_snapshots(), snapshots(max_n=10, max_prompt=64, max_bmax=64)),
        pred=st.one_of(cache_heavy_predictors(), st.just(default_predictor()), predictors()))

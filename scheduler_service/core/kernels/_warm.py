@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import default_predictor, registry
-from ..snapshot import Snapshot
+from ..snapshot import Request, Snapshot
 from ..sorter import late_set, prefill_indices
 from . import _compiled
 
@@ -44,12 +44,21 @@ def snapshots(n_snapshots: int = 24, n: int = 24) -> list[Snapshot]:
     return out
 
 
+def _risky() -> Snapshot:
+    """A short prompt at risk behind a long protected one, nothing starving: SlidingServe
+    takes the BatchConstructor path (its knapsack kernels), which the random snapshots above
+    seldom reach (a request that waited 3 TTFTs keeps it out)."""
+    reqs = [Request("d", 9.0, 10, 10, 1, 1.0, 0.1), Request("L", 9.0, 2000, ttft_slo=2.0, protected=True),
+            Request("S", 9.9, 20, ttft_slo=0.15)]
+    return Snapshot.from_requests(reqs, now=10.0, max_batch_tokens=2048, prefill_throughput=10000.0)
+
+
 def exercise() -> None:
     """Plan every snapshot with every registered policy, windows 1 to 4."""
     pred = default_predictor()
     policies = [registry.create(name) for name in registry.names()]
     policies += [registry.create("slidingserve", {"window": k}) for k in (1, 3, 4)]
-    for snap in snapshots():
+    for snap in [*snapshots(), _risky()]:
         for pol in policies:
             pol.plan(snap, pred)
         late_set(snap, prefill_indices(snap), 1000.0)  # the policy fuses it into lost_mask
