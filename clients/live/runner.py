@@ -203,12 +203,11 @@ class _Bench:
                                "loadavg": os.getloadavg()[0]}
         if c.mode != "native":
             info = server.adapter_info()
-            want = c.settings("", self.spec.slo)
             if info.get("policy") != c.policy or (info.get("address") == "inproc") != (c.mode == "inproc"):
                 raise RuntimeError(f"the adapter did not take the settings of {c.label}: its metrics say {info}")
             after = _counters(server)
             rec["adapter"] = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-            rec["params"] = want["params"]
+            rec["params"] = dict(c.params)
         if self.service is not None:
             s, n = self.service.predictor_error()
             rec["service_mae_ms"] = (s - err0[0]) / (n - err0[1]) if n > err0[1] else None

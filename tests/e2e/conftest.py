@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from clients.live.procs import free_port, scrape
 
 from .command import ServeCommand
 
@@ -35,12 +36,6 @@ TINY_LLAMA = {
     "tie_word_embeddings": False,
 }
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def tail(path: Path, n: int = 60) -> str:
@@ -68,15 +63,6 @@ def wait_for(what: str, ok: Callable[[], bool], timeout_s: float, *, proc: subpr
 def http_get(url: str, timeout_s: float = 5.0) -> str:
     with urllib.request.urlopen(url, timeout=timeout_s) as r:
         return str(r.read().decode())
-
-
-def scrape(port: int) -> list[tuple[str, dict[str, str], float]]:
-    """The samples of a Prometheus endpoint: (name, labels, value)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = http_get(f"http://127.0.0.1:{port}/metrics")
-    return [(s.name, dict(s.labels), float(s.value))
-            for fam in text_string_to_metric_families(text) for s in fam.samples]
 
 
 def total(samples: list[tuple[str, dict[str, str], float]], name: str, **labels: str) -> float:
