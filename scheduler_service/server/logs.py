@@ -44,6 +44,9 @@ def configure_logging(level: str = "info") -> None:
             structlog.processors.JSONRenderer(sort_keys=True),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # One write() per line: workers share the supervisor's stderr, and print() (PrintLogger)
+        # writes the text and its newline separately, which unbuffered stderr (PYTHONUNBUFFERED)
+        # passes on as two writes that another process's line can land between.
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
