@@ -36,6 +36,9 @@ from .features import (
     scenarios,
 )
 
+#: Bounds of a predictor's learned margin (:func:`learn_margin`).
+MARGIN_LO, MARGIN_HI = 1.0, 10.0
+
 __all__ = [
     "DECODE",
     "MIXED",
@@ -47,6 +50,7 @@ __all__ = [
     "batch_features",
     "evaluate",
     "fit_predictor",
+    "learn_margin",
     "monotonicity_violations",
     "scenario_codes",
 ]
@@ -114,6 +118,10 @@ class BatchLatencyPredictor:
     scenarios: Mapping[str, LinearModel | None]
     global_model: LinearModel
     meta: Mapping[str, Any] = field(default_factory=dict)
+    #: How many times over a predicted time should count to be kept: learned by the online
+    #: refit from the residuals (:func:`learn_margin`), 1 for a predictor fitted offline.
+    #: Part of the version (policies read it), and in the JSON only when it is not 1.
+    margin: float = 1.0
     version: str = ""
     _coef: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
     _models: tuple[LinearModel, ...] = field(default=(), repr=False)
@@ -123,6 +131,8 @@ class BatchLatencyPredictor:
         unknown = set(self.scenarios) - set(SCENARIOS)
         if unknown:
             raise ValueError(f"unknown scenarios {sorted(unknown)}; valid: {list(SCENARIOS)}")
+        if not MARGIN_LO <= self.margin <= MARGIN_HI:  # also rejects NaN
+            raise ValueError(f"margin {self.margin} is not within [{MARGIN_LO:g}, {MARGIN_HI:g}]")
         coef = np.empty((len(SCENARIOS), N_FEATURES + 1))
         for k, name in enumerate(SCENARIOS):
             m = self.scenarios.get(name) or self.global_model
@@ -181,8 +191,14 @@ class BatchLatencyPredictor:
                 k: m.to_dict() for k in SCENARIOS if (m := self.scenarios.get(k)) is not None
             },
             "global": self.global_model.to_dict(),
+            **({"margin": self.margin} if self.margin != 1.0 else {}),
             "meta": dict(self.meta),
         }
+
+    def with_margin(self, margin: float) -> BatchLatencyPredictor:
+        """The same models with another learned margin (a new version)."""
+        return BatchLatencyPredictor(scenarios=self.scenarios, global_model=self.global_model,
+                                     meta=self.meta, margin=margin)
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -229,11 +245,16 @@ class BatchLatencyPredictor:
             g = model("global", d["global"])
         else:
             errs.append(FieldViolation("global", "is required"))
+        margin = d.get("margin", 1.0)
+        if (not isinstance(margin, int | float) or isinstance(margin, bool)
+                or not MARGIN_LO <= margin <= MARGIN_HI):
+            errs.append(FieldViolation("margin", f"must be a number within [{MARGIN_LO:g}, {MARGIN_HI:g}]"))
         if errs:
             raise ValidationError(errs)
         assert g is not None
         meta = d.get("meta", {})
-        p = cls(scenarios=models, global_model=g, meta=meta if isinstance(meta, Mapping) else {})
+        p = cls(scenarios=models, global_model=g, meta=meta if isinstance(meta, Mapping) else {},
+                margin=float(margin))
         claimed = d.get("version")
         if claimed and claimed != p.version:
             raise ValidationError.single(
@@ -250,11 +271,13 @@ class BatchLatencyPredictor:
         return cls.from_dict(d)
 
     def _content_version(self) -> str:
-        body = json.dumps(
-            {"s": {k: m.to_dict() for k in SCENARIOS if (m := self.scenarios.get(k)) is not None},
-             "g": self.global_model.to_dict()},
-            sort_keys=True,
-        )
+        content: dict[str, Any] = {
+            "s": {k: m.to_dict() for k in SCENARIOS if (m := self.scenarios.get(k)) is not None},
+            "g": self.global_model.to_dict(),
+        }
+        if self.margin != 1.0:  # versions of predictors without a learned margin stay as they were
+            content["m"] = self.margin
+        body = json.dumps(content, sort_keys=True)
         return "p-" + hashlib.sha256(body.encode()).hexdigest()[:12]
 
 
@@ -565,3 +588,24 @@ def evaluate(
             "r2": float(r2_score(y, p)),
         }
     return out
+
+
+def learn_margin(predicted_ms: np.ndarray, measured_ms: np.ndarray, *, quantile: float = 0.9,
+                 cap: float = 2.0, step: float = 0.05) -> float:
+    """The factor that covers ``quantile`` of the measured/predicted ratios of the larger
+    half of the batches (by prediction), rounded up to ``step`` and clipped to [1, ``cap``].
+
+    Only the larger half counts: plans bind on batches near a TBT slack, while a decode-only
+    iteration of a few ms carries a relative jitter that says nothing about them.  Rounding
+    to ``step`` keeps the version stable while the noise stays the same.  1.0 without
+    enough samples (fewer than 10 in the larger half)."""
+    pred = np.asarray(predicted_ms, dtype=np.float64)
+    y = np.asarray(measured_ms, dtype=np.float64)
+    ok = np.isfinite(pred) & np.isfinite(y) & (pred > 0)
+    pred, y = pred[ok], y[ok]
+    big = pred >= np.median(pred) if len(pred) else ok[:0]
+    if int(big.sum()) < 10:
+        return 1.0
+    q = float(np.quantile(y[big] / pred[big], quantile, method="higher"))  # covers ≥ quantile of them
+    m = np.ceil(q / step - 1e-9) * step
+    return float(min(max(round(m, 6), MARGIN_LO), min(cap, MARGIN_HI)))

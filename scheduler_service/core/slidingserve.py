@@ -37,7 +37,7 @@ from .sorter import class_late_set, edf_order, late_set, mlps_order, ordered, pr
 
 __all__ = ["SlidingServeParams", "SlidingServePolicy"]
 
-VERSION = "1.2.0"
+VERSION = "1.3.0"
 #: Paths whose plan gives tokens to a prefill.
 _PREFILL_PATHS = ("batch_constructor", "sliding_chunker")
 
@@ -56,6 +56,9 @@ class SlidingServeParams:
     margin: float = param(
         1.1, lo=1.0, hi=10.0,
         doc="predicted times count this many times over against slacks (QoServe uses 1.2)",
+    )
+    learned_margin: bool = param(
+        True, doc="use the predictor's margin learned from its residuals when it is larger than margin",
     )
     tie_tolerance_ms: float = param(
         2.0, lo=0.0, hi=1e4,
@@ -140,6 +143,8 @@ class SlidingServePolicy:
 
     def plan(self, snapshot: Snapshot, predictor: BatchLatencyPredictor) -> Plan:
         p = self.params
+        if p.learned_margin and predictor.margin > p.margin:
+            return replace(self, params=replace(p, margin=predictor.margin)).plan(snapshot, predictor)
         snap = snapshot
         t0 = time.perf_counter_ns()
         dec_all = np.flatnonzero(snap.is_decoding)

@@ -110,7 +110,9 @@ class SchedulerServer:
             bootstrap,
             RefitSettings(cfg.refit_every, cfg.refit_window, cfg.refit_holdout_fraction,
                           cfg.refit_min_samples, cfg.max_profiles,
-                          max_profiles_per_tenant=cfg.max_profiles_per_tenant),
+                          max_profiles_per_tenant=cfg.max_profiles_per_tenant, min_gain=cfg.refit_min_gain,
+                          margin_quantile=cfg.refit_margin_quantile, max_margin=cfg.refit_max_margin,
+                          margin_hysteresis=cfg.refit_margin_hysteresis),
             self.metrics,
             on_publish=self._publish,
         )

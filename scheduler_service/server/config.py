@@ -46,6 +46,14 @@ class ServerConfig:
     refit_holdout_fraction: float = 0.2
     #: A scenario model is fitted only with at least this many samples (else global fallback).
     refit_min_samples: int = 30
+    #: A refit replaces the current model only if its held-out MAE is this fraction lower.
+    refit_min_gain: float = 0.02
+    #: Share of held-out measured/predicted ratios the learned margin covers (0 = margin 1).
+    refit_margin_quantile: float = 0.9
+    #: Cap of the learned margin.
+    refit_max_margin: float = 2.0
+    #: The current model is republished with a new margin only when it moved this much.
+    refit_margin_hysteresis: float = 0.1
     #: Most engine profiles with their own predictor (reports for more are rejected).
     max_profiles: int = 64
     #: Seconds that shutdown waits for in-flight calls before cancelling them.
@@ -124,6 +132,10 @@ class ServerConfig:
         check("refit_window", self.refit_window >= 10, "must be >= 10")
         check("refit_holdout_fraction", 0.0 < self.refit_holdout_fraction < 1.0, "must be in (0, 1)")
         check("refit_min_samples", self.refit_min_samples >= 2, "must be >= 2")
+        check("refit_min_gain", 0.0 <= self.refit_min_gain < 1.0, "must be in [0, 1)")
+        check("refit_margin_quantile", 0.0 <= self.refit_margin_quantile < 1.0, "must be in [0, 1)")
+        check("refit_max_margin", 1.0 <= self.refit_max_margin <= 10.0, "must be in [1, 10]")
+        check("refit_margin_hysteresis", 0.0 <= self.refit_margin_hysteresis <= 10.0, "must be in [0, 10]")
         check("max_profiles", self.max_profiles >= 1, "must be >= 1")
         check("grace_s", 0.0 <= self.grace_s <= 3600.0, "must be in [0, 3600]")
         check("max_workers", 1 <= self.max_workers <= 4096, "must be in [1, 4096]")

@@ -47,6 +47,13 @@ class Metrics:
             buckets=ERROR_BUCKETS,
             registry=r,
         )
+        self.predictor_overruns = Counter(
+            "slidingserve_predictor_overruns",
+            "Reported iterations measured above the current prediction times the predictor's learned margin "
+            '(margin="learned") or times 1 (margin="none")',
+            ["profile", "margin"],
+            registry=r,
+        )
         self.reports = Counter(
             "slidingserve_reports", "Iteration reports received", ["result"], registry=r
         )

@@ -15,8 +15,16 @@ Why this shape:
   to a bounded window and, every ``refit_every`` new samples, enqueues the profile.
 * **A refit must earn its publication.**  The most recent ``holdout_fraction`` of the window
   is held out; the candidate is fitted on the older part and published only if its MAE on
-  the held-out recent samples is not worse than the current version's.  Recent samples are
-  what the next decisions will look like, so this is the comparison that matters.
+  the held-out recent samples is at least ``min_gain`` below the current version's.  Recent
+  samples are what the next decisions will look like, so this is the comparison that
+  matters; the required gain keeps refits on a noisy engine from flapping between models
+  that are equally good.
+* **The margin is learned from the residuals.**  A published predictor carries the factor
+  that covers ``margin_quantile`` of the measured/predicted ratios on the held-out samples
+  (:func:`~scheduler_service.core.predictor.learn_margin`); policies count predicted times
+  that many times over.  When no better model is found, the current one is republished with
+  a new margin only when the learned margin moved by ``margin_hysteresis`` or more
+  ("remargined"), so that the margin follows a change in the engine's noise, not the noise.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ import numpy as np
 import structlog
 
 from scheduler_service.core import BatchLatencyPredictor, ValidationError, fit_predictor
-from scheduler_service.core.predictor import monotonicity_violations
+from scheduler_service.core.predictor import learn_margin, monotonicity_violations
 
 from .metrics import Metrics
 
@@ -49,6 +57,14 @@ class RefitSettings:
     max_profiles: int = 64
     #: Profiles one tenant may create (0 = no cap besides ``max_profiles``).
     max_profiles_per_tenant: int = 0
+    #: A candidate is published only if its held-out MAE is this fraction below the current's.
+    min_gain: float = 0.02
+    #: Share of held-out measured/predicted ratios the learned margin covers (0 = margin 1).
+    margin_quantile: float = 0.9
+    #: The learned margin never exceeds this.
+    max_margin: float = 2.0
+    #: Republish the current model when its learned margin moved at least this much.
+    margin_hysteresis: float = 0.1
 
 
 @dataclass(eq=False)
@@ -126,7 +142,12 @@ class PredictorRegistry:
                         self._metrics.predictor_version.labels(profile=key).info(
                             {"version": st.current.version}
                         )
-        pred = float(st.current.predict_ms(x[None, :], np.array([scenario]))[0])
+        current = st.current
+        pred = float(current.predict_ms(x[None, :], np.array([scenario]))[0])
+        if self._metrics and latency_ms > pred:
+            self._metrics.predictor_overruns.labels(profile=key, margin="none").inc()
+            if latency_ms > pred * current.margin:
+                self._metrics.predictor_overruns.labels(profile=key, margin="learned").inc()
         with st.lock:
             st.window.append((x, scenario, latency_ms))
             st.accepted += 1
@@ -203,7 +224,8 @@ class PredictorRegistry:
                     self._cv.notify_all()
 
     def refit(self, key: str) -> str:
-        """Refit ``key`` now; returns the outcome (published, rejected, unchanged, skipped)."""
+        """Refit ``key`` now; returns the outcome (published, remargined, rejected, unchanged,
+        skipped)."""
         st = self._states[key]
         with st.lock:
             st.refit_queued = False
@@ -232,27 +254,49 @@ class PredictorRegistry:
             )
         except (ValidationError, ValueError) as e:
             return "skipped", {"samples": n, "error": str(e)}
-        mae_new = float(np.mean(np.abs(cand.predict_ms(x[cut:], s[cut:]) - y[cut:])))
-        mae_cur = float(np.mean(np.abs(current.predict_ms(x[cut:], s[cut:]) - y[cut:])))
+        y_hold = y[cut:]
+        pred_new = cand.predict_ms(x[cut:], s[cut:])
+        pred_cur = current.predict_ms(x[cut:], s[cut:])
+        mae_new = float(np.mean(np.abs(pred_new - y_hold)))
+        mae_cur = float(np.mean(np.abs(pred_cur - y_hold)))
         info: dict[str, Any] = {
             "samples": n, "holdout": n_hold, "mae_new_ms": round(mae_new, 4), "mae_current_ms": round(mae_cur, 4),
             "current_version": current.version, "candidate_version": cand.version,
+            "current_margin": current.margin,
         }
-        if not np.isfinite(mae_new) or mae_new > mae_cur:
-            return "rejected", info
+        outcome = ""
+        if not np.isfinite(mae_new) or mae_new > mae_cur * (1.0 - self.settings.min_gain):
+            outcome = "rejected"
         # Never publish a model under which more work is predicted faster: the
         # chunker and the BatchConstructor rely on it (the fit enforces it; this
         # is the last line of defence).
-        broken = monotonicity_violations(cand)
-        if broken:
+        elif broken := monotonicity_violations(cand):
             info["not_monotone"] = broken[:3]
-            return "rejected", info
-        if cand.version == current.version:
-            return "unchanged", info
-        published = BatchLatencyPredictor(
-            scenarios=cand.scenarios, global_model=cand.global_model,
+            outcome = "rejected"
+        elif cand.coef.tobytes() == current.coef.tobytes():
+            outcome = "unchanged"
+        if outcome:  # the current model stays; its margin follows the residuals, with hysteresis
+            # over the whole window: ten times the samples of the holdout, so a steady noise
+            # gives a steady margin (the current model was fitted before most of them arrived)
+            margin = self._margin(current.predict_ms(x, s), y)
+            if margin == current.margin or abs(margin - current.margin) < self.settings.margin_hysteresis:
+                return outcome, info
+            info["kept_as"] = outcome
+            self._publish(st, current.with_margin(margin))
+            info["margin"] = margin
+            return "remargined", info
+        info["margin"] = margin = self._margin(pred_new, y_hold)
+        self._publish(st, BatchLatencyPredictor(
+            scenarios=cand.scenarios, global_model=cand.global_model, margin=margin,
             meta={**cand.meta, "holdout_mae_ms": mae_new, "holdout_samples": n_hold},
-        )
+        ))
+        return "published", info
+
+    def _margin(self, predicted: np.ndarray, measured: np.ndarray) -> float:
+        q = self.settings.margin_quantile
+        return learn_margin(predicted, measured, quantile=q, cap=self.settings.max_margin) if q > 0 else 1.0
+
+    def _publish(self, st: ProfileState, published: BatchLatencyPredictor) -> None:
         with st.lock:
             st.current = published  # atomic reference swap; readers never lock
             st.published += 1
@@ -260,4 +304,3 @@ class PredictorRegistry:
             self._metrics.predictor_version.labels(profile=st.key).info({"version": published.version})
         if self._on_publish:
             self._on_publish(st.key, published)
-        return "published", info
