@@ -5,6 +5,7 @@ The benchmark itself runs against a real ``vllm serve`` in tests/e2e/test_live_b
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from clients.live.measure import RequestResult, Slo, goodput, summarize
-from clients.live.report import goodputs, judge_table, markdown, sim_table
+from clients.live.report import goodputs, judge_table, markdown, noise_table, sim_table
 from clients.live.runner import Config, LiveSpec
 from clients.live.workload import WorkloadSpec, make_requests
 
@@ -178,3 +179,17 @@ def test_judge_table_sets_the_two_measurements_side_by_side() -> None:
            "judge": {"goodput": 1.8, "ttft_max_ms": 1400.0, "tpot_p50_ms": 21.0}}
     assert "| vllm | 2 | 1 | 1.90 / 1.80 | 1.50 / 1.40 | 20.0 / 21.0 |" in judge_table([run])
     assert judge_table([_run("vllm", 2, 1, 1.0, 1.0)]) == ""
+
+
+def test_noise_table_reports_margin_overruns_and_refits() -> None:
+    def remote(seed: int, none: float, learned: float, margin: float, refits: dict[str, float]) -> dict[str, Any]:
+        return {**_run("remote:slidingserve", 2, seed, 1.0, 1.0), "mode": "remote", "service_mae_ms": 2.0 + seed,
+                "overrun_share": {"none": none, "learned": learned}, "service_margin": margin,
+                "service_refits_run": refits}
+
+    runs = [_run("vllm", 2, 1, 1.0, 1.0), remote(1, 0.5, 0.1, 1.2, {"published": 1.0}),
+            remote(2, 0.4, 0.06, 1.25, {"rejected": 2.0, "remargined": 1.0})]
+    text = noise_table(runs)
+    assert "| remote:slidingserve | 2 | 3.5 (3.0–4.0) | 1.23 (1.20–1.25) | 45% (40%–50%) | 8% (6%–10%) " \
+           "| 1 published, 2 rejected, 1 remargined |" in text
+    assert "| vllm |" not in text and noise_table(runs[:1]) == ""

@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 from .judge import TINY_LLAMA, write_model, write_tokenizer
 from .measure import Slo
 from .procs import EngineArgs
-from .report import judge_table, markdown, sim_table, write_plot
+from .report import judge_table, markdown, noise_table, sim_table, write_plot
 from .runner import Config, LiveSpec, load_runs, run_sweep
 from .workload import WorkloadSpec
 
@@ -166,7 +166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     data = load_runs(runs)
     sim = _simulate(spec, out, args.sim_noise) if args.sim else []
-    text = "\n".join(x for x in (markdown(data, args.threshold), judge_table(data), sim_table(data, sim),
+    text = "\n".join(x for x in (markdown(data, args.threshold), judge_table(data), noise_table(data),
+                                  sim_table(data, sim),
                                   _cost(out)) if x)
     (out / "report.md").write_text(text)
     png = write_plot(data, out / "live.png", args.threshold, sim)

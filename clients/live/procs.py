@@ -218,6 +218,17 @@ class ServiceProcess:
                 c += v
         return s, c
 
+    def overruns(self) -> dict[str, float]:
+        """Reports measured above the prediction (``none``) and above it × the learned margin
+        (``learned``), over every profile; ``reports``: all the service accepted."""
+        out = {"none": 0.0, "learned": 0.0, "reports": 0.0}
+        for name, labels, v in scrape(self.metrics_port):
+            if name == "slidingserve_predictor_overruns_total":
+                out[labels.get("margin", "?")] = out.get(labels.get("margin", "?"), 0.0) + v
+            elif name == "slidingserve_predictor_abs_error_ms_count":
+                out["reports"] += v
+        return out
+
     def refits(self) -> dict[str, float]:
         out: dict[str, float] = {}
         for name, labels, v in scrape(self.metrics_port):

@@ -14,7 +14,7 @@ import numpy as np
 
 from .measure import goodput
 
-__all__ = ["goodputs", "judge_table", "markdown", "sim_table", "write_plot"]
+__all__ = ["goodputs", "judge_table", "markdown", "noise_table", "sim_table", "write_plot"]
 
 DEFS = (("attain_f1", "formula (1)"), ("attain_tpot", "TTFT+TPOT"))
 
@@ -88,6 +88,34 @@ def markdown(runs: Sequence[dict[str, Any]], threshold: float, baseline: str = "
         lines.append(f"| {c} | {_spread(list(g1.values()))} | {_ratio(g1, gp['attain_f1'].get(baseline, {}))} | "
                      f"{_spread(list(g2.values()))} | {_ratio(g2, gp['attain_tpot'].get(baseline, {}))} | "
                      f"{ttft} | {tpot} | {_fallbacks(rs)} |")
+    return "\n".join(lines) + "\n"
+
+
+def noise_table(runs: Sequence[dict[str, Any]]) -> str:
+    """How the service's predictor held up on the engine's noise, remote configurations only:
+    its error, the margin it learned, the share of iterations measured above the prediction
+    and above prediction × margin, and what its refits did."""
+    rows = [r for r in runs if r.get("overrun_share")]
+    if not rows:
+        return ""
+    lines = ["The service's predictor on this engine's noise (remote runs; reports of every iteration): mean "
+             "absolute error, the learned margin at the end of the runs, the share of iterations measured above "
+             "the prediction and above prediction × margin (mean, min–max over runs), and the refits:", "",
+             "| configuration | runs | MAE (ms) | learned margin | over prediction | over prediction × margin "
+             "| refits |", "|---|---|---|---|---|---|---|"]
+    for c in _configs(rows):
+        rs = [r for r in rows if r["config"] == c]
+        mae = [r["service_mae_ms"] for r in rs if r.get("service_mae_ms") is not None]
+        margins = [r["service_margin"] for r in rs if r.get("service_margin") is not None]
+        refits: dict[str, float] = defaultdict(float)
+        for r in rs:
+            for k, v in (r.get("service_refits_run") or {}).items():
+                refits[k] += v
+        lines.append(
+            f"| {c} | {len(rs)} | {_spread(mae, '{:.1f}')} | "
+            f"{_spread(margins)} | {_spread([100 * r['overrun_share']['none'] for r in rs], '{:.0f}%')} | "
+            f"{_spread([100 * r['overrun_share']['learned'] for r in rs], '{:.0f}%')} | "
+            + (", ".join(f"{int(v)} {k}" for k, v in refits.items()) or "—") + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -18,13 +18,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .client import run_requests
 from .judge import run_judge, write_dataset
 from .measure import Slo, summarize
 from .procs import EngineArgs, ServiceProcess, VllmProcess, pin, scrape, worker_cores
 from .workload import LiveRequest, WorkloadSpec, make_requests
+
+if TYPE_CHECKING:
+    from scheduler_service.core import BatchLatencyPredictor
 
 __all__ = ["Config", "LiveSpec", "run_sweep"]
 
@@ -164,6 +167,17 @@ class _Bench:
         tmp.write_text(json.dumps(c.settings(addr, self.spec.slo)))
         tmp.replace(self.settings)
 
+    def served_predictor(self) -> BatchLatencyPredictor | None:
+        """The service's current predictor of this engine (None before it reported)."""
+        if self.service is None or self.adapter is None or self.service.proc is None:
+            return None
+        from scheduler_service.client import SchedulerClient
+
+        key = self.adapter.adapter_info().get("profile", "")
+        with SchedulerClient(self.service.address) as client:
+            info = client.get_predictor(profile=key or None, timeout_s=10)
+        return info.predictor if info.reports_accepted else None
+
     def save_predictor(self) -> None:
         """The service's predictor of this engine, fitted on the remote runs' iteration
         reports: ``engine_predictor.json`` (the engine's cost model; :mod:`.sim` replays
@@ -193,6 +207,8 @@ class _Bench:
             time.sleep(1.2)  # the adapter checks its settings file once a second
         before = _counters(server) if c.mode != "native" else {}
         err0 = self.service.predictor_error() if self.service is not None else (0.0, 0.0)
+        over0 = self.service.overruns() if self.service is not None else {}
+        refits0 = self.service.refits() if self.service is not None else {}
         reqs = make_requests(self.spec.workload, rate, seed)
         results = run_requests(server.base_url, "live", reqs)
         measured = [r for r in results if not reqs[r.index].warmup]
@@ -212,7 +228,14 @@ class _Bench:
             s, n = self.service.predictor_error()
             rec["service_mae_ms"] = (s - err0[0]) / (n - err0[1]) if n > err0[1] else None
             rec["service_reports"] = n - err0[1]
-            rec["service_refits"] = self.service.refits()
+            rec["service_refits"] = refits = self.service.refits()
+            rec["service_refits_run"] = {k: v - refits0.get(k, 0.0) for k, v in refits.items() if v > refits0.get(k, 0.0)}
+            over = self.service.overruns()
+            dn = over["reports"] - over0.get("reports", 0.0)
+            # the share of this run's iterations that ran over the promise plans were built on
+            rec["overrun_share"] = {k: (over[k] - over0.get(k, 0.0)) / dn for k in ("none", "learned")} if dn else None
+            served = self.served_predictor()
+            rec["service_margin"] = served.margin if served is not None else None
         if seed in self.spec.judge_seeds:
             rec["judge"] = self.judge(server, [r for r in reqs if not r.warmup], c, rate, seed)
         return rec
