@@ -50,9 +50,6 @@ from scheduler_service.core import (
     registry,
 )
 from scheduler_service.core.predictor import scenario_codes
-from scheduler_service.server import security
-from scheduler_service.server.app import serve
-from scheduler_service.server.config import ServerConfig
 
 __all__ = ["main"]
 
@@ -244,6 +241,8 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from scheduler_service.server import ServerConfig, serve  # deferred: only `serve` loads the server
+
     config = ServerConfig.from_file(args.config) if args.config else ServerConfig()
     overrides = {k: v for k, v in (("port", args.port), ("host", args.host),
                                     ("metrics_port", args.metrics_port), ("workers", args.workers)) if v is not None}
@@ -253,6 +252,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_token_new(args: argparse.Namespace) -> int:
+    from scheduler_service.server import security  # deferred: the token commands live with the server's auth
+
+    return security.cmd_token_new(args)
+
+
+def cmd_token_hash(args: argparse.Namespace) -> int:
+    from scheduler_service.server import security
+
+    return security.cmd_token_hash(args)
+
+
 # -------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="slidingserve", description="SLO-aware batch scheduling service for LLM engines.")
@@ -260,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="run the gRPC scheduling service")
     s.add_argument("--port", type=int, help="gRPC port (default from config: 50051)")
-    s.add_argument("--host", help="bind address (default from config: [::])")
+    s.add_argument("--host", help="bind address (default from config: 0.0.0.0)")
     s.add_argument("--metrics-port", type=int, help="Prometheus port, 0 disables")
     s.add_argument("--config", help="YAML/TOML/JSON server config file")
     s.add_argument("--workers", type=int,
@@ -317,9 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--identity", required=True, help="engine (or token) name, shown in logs and metrics")
     n.add_argument("--tenant", required=True, help="isolation domain of the engine's predictors")
     n.add_argument("--token-out", help="write the token to this file (mode 0600) instead of stdout")
-    n.set_defaults(func=security.cmd_token_new)
+    n.set_defaults(func=cmd_token_new)
     h = tsub.add_parser("hash", help="SHA-256 of a token read from stdin, for a tokens-file entry")
-    h.set_defaults(func=security.cmd_token_hash)
+    h.set_defaults(func=cmd_token_hash)
 
     add_subcommands(sub)  # bench, demo
     return p

@@ -67,6 +67,43 @@ def test_adapter_core_and_simulator_stand_below_the_clients(module: str) -> None
     assert _loaded_after(module, "clients", "scheduler_service.server", "tests") == []
 
 
+#: What an engine adapter running the policy in-process must not load: the gRPC server
+#: stack (health and reflection services included) and prometheus, unless its metrics
+#: endpoint is on.
+SERVER_STACK = ("scheduler_service.server", "grpc_health", "grpc_reflection", "prometheus_client")
+
+
+@pytest.mark.parametrize("module", ["engine_adapter.vllm", "engine_adapter.inprocess", "engine_adapter.vllm.observe"])
+def test_in_process_adapter_loads_no_server(module: str) -> None:
+    """The vLLM adapter's package, the in-process planner and the adapter's observability
+    module (prometheus_client is imported when the metrics endpoint starts)."""
+    assert _loaded_after(module, *SERVER_STACK) == []
+
+
+def test_the_predictor_registry_stands_apart_from_the_grpc_server() -> None:
+    """The in-process planner refits with the service's registry: building one loads that
+    module and its (empty) package, never the server, gRPC or prometheus."""
+    assert _loaded_after("scheduler_service.server.predictors", *SERVER_STACK, "grpc") == [
+        "scheduler_service.server", "scheduler_service.server.predictors"]
+
+
+def test_the_server_package_loads_its_names_on_first_use() -> None:
+    assert _loaded_after("scheduler_service.server", *SERVER_STACK, "grpc") == ["scheduler_service.server"]
+    import scheduler_service.server as server
+
+    assert all(getattr(server, name) is not None for name in server.__all__)
+
+
+def test_cli_imports_the_server_only_in_the_commands_that_run_it() -> None:
+    """``slidingserve plan`` (and every command but ``serve`` and ``token``) runs without the
+    server: clients/cli.py imports it inside those commands only."""
+    path = Path(__file__).resolve().parents[1] / "clients" / "cli.py"
+    top = [n for n in ast.parse(path.read_text()).body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
+    assert [n for n in names if n.startswith("scheduler_service.server")] == []
+
+
 @pytest.mark.parametrize("module", ["scheduler_service.core", "scheduler_service.client"])
 def test_numba_loads_with_the_first_decision_not_with_the_core(module: str) -> None:
     """The compiled kernels import numba on first use (or at the server's warm-up): an
@@ -105,47 +142,131 @@ def test_core_imports_numpy_and_the_standard_library_only() -> None:
     assert bad == []
 
 
-EDGES = ("scheduler_service/wire", "scheduler_service/server", "engine_adapter", "clients")
+#: The packages searched for import circles (generated code is left out: it imports only itself).
+CIRCLE_ROOTS = ("scheduler_service", "engine_adapter", "clients")
+GENERATED = "scheduler_service/gen/"
 
 
-def _module_imports() -> dict[str, set[str]]:
-    """Module-level imports among the edge modules (the core and generated code are leaves)."""
+def _type_checking(test: ast.expr) -> bool:
+    return ((isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+            or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
+
+
+def _imports_run(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Every import that can run: at the top, in functions, in branches; not the bodies of
+    ``if TYPE_CHECKING:`` (their ``else`` runs)."""
+    out: list[ast.Import | ast.ImportFrom] = []
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.append(node)
+        elif isinstance(node, ast.If) and _type_checking(node.test):
+            todo.extend(node.orelse)
+        else:
+            todo.extend(ast.iter_child_nodes(node))
+    return out
+
+
+def _prefixes(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the modules of ours that importing it or calling it can import first.
+
+    ``import a.b.c`` and ``from a.b import c`` run ``a``, ``a.b`` (and ``a.b.c`` when it is
+    a module) except the packages of the importing module itself (they ran before it);
+    ``from a.b import name`` of a name that is not a module needs ``a.b`` to have run, even
+    when it is the importing module's own package.  Relative imports are resolved."""
     root = Path(__file__).resolve().parents[1]
-    files = {str(p.relative_to(root))[:-3].replace("/", ".").removesuffix(".__init__"): p
-             for d in EDGES for p in (root / d).rglob("*.py")}
+    files: dict[str, Path] = {}
+    for d in CIRCLE_ROOTS:
+        for path in (root / d).rglob("*.py"):
+            rel = path.relative_to(root).as_posix()
+            if not rel.startswith(GENERATED):
+                files[rel[:-3].replace("/", ".").removesuffix(".__init__")] = path
     graph: dict[str, set[str]] = {}
     for mod, path in files.items():
-        pkg = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+        pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        ran = set(_prefixes(mod))
         deps = graph.setdefault(mod, set())
-        for node in ast.parse(path.read_text()).body:  # top level only: what importing runs
-            names: list[str] = []
+        for node in _imports_run(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = ".".join(pkg.split(".")[: len(pkg.split(".")) - node.level + 1]) if node.level else ""
-                target = ".".join(x for x in (base, node.module or "") if x)
-                names = [target, *(f"{target}.{a.name}" for a in node.names)]
-            for name in names:
-                while name and name not in files:
-                    name = name.rpartition(".")[0]
-                if name and name != mod:
-                    deps.add(name)
+                for alias in node.names:
+                    deps.update(p for p in _prefixes(alias.name) if p in files and p not in ran)
+                continue
+            base = ".".join(pkg.split(".")[: pkg.count(".") + 2 - node.level]) if node.level else ""
+            target = ".".join(x for x in (base, node.module or "") if x)
+            deps.update(p for p in _prefixes(target) if p in files and p not in ran)
+            for alias in node.names:
+                if f"{target}.{alias.name}" in files:
+                    deps.add(f"{target}.{alias.name}")
+                elif target in files and target != mod:
+                    deps.add(target)
     return graph
 
 
-def test_no_import_circles_at_the_edges() -> None:
-    graph = _module_imports()
-    done: set[str] = set()
+def _circles(graph: dict[str, set[str]]) -> list[str]:
+    """One circle (``a -> b -> ... -> a``) through each strongly connected group of modules."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[set[str]] = []
+    for start in sorted(graph):  # Tarjan's algorithm, without recursion
+        if start in index:
+            continue
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        work = [(start, iter(sorted(graph[start])))]
+        while work:
+            v, children = work[-1]
+            for w in children:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                    break
+                if w in on_stack:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    group: set[str] = set()
+                    while v not in group:
+                        group.add(stack.pop())
+                    on_stack -= group
+                    if len(group) > 1:
+                        groups.append(group)
+    out = []
+    for group in groups:  # the shortest way from its first module back to it, for the message
+        first = min(group)
+        paths = {first: (first,)}
+        queue = [first]
+        while queue:
+            v = queue.pop(0)
+            if first in graph[v]:
+                out.append(" -> ".join((*paths[v], first)) + f" ({len(group)} modules in the knot)")
+                break
+            for w in sorted(graph[v] & group):
+                if w not in paths:
+                    paths[w] = (*paths[v], w)
+                    queue.append(w)
+    return out
 
-    def visit(m: str, stack: tuple[str, ...]) -> None:
-        assert m not in stack, f"import circle: {' -> '.join((*stack, m))}"
-        if m not in done:
-            for d in sorted(graph.get(m, ())):
-                visit(d, (*stack, m))
-            done.add(m)
 
-    for m in sorted(graph):
-        visit(m, ())
+def test_no_import_circles() -> None:
+    """No module imports, at any depth (deferred imports in functions too), one that imports
+    it back: a circle works only in the order it was first tried, and the lowest module of
+    one would know the highest (the kernels would know every policy)."""
+    circles = _circles(_import_graph())
+    assert not circles, "import circles:\n" + "\n".join(circles)
 
 
 #: What each floor must never import (at the top of a module or inside a function); the

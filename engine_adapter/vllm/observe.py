@@ -15,6 +15,8 @@ set, :class:`MetricsEndpoint` serves them from the engine-core process itself,
 on its own port (plus the engine's data-parallel rank, so that several engine
 cores of one server do not collide).  Values are read from
 ``slidingserve_stats()`` when scraped: nothing is added to the engine loop.
+prometheus_client is imported only then (by :class:`MetricsEndpoint` and
+:func:`collect_families`): an adapter without the endpoint does not load it.
 """
 
 from __future__ import annotations
@@ -23,9 +25,6 @@ import logging
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
-
-from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
 __all__ = ["MetricsEndpoint", "attach_log_handler", "collect_families"]
 
@@ -65,6 +64,8 @@ def attach_log_handler(name: str = _LOGGER, *, fallback: bool = True) -> bool:
 
 def _fam(kind: str, name: str, doc: str, value: float | None = None,
          labels: list[str] | None = None, samples: list[tuple[list[str], float]] | None = None) -> Any:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
     cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
     if samples is None:
         return cls(name, doc, value=value)
@@ -77,6 +78,8 @@ def _fam(kind: str, name: str, doc: str, value: float | None = None,
 def collect_families(s: dict[str, Any], info: dict[str, str]) -> Iterator[Any]:
     """The metric families of one ``slidingserve_stats()`` dict (names as scraped
     get ``_total`` on counters); ``info``: labels of ``slidingserve_adapter_info``."""
+    from prometheus_client.core import InfoMetricFamily  # only with the endpoint on (module doc)
+
     p = "slidingserve_adapter_"
     core = s.get("core_totals") or {}
     # an info family's samples get "_info": this one is scraped as slidingserve_adapter_info
@@ -137,6 +140,8 @@ class MetricsEndpoint:
 
     def __init__(self, stats: Callable[[], dict[str, Any]], info: Callable[[], dict[str, str]],
                  host: str, port: int) -> None:
+        from prometheus_client import CollectorRegistry, start_http_server  # the endpoint is on
+
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(stats, info))  # type: ignore[arg-type]
         self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)

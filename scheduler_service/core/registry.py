@@ -1,6 +1,10 @@
 """Policies by name.  The built-in policies are the one list :data:`BUILTIN`;
 registering a name twice raises; asking for an unknown name raises a
-:class:`ValidationError` that lists the valid names."""
+:class:`ValidationError` that lists the valid names.
+
+The registry also hands the compiled kernels their warm-up (:func:`.kernels.warm_up`
+runs every registered policy on tiny snapshots): the kernels stand below the policies
+and do not import them."""
 
 from __future__ import annotations
 
@@ -8,9 +12,10 @@ import dataclasses
 import hashlib
 import json
 from collections.abc import Mapping
+from importlib import resources
 from typing import Any
 
-from . import baselines, slidingserve
+from . import baselines, kernels, slidingserve
 from .baselines import (
     QoServeParams,
     QoServePolicy,
@@ -23,6 +28,7 @@ from .errors import ValidationError
 from .params import describe as describe_params
 from .params import override
 from .policy import Policy, PolicySpec
+from .predictor import BatchLatencyPredictor
 from .slidingserve import SlidingServeParams, SlidingServePolicy
 
 __all__ = ["BUILTIN", "PolicySpec", "create", "describe", "names", "register", "version_of"]
@@ -119,3 +125,15 @@ def describe(name: str) -> dict[str, Any]:
         "doc": spec.doc,
         "params": describe_params(spec.default_params),
     }
+
+
+def _warm_up_kernels() -> None:
+    """What :func:`.kernels.warm_up` runs: every registered policy on the warm-up
+    snapshots, with the bundled predictor (``default_predictor()``'s file)."""
+    from .kernels._warm import exercise  # deferred: it imports the compiled kernels (numba)
+
+    text = resources.files(__package__).joinpath("data/default_predictor.json").read_text()
+    exercise(create, names(), BatchLatencyPredictor.from_json(text))
+
+
+kernels.set_warm_up(_warm_up_kernels)

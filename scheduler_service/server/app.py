@@ -1,4 +1,4 @@
-"""The embeddable server (:class:`SchedulerServer`) and the blocking :func:`serve` for the CLI.
+"""The embeddable server (:class:`SchedulerServer`) and the blocking :func:`serve` of one process.
 
 Lifecycle, and why:
 
@@ -11,13 +11,18 @@ Lifecycle, and why:
 Security (TLS, mutual TLS, tokens, limits; see :mod:`.security` and ``docs/security.md``)
 is set up before binding, so that a bad certificate or tokens file fails the start instead
 of serving without the protection the operator configured.
+
+Several worker processes on one port are :mod:`.workers`' (it imports this module, never
+the other way round); ``scheduler_service.server.serve`` runs either.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import signal
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
@@ -32,6 +37,7 @@ from grpc_reflection.v1alpha import reflection
 from scheduler_service.core import BatchLatencyPredictor, Snapshot, ValidationError, default_predictor
 from scheduler_service.core.kernels import warm_up as warm_kernels
 
+from .board import PredictorBoard
 from .config import ServerConfig
 from .deployments import PolicyConfig, PolicyConfigWatcher, PolicySet, ShadowRunner
 from .handlers import SERVICE_NAME, add_servicer
@@ -40,9 +46,8 @@ from .metrics import Metrics
 from .predictors import PredictorRegistry, RefitSettings
 from .security import CertificateReloader, SecurityInterceptor, build_interceptor, server_credentials
 from .servicer import PolicyCache, SchedulerServicer
-from .workers import PredictorBoard, serve_workers
 
-__all__ = ["SERVICE_NAME", "SchedulerServer", "serve"]
+__all__ = ["SERVICE_NAME", "SchedulerServer", "serve", "stop_on_signals"]
 
 log = structlog.get_logger("slidingserve.server")
 
@@ -269,9 +274,10 @@ class SchedulerServer:
         self.stop()
 
 
-def serve(config: ServerConfig) -> None:
-    """Run until SIGTERM/SIGINT, then shut down gracefully (``config.grace_s``); with
-    ``config.workers`` > 1 as a supervisor of that many worker processes (:mod:`.workers`)."""
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[threading.Event]:
+    """An event that SIGTERM/SIGINT set while the block runs; the previous handlers are
+    restored after it (the main thread only, as for any signal handler)."""
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -280,9 +286,20 @@ def serve(config: ServerConfig) -> None:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        if config.workers > 1:
-            serve_workers(config, stop)
-            return
+        yield stop
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def serve(config: ServerConfig) -> None:
+    """Run one server process until SIGTERM/SIGINT, then shut down gracefully
+    (``config.grace_s``).  ``config.workers`` > 1 is the supervisor's:
+    ``scheduler_service.server.serve`` (:func:`.workers.serve`) runs either."""
+    if config.workers > 1:
+        raise ValueError(f"workers={config.workers}: several processes are run by "
+                         "scheduler_service.server.serve (the supervisor), not by app.serve")
+    with stop_on_signals() as stop:
         server = SchedulerServer(config).start()
         gc.freeze()  # start-up objects (modules, policies, predictors) are never scanned again
         try:
@@ -290,6 +307,3 @@ def serve(config: ServerConfig) -> None:
                 pass
         finally:
             server.stop()
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)

@@ -33,7 +33,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import structlog
@@ -41,7 +41,8 @@ import structlog
 from scheduler_service.core import BatchLatencyPredictor, ValidationError, fit_predictor
 from scheduler_service.core.predictor import learn_margin, monotonicity_violations
 
-from .metrics import Metrics
+if TYPE_CHECKING:  # the registry only calls what it is handed: no prometheus here
+    from .metrics import Metrics
 
 __all__ = ["PredictorRegistry", "ProfileState", "RefitSettings"]
 

@@ -14,7 +14,7 @@ them.  Why this shape, and what it means (docs/operations.md, "Several workers")
   nobody else takes the port between restarts), starts the workers (``spawn``: no gRPC state
   crosses a fork), restarts a worker that dies, and forwards SIGTERM/SIGINT for a drain.
 * **Predictors.**  A worker refits from the reports its own connections send.  Each
-  publication is written to :class:`PredictorBoard` (one JSON file per profile in
+  publication is written to :class:`~.board.PredictorBoard` (one JSON file per profile in
   ``predictor_dir``, replaced atomically) and every worker polls the board every
   ``predictor_sync_s``: a refit on one worker is served by all within about that long, and
   the newest publication wins (eventual consistency, last writer wins; a plan names the
@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import hashlib
-import json
 import multiprocessing as mp
 import os
 import shutil
@@ -37,18 +35,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from pathlib import Path
 from typing import Any
 
 import structlog
 
-from scheduler_service.core import BatchLatencyPredictor
-
+from .board import PredictorBoard  # its home before board.py: still importable here
 from .config import ServerConfig
 from .logs import bind_process, configure_logging
-from .predictors import PredictorRegistry
 
-__all__ = ["MultiProcessServer", "PredictorBoard", "reserve_port"]
+__all__ = ["MultiProcessServer", "PredictorBoard", "reserve_port", "serve", "serve_workers"]
 
 log = structlog.get_logger("slidingserve.server")
 
@@ -58,86 +53,6 @@ START_TIMEOUT_S = 180.0
 #: (1 s, doubling up to RESTART_MAX_S): a worker that cannot start must not spin.
 STABLE_S = 10.0
 RESTART_MAX_S = 30.0
-
-
-# ------------------------------------------------------------------ predictors
-class PredictorBoard:
-    """The refitted predictors of all workers: ``<dir>/<sha256(key)[:32]>.json`` holding
-    ``{key, tenant, stamp_ns, pid, predictor}``.  Files are written to a temporary name and
-    renamed, so a reader sees a whole publication or the previous one, never a torn one."""
-
-    def __init__(self, directory: str | Path, registry: PredictorRegistry, poll_s: float = 0.5) -> None:
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self._registry = registry
-        self._poll_s = poll_s
-        self._stamps: dict[str, int] = {}  # key -> stamp of the publication served here
-        self._seen: dict[str, tuple[int, int]] = {}  # file name -> (mtime_ns, size) read
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="predictor-board", daemon=True)
-
-    def _path(self, key: str) -> Path:
-        return self.directory / (hashlib.sha256(key.encode()).hexdigest()[:32] + ".json")
-
-    def publish(self, key: str, predictor: BatchLatencyPredictor) -> None:
-        """Called by the registry after a local refit was published (``on_publish``)."""
-        st = self._registry.state(key)
-        stamp = time.time_ns()
-        doc = {"key": key, "tenant": st.tenant if st else "", "stamp_ns": stamp, "pid": os.getpid(),
-               "predictor": json.loads(predictor.to_json(indent=None))}
-        path = self._path(key)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(doc))
-        with self._lock:
-            self._stamps[key] = stamp
-            os.replace(tmp, path)
-
-    def poll(self) -> int:
-        """Install every publication newer than the one served here; returns how many."""
-        installed = 0
-        for entry in os.scandir(self.directory):
-            if not entry.name.endswith(".json"):
-                continue
-            st = entry.stat()
-            if self._seen.get(entry.name) == (st.st_mtime_ns, st.st_size):
-                continue
-            self._seen[entry.name] = (st.st_mtime_ns, st.st_size)
-            installed += self._install(Path(entry.path))
-        return installed
-
-    def _install(self, path: Path) -> int:
-        try:
-            doc = json.loads(path.read_text())
-            key, stamp = str(doc["key"]), int(doc["stamp_ns"])
-            predictor = BatchLatencyPredictor.from_json(json.dumps(doc["predictor"]))
-        except (OSError, ValueError, KeyError, TypeError) as e:  # replaced meanwhile, or not ours
-            log.warning("predictor_board_unreadable", file=path.name, error=str(e)[:200])
-            return 0
-        with self._lock:
-            if stamp <= self._stamps.get(key, -1):
-                return 0
-            self._stamps[key] = stamp
-        if not self._registry.install(key, predictor, tenant=str(doc.get("tenant", ""))):
-            return 0
-        log.info("predictor_installed", profile=key, version=predictor.version, from_pid=doc.get("pid"))
-        return 1
-
-    def start(self) -> PredictorBoard:
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._poll_s):
-            try:
-                self.poll()
-            except OSError as e:  # the directory went away (shutdown): keep serving
-                log.warning("predictor_board_unreadable", error=str(e)[:200])
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5.0)
 
 
 # ------------------------------------------------------------------------ port
@@ -327,3 +242,17 @@ def serve_workers(config: ServerConfig, stop: threading.Event) -> None:
             server.supervise(0.5, stop)
     finally:
         server.stop()
+
+
+def serve(config: ServerConfig) -> None:
+    """Run until SIGTERM/SIGINT, then shut down gracefully (``config.grace_s``): one server
+    process, or with ``config.workers`` > 1 a supervisor of that many worker processes.
+    ``scheduler_service.server.serve``, the CLI's ``slidingserve serve``."""
+    from .app import serve as serve_one  # deferred: importing the supervisor loads no gRPC server
+    from .app import stop_on_signals
+
+    if config.workers <= 1:
+        serve_one(config)
+        return
+    with stop_on_signals() as stop:
+        serve_workers(config, stop)

@@ -11,7 +11,10 @@ on first use, not with the package: the client and the CLI stand on the core and
 must not pay its import.  If it cannot be imported the numpy path runs, with one
 logged warning.  :func:`warm_up` compiles (or loads from numba's on-disk cache,
 ``NUMBA_CACHE_DIR`` when set) every kernel, so that no request ever waits for the
-compiler: the service and the in-process engine backend call it at start-up.
+compiler: the service and the in-process engine backend call it at start-up.  What it
+runs (every registered policy on tiny snapshots, :mod:`._warm`) is handed to it by the
+policy registry (:func:`set_warm_up`): this package stands below the policies and imports
+none of them.
 
 A kernel can decline a rare input whose reference result it cannot reproduce
 exactly (it then returns a sentinel and the caller runs the numpy path): see
@@ -24,10 +27,10 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import ModuleType
 
-__all__ = ["BACKENDS", "ENV", "backend", "jit", "use", "using", "warm_up"]
+__all__ = ["BACKENDS", "ENV", "backend", "jit", "set_warm_up", "use", "using", "warm_up"]
 
 ENV = "SLIDINGSERVE_KERNELS"
 BACKENDS = ("numba", "numpy")
@@ -39,6 +42,8 @@ _UNSET = object()
 _active: object = _UNSET
 _requested: str | None = None
 _warmed: dict[str, float] = {}
+#: What :func:`warm_up` runs; set by :mod:`..registry` when it is imported (with the core).
+_workload: Callable[[], None] | None = None
 
 
 def _wanted() -> str:
@@ -97,6 +102,13 @@ def using(name: str) -> Iterator[str]:
         use(before)
 
 
+def set_warm_up(workload: Callable[[], None]) -> None:
+    """Hand :func:`warm_up` what it runs: decisions that reach every kernel.  The policy
+    registry calls it when it is imported (it knows the policies, the kernels do not)."""
+    global _workload
+    _workload = workload
+
+
 def warm_up() -> float:
     """Compile or load every kernel now; seconds spent (about 0 the second time).
 
@@ -104,11 +116,9 @@ def warm_up() -> float:
     types a real decision passes (numba compiles one version per type signature), so
     the first real request finds them all compiled.  A no-op on the numpy backend."""
     mod = jit()
-    if mod is None or "done" in _warmed:
+    if mod is None or "done" in _warmed or _workload is None:
         return 0.0
     t = time.perf_counter()
-    from ._warm import exercise  # deferred: it builds snapshots and policies
-
-    exercise()
+    _workload()
     _warmed["done"] = time.perf_counter() - t
     return _warmed["done"]

@@ -5,16 +5,26 @@ to have each one compiled for the types a real decision passes is to make real
 decisions: snapshots built the way the service builds them (read-only columns), every
 registered policy, paths from idle to BatchConstructor.  :func:`missing` names the
 kernels that did not run (a test keeps it empty).
+
+The policies come from the caller (:func:`exercise` is handed the registry's ``create``
+and ``names``; :mod:`..registry` hands the kernels a workload that calls it): the kernels
+stand below the policies and import none of them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from .. import default_predictor, registry
 from ..snapshot import Request, Snapshot
 from ..sorter import late_set, prefill_indices
 from . import _compiled
+
+if TYPE_CHECKING:
+    from ..policy import Policy
+    from ..predictor import BatchLatencyPredictor
 
 __all__ = ["exercise", "missing", "snapshots"]
 
@@ -53,11 +63,11 @@ def _risky() -> Snapshot:
     return Snapshot.from_requests(reqs, now=10.0, max_batch_tokens=2048, prefill_throughput=10000.0)
 
 
-def exercise() -> None:
-    """Plan every snapshot with every registered policy, windows 1 to 4."""
-    pred = default_predictor()
-    policies = [registry.create(name) for name in registry.names()]
-    policies += [registry.create("slidingserve", {"window": k}) for k in (1, 3, 4)]
+def exercise(create: Callable[..., Policy], names: Iterable[str], pred: BatchLatencyPredictor) -> None:
+    """Plan every snapshot with every policy of ``names`` (built by ``create(name)``, the
+    registry's), SlidingServe with windows 1 to 4, predicting with ``pred``."""
+    policies = [create(name) for name in names]
+    policies += [create("slidingserve", {"window": k}) for k in (1, 3, 4)]
     for snap in [*snapshots(), _risky()]:
         for pol in policies:
             pol.plan(snap, pred)
