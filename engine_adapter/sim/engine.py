@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from scheduler_service.core import Plan, Snapshot
+from scheduler_service.core.columns import COLUMNS, Column
 
 from ..core import AdapterCore, IterationSample
 from .groundtruth import GPUProfile, GroundTruth
@@ -82,6 +83,13 @@ class Workload:
 
     def __len__(self) -> int:
         return len(self.arrival)
+
+
+def _workload_column(w: Workload, c: Column, act: np.ndarray) -> np.ndarray | None:
+    """The workload's column ``c`` for the rows ``act`` (None where the workload does not
+    carry it: the snapshot's default)."""
+    col = getattr(w, c.name, None)
+    return None if col is None else col[act]
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,24 +218,19 @@ class SimulatedEngine:
         n_sched = min(self.cfg.max_num_seqs, len(act))
         free = (self.total_blocks - self.used_blocks) * self.block - (self.block - 1) * n_sched
         ids = self.ids
+        # the token counters are the engine's state; every other column of the schema is a
+        # per-request constant of the workload (a column the workload does not carry: the
+        # schema's default)
+        state = {"prompt_tokens": self.prompt_eff[act], "computed_tokens": self.computed[act], "output_tokens": out}
         return Snapshot.from_columns(
             now=self.clock,
             max_batch_tokens=self.cfg.max_batch_tokens,
             max_num_seqs=self.cfg.max_num_seqs,
             ids=[ids[i] for i in act.tolist()],
-            arrival=w.arrival[act],
-            prompt_tokens=self.prompt_eff[act],
-            computed_tokens=self.computed[act],
-            output_tokens=out,
-            ttft_slo=w.ttft_slo[act],
-            tbt_slo=w.tbt_slo[act],
-            protected=w.protected[act],
-            priority=w.priority[act],
-            sheddable=w.sheddable[act],
-            e2e_slo=w.e2e_slo[act],
             free_kv_tokens=max(0, int(free)),
             prefill_throughput=self.prefill_ema,
             profile=self.profile.key,
+            **{c.name: state[c.name] if c.name in state else _workload_column(w, c, act) for c in COLUMNS},
         )
 
     def _headroom(self, n_active: int) -> int:

@@ -21,7 +21,6 @@ already reaches ``max_tokens``) are left out, so a plan cannot name them.
 from __future__ import annotations
 
 import itertools
-import math
 import operator
 import time
 from collections.abc import Iterable, Mapping
@@ -31,7 +30,8 @@ from typing import Any
 import numpy as np
 
 from scheduler_service.core import Snapshot
-from scheduler_service.core.snapshot import MAX_PRIORITY, MAX_SECONDS
+from scheduler_service.core.columns import COLUMNS, COLUMNS_BY_NAME, COUNTER_COLUMNS, MAX_PRIORITY
+from scheduler_service.core.snapshot import MAX_BATCH_TOKENS
 
 __all__ = ["ClassSlo", "RequestSlo", "SloDefaults", "SnapshotBuilder", "request_slo"]
 
@@ -79,6 +79,7 @@ def _positive(v: Any) -> float | None:
 
 
 _TRUE = (True, 1, "1", "true", "True", "yes")
+_TTFT, _TBT, _E2E = COLUMNS_BY_NAME["ttft_slo"], COLUMNS_BY_NAME["tbt_slo"], COLUMNS_BY_NAME["e2e_slo"]
 
 
 def request_slo(extra_args: Any, prompt_tokens: int, defaults: SloDefaults, priority: int = 0) -> RequestSlo:
@@ -112,8 +113,10 @@ def request_slo(extra_args: Any, prompt_tokens: int, defaults: SloDefaults, prio
     else:
         tbt_s = cls.tbt_s if cls is not None and cls.tbt_s > 0 else defaults.tbt_s
     e2e_s = e2e / 1e3 if e2e is not None else (cls.e2e_s if cls is not None else 0.0)
-    return RequestSlo(ttft_s, tbt_s, protected in _TRUE, int(priority), sheddable in _TRUE,
-                      min(e2e_s, MAX_SECONDS))
+    # into the schema's bounds (a huge objective is no objective), so that one request's
+    # values cannot fail the snapshot's validation
+    return RequestSlo(_TTFT.clip(ttft_s), _TBT.clip(tbt_s), protected in _TRUE, int(priority),
+                      sheddable in _TRUE, _E2E.clip(e2e_s))
 
 
 _ids_of = operator.attrgetter("request_id")
@@ -127,7 +130,17 @@ _num_tokens_of = operator.attrgetter("num_tokens")
 _chain = itertools.chain.from_iterable
 
 
-_POOL_COLUMNS = 7
+#: The columns of the row pool: every column of the schema but the token counters (the
+#: per-request constants), stored as float64 (exact for the int and bool columns' values).
+_POOL = tuple(c for c in COLUMNS if c.name not in COUNTER_COLUMNS)
+_POOL_COLUMNS = len(_POOL)
+
+
+def _row_values(r: Any, s: RequestSlo) -> dict[str, Any]:
+    """A request's per-request constants by column name; a schema column not named here
+    gets its default."""
+    return {"arrival": float(r.arrival_time), "ttft_slo": s.ttft_s, "tbt_slo": s.tbt_s, "protected": s.protected,
+            "priority": s.priority, "sheddable": s.sheddable, "e2e_slo": s.e2e_s}
 
 
 def _priority(r: Any) -> int:
@@ -135,11 +148,6 @@ def _priority(r: Any) -> int:
     p = getattr(r, "priority", 0)
     p = int(p) if isinstance(p, int) else 0
     return max(-MAX_PRIORITY, min(MAX_PRIORITY, p))
-
-
-def _ro(a: np.ndarray) -> np.ndarray:
-    a.setflags(write=False)
-    return a
 
 
 class SnapshotBuilder:
@@ -155,7 +163,7 @@ class SnapshotBuilder:
         self.profile = profile
         self._slo: dict[str, RequestSlo] = {}
         self._slot: dict[str, int] = {}
-        #: rows: arrival, ttft_s, tbt_s, protected (0/1), priority, sheddable (0/1), e2e_s
+        #: one row per request, one column per :data:`_POOL` column
         self._pool = np.zeros((1024, _POOL_COLUMNS), np.float64)
         self.last_computed = np.zeros(0, np.int64)
         self.last_running_rows = 0
@@ -171,11 +179,8 @@ class SnapshotBuilder:
         return s
 
     def _add(self, r: Any) -> int:
-        s = self._slo_of(r)
-        row = (float(r.arrival_time), s.ttft_s, s.tbt_s, 1.0 if s.protected else 0.0, float(s.priority),
-               1.0 if s.sheddable else 0.0, s.e2e_s)
-        if not (math.isfinite(row[0]) and 0 < row[1] < math.inf and 0 < row[2] < math.inf):
-            raise ValueError(f"request {r.request_id!r}: arrival/SLO not finite and positive: {row[:3]}")
+        values = _row_values(r, self._slo_of(r))
+        row = [float(values.get(c.name, c.default)) for c in _POOL]  # checked with the snapshot
         slot = len(self._slot)
         if slot >= len(self._pool):
             pool = np.zeros((2 * len(self._pool), _POOL_COLUMNS), np.float64)
@@ -256,18 +261,20 @@ class SnapshotBuilder:
             for i, sl in enumerate(slots):
                 if sl is None:
                     slots[i] = self._add(reqs[i])
-        # Every row is valid by construction (kept rows need tokens, so computed <
-        # prompt or a decode with outputs; pool rows were checked once in _add):
-        # the snapshot is built directly; only id uniqueness is checked per step.
-        if len(set(ids)) != len(ids):
-            raise ValueError("duplicate request ids in vLLM's queues")
+        # The snapshot's columns are built typed and fresh, so the core's fast path checks
+        # them (the schema's checks, a few reductions: every row should pass by
+        # construction; one that does not raises ValidationError, a ValueError).
         c = self._pool[np.array(slots, np.int64)].T.copy() if slots else np.zeros((_POOL_COLUMNS, 0), np.float64)
-        snap = Snapshot(
+        columns = {"prompt_tokens": prompt, "computed_tokens": computed, "output_tokens": output}
+        for k, col in enumerate(_POOL):
+            columns[col.name] = c[k] if col.dtype == np.float64 else (
+                c[k] != 0 if col.dtype == np.bool_ else c[k].astype(col.dtype))
+        snap = Snapshot.from_arrays(
             now=float(time.time() if now is None else now),
-            max_batch_tokens=int(max_batch_tokens), max_num_seqs=int(max_num_seqs),
-            ids=tuple(ids), arrival=_ro(c[0]), prompt_tokens=_ro(prompt), computed_tokens=_ro(computed),
-            output_tokens=_ro(output), ttft_slo=_ro(c[1]), tbt_slo=_ro(c[2]), protected=_ro(c[3] != 0),
-            priority=_ro(c[4].astype(np.int64)), sheddable=_ro(c[5] != 0), e2e_slo=_ro(c[6]),
+            # the scheduler's largest budget (a larger one would only cost memory and time)
+            max_batch_tokens=min(int(max_batch_tokens), MAX_BATCH_TOKENS), max_num_seqs=int(max_num_seqs),
+            ids=tuple(ids), columns=columns,
             free_kv_tokens=None if free_kv_tokens is None else int(free_kv_tokens), profile=self.profile,
+            max_requests=len(ids),  # the limit guards the service against clients, not the engine
         )
         return snap, reqs

@@ -17,61 +17,80 @@ recomputes a preempted request folds its generated tokens into the prompt.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .columns import (
+    COLUMNS,
+    COLUMNS_BY_NAME,
+    DTYPE_WORDS,
+    MAX_PRIORITY,
+    MAX_SECONDS,
+    MAX_TOKENS,
+    Column,
+    checks_pass,
+    find_violations,
+)
 from .errors import FieldViolation, ValidationError
 
 __all__ = [
-    "CLASS_COLUMN_DTYPES", "COLUMN_DTYPES", "DEFAULT_MAX_REQUESTS", "MAX_BATCH_TOKENS", "MAX_PRIORITY",
+    "ALL_COLUMN_DTYPES", "CLASS_COLUMN_DTYPES", "COLUMN_DTYPES", "DEFAULT_MAX_REQUESTS", "MAX_BATCH_TOKENS", "MAX_PRIORITY",
     "MAX_SECONDS", "Request", "Snapshot",
 ]
 
 #: Upper bound on requests in one snapshot unless the caller sets another.
 DEFAULT_MAX_REQUESTS = 100_000
-#: Largest token count accepted anywhere (guards int64 arithmetic downstream).
-MAX_TOKENS = 1 << 40
 #: Largest ``max_batch_tokens``.  Policies build per-token curves up to the iteration's
 #: budget (O(budget) memory and time: ~70 MB and 0.1-0.2 s at this bound, 8 GB at 10^8),
 #: so an unbounded budget would let one request exhaust the server's memory.  2^20 is
 #: above any engine's per-iteration token budget (vLLM: 2k-64k, whole 1M-token prompts).
 MAX_BATCH_TOKENS = 1 << 20
-#: Largest magnitude of a time or SLO in seconds (~31,700 years).  Finite is not enough:
-#: sums like ``arrival + ttft_slo + k * tbt_slo`` must not overflow to inf downstream.
-MAX_SECONDS = 1e12
 #: Bounds of ``prefill_throughput`` (tokens/s): policies divide remaining tokens by it
 #: times a slack (up to ~1e24 s with the bounds above), which must stay finite.
 MIN_THROUGHPUT, MAX_THROUGHPUT = 1e-3, 1e12
 
 
-#: The request columns of a snapshot and their dtypes, in wire (field number) order.
-COLUMN_DTYPES: dict[str, Any] = {
-    "arrival": np.float64,
-    "prompt_tokens": np.int64,
-    "computed_tokens": np.int64,
-    "output_tokens": np.int64,
-    "ttft_slo": np.float64,
-    "tbt_slo": np.float64,
-    "protected": np.bool_,
-}
-#: The request-class columns (docs/usage.md, SLO classes): optional everywhere.  A
-#: snapshot without them is all priority 0, nothing sheddable, no end-to-end objective
-#: (the v1 contract).
-CLASS_COLUMN_DTYPES: dict[str, Any] = {
-    "priority": np.int64,
-    "sheddable": np.bool_,
-    "e2e_slo": np.float64,
-}
-#: Bound on ``|priority|`` (vLLM takes any int; 32 bits keep keys exact in float64).
-MAX_PRIORITY = (1 << 31) - 1
+#: The v1 request columns of a snapshot and their dtypes, in wire (field number) order
+#: (derived from :data:`~scheduler_service.core.columns.COLUMNS`, the one schema).
+COLUMN_DTYPES: dict[str, Any] = {c.name: c.dtype for c in COLUMNS if not c.optional}
+#: The optional columns (docs/usage.md, SLO classes): a snapshot without them is all
+#: priority 0, nothing sheddable, no end-to-end objective (the v1 contract).
+CLASS_COLUMN_DTYPES: dict[str, Any] = {c.name: c.dtype for c in COLUMNS if c.optional}
+#: Every request column's dtype, in wire order.
+ALL_COLUMN_DTYPES: dict[str, Any] = {c.name: c.dtype for c in COLUMNS}
+
+
+def _schema_fields(*, kw_only: bool) -> Any:
+    """Class decorator (below ``@dataclass``): a field for every schema column the class
+    does not declare itself.  ``kw_only``: the snapshot's columns (required ones without a
+    default, optional ones ``None`` until ``__post_init__``); else a :class:`Request`'s
+    (the column's default)."""
+
+    def add(cls: type) -> type:
+        ann = inspect.get_annotations(cls)  # a copy, assigned back below
+        for c in COLUMNS:
+            if c.name in ann:
+                continue
+            ann[c.name] = "np.ndarray" if kw_only else "Any"
+            if kw_only:
+                f = field(default=None, kw_only=True) if c.optional else field(kw_only=True)
+            else:
+                f = field(default=c.default)
+            setattr(cls, c.name, f)
+        cls.__annotations__ = ann
+        return cls
+
+    return add
 
 
 @dataclass(frozen=True, slots=True)
+@_schema_fields(kw_only=False)
 class Request:
     """One request as the engine sees it; a row of a :class:`Snapshot`."""
 
@@ -83,13 +102,11 @@ class Request:
     ttft_slo: float = 1.0
     tbt_slo: float = 0.1
     protected: bool = False
-    #: Class priority: smaller is served first (vLLM's convention); 0 by default.
-    priority: int = 0
-    #: The scheduler may reject this request early when its SLO cannot be met.
-    sheddable: bool = False
-    #: End-to-end objective: seconds after arrival by which the last token must be out;
-    #: 0 = none.
-    e2e_slo: float = 0.0
+    # The optional columns (priority, sheddable, e2e_slo, ...) follow, from the schema
+    # (:data:`~scheduler_service.core.columns.COLUMNS`), each defaulting to its default.
+
+    if TYPE_CHECKING:
+        def __getattr__(self, name: str) -> Any: ...
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
@@ -98,10 +115,17 @@ def _readonly(a: np.ndarray) -> np.ndarray:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
+@_schema_fields(kw_only=True)
 class Snapshot:
     """A validated, immutable snapshot.  Build it with :meth:`from_requests`,
     :meth:`from_columns` or :meth:`from_json`; the constructor itself does not
     validate.
+
+    Besides the fields below it has one read-only numpy array per request column of the
+    schema (:data:`~scheduler_service.core.columns.COLUMNS`: ``arrival``,
+    ``prompt_tokens``, ``computed_tokens``, ``output_tokens``, ``ttft_slo``, ``tbt_slo``,
+    ``protected``, ``priority``, ``sheddable``, ``e2e_slo``), keyword-only in the
+    constructor; an optional column left out (None or empty) is filled with its default.
 
     Invariants (checked by :meth:`validate`): all columns have ``len(ids)``
     rows; ids are unique non-empty strings; ``0 <= computed_tokens <=
@@ -115,29 +139,22 @@ class Snapshot:
     max_batch_tokens: int
     max_num_seqs: int
     ids: tuple[str, ...]
-    arrival: np.ndarray
-    prompt_tokens: np.ndarray
-    computed_tokens: np.ndarray
-    output_tokens: np.ndarray
-    ttft_slo: np.ndarray
-    tbt_slo: np.ndarray
-    protected: np.ndarray
     free_kv_tokens: int | None = None
     prefill_throughput: float | None = None
     #: Engine profile key (model/hardware/TP); informational for policies.
     profile: str = ""
-    #: Class columns (:data:`CLASS_COLUMN_DTYPES`); left out (empty), the defaults are filled in.
-    priority: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    sheddable: np.ndarray = field(default_factory=lambda: np.zeros(0, np.bool_))
-    e2e_slo: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
     _cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    if TYPE_CHECKING:
+        # the request columns, added from the schema
+        def __getattr__(self, name: str) -> np.ndarray: ...
 
     def __post_init__(self) -> None:
         n = len(self.ids)
-        for name, dtype in CLASS_COLUMN_DTYPES.items():
-            col = getattr(self, name)
+        for c in _OPTIONAL:
+            col = getattr(self, c.name)
             if col is None or (n and len(col) == 0):
-                object.__setattr__(self, name, _readonly(np.zeros(n, dtype)))
+                object.__setattr__(self, c.name, _readonly(np.full(n, c.default, c.dtype)))
 
     # ------------------------------------------------------------------ build
     @classmethod
@@ -148,41 +165,26 @@ class Snapshot:
         max_batch_tokens: int,
         max_num_seqs: int,
         ids: Sequence[str],
-        arrival: Any,
-        prompt_tokens: Any,
-        computed_tokens: Any,
-        output_tokens: Any,
-        ttft_slo: Any,
-        tbt_slo: Any,
-        protected: Any,
         free_kv_tokens: int | None = None,
         prefill_throughput: float | None = None,
         profile: str = "",
         max_requests: int = DEFAULT_MAX_REQUESTS,
-        priority: Any = None,
-        sheddable: Any = None,
-        e2e_slo: Any = None,
+        **columns: Any,
     ) -> Snapshot:
         """Validate columns and build a snapshot; raises :class:`ValidationError`.
-        ``priority``, ``sheddable`` and ``e2e_slo`` may be left out (None): all 0 / False / 0."""
+
+        ``columns``: one sequence or 1-D array per request column of the schema, by name
+        (``arrival=..., prompt_tokens=..., ...``); the optional ones (``priority``,
+        ``sheddable``, ``e2e_slo``, ...) may be left out or None: all default.  A missing
+        required column or an unknown name is the caller's bug: ``TypeError``."""
+        _known_columns(columns, "from_columns")
         errs: list[FieldViolation] = []
         scal = _validate_scalars(
             errs, now, max_batch_tokens, max_num_seqs, free_kv_tokens, prefill_throughput
         )
         n = len(ids)
         _limit_requests(errs, n, max_requests)
-        cols = {
-            "arrival": (arrival, np.float64),
-            "prompt_tokens": (prompt_tokens, np.int64),
-            "computed_tokens": (computed_tokens, np.int64),
-            "output_tokens": (output_tokens, np.int64),
-            "ttft_slo": (ttft_slo, np.float64),
-            "tbt_slo": (tbt_slo, np.float64),
-            "protected": (protected, np.bool_),
-        }
-        for name, values in (("priority", priority), ("sheddable", sheddable), ("e2e_slo", e2e_slo)):
-            if values is not None:
-                cols[name] = (values, CLASS_COLUMN_DTYPES[name])
+        cols = {c.name: (columns[c.name], c.dtype) for c in COLUMNS if columns.get(c.name) is not None}
         ids_t, arrays = _validate_requests(errs, ids, cols, n)
         return cls._checked(scal, ids_t, arrays, profile)
 
@@ -200,15 +202,18 @@ class Snapshot:
         profile: str = "",
         max_requests: int = DEFAULT_MAX_REQUESTS,
     ) -> Snapshot:
-        """:meth:`from_columns` for a decoder that already holds typed columns: ``ids`` a
+        """:meth:`from_columns` for a caller that already holds typed columns: ``ids`` a
         tuple of ``str`` and ``columns`` one fresh 1-D array per request column with the
-        column's dtype (``COLUMN_DTYPES``), handed over (kept, not copied, made read-only).
+        column's dtype (the schema's; optional columns may be left out or empty), handed
+        over (kept, not copied, made read-only).
 
-        The wire decoder builds exactly that from protobuf's typed repeated fields, so the
-        per-element type checks and copies of :meth:`from_columns` (most of its time on a
-        768-request snapshot) cannot find anything and are skipped; every value check is
-        the same, vectorised, with the same violations in the same order.  Anything else
-        (a wrong dtype, a missing column) is the caller's bug: ``TypeError``.
+        The wire decoder builds exactly that from protobuf's typed repeated fields, and the
+        vLLM adapter from its queues, so the per-element type checks and copies of
+        :meth:`from_columns` (most of its time on a 768-request snapshot) cannot find
+        anything and are skipped; every value check is the same (the schema's
+        :data:`~scheduler_service.core.columns.CHECKS`), each first as one or two
+        reductions, with the same violations in the same order.  Anything else (a wrong
+        dtype, a missing column) is the caller's bug: ``TypeError``.
         """
         errs: list[FieldViolation] = []
         scal = _plain_scalars(now, max_batch_tokens, max_num_seqs, free_kv_tokens, prefill_throughput)
@@ -223,7 +228,7 @@ class Snapshot:
             _validate_ids(errs, ids)
         if errs:
             raise ValidationError(errs)
-        if not _rows_ok(arrays):
+        if not checks_pass(arrays):
             _validate_rows(errs, arrays)
             raise ValidationError(errs)
         return cls._checked(scal, ids, arrays, profile)
@@ -263,20 +268,11 @@ class Snapshot:
             max_batch_tokens=max_batch_tokens,
             max_num_seqs=max_num_seqs,
             ids=[r.id for r in reqs],
-            arrival=[r.arrival for r in reqs],
-            prompt_tokens=[r.prompt_tokens for r in reqs],
-            computed_tokens=[r.computed_tokens for r in reqs],
-            output_tokens=[r.output_tokens for r in reqs],
-            ttft_slo=[r.ttft_slo for r in reqs],
-            tbt_slo=[r.tbt_slo for r in reqs],
-            protected=[r.protected for r in reqs],
-            priority=[r.priority for r in reqs],
-            sheddable=[r.sheddable for r in reqs],
-            e2e_slo=[r.e2e_slo for r in reqs],
             free_kv_tokens=free_kv_tokens,
             prefill_throughput=prefill_throughput,
             profile=profile,
             max_requests=max_requests,
+            **{c.name: [getattr(r, c.name, c.default) for r in reqs] for c in COLUMNS},
         )
 
     # ------------------------------------------------------------------- JSON
@@ -301,17 +297,8 @@ class Snapshot:
             prefill_throughput=data.get("prefill_throughput"),
             profile=data.get("profile", "") or "",
             ids=cols["id"],
-            arrival=cols["arrival"],
-            prompt_tokens=cols["prompt_tokens"],
-            computed_tokens=cols["computed_tokens"],
-            output_tokens=cols["output_tokens"],
-            ttft_slo=cols["ttft_slo"],
-            tbt_slo=cols["tbt_slo"],
-            protected=cols["protected"],
-            priority=cols["priority"],
-            sheddable=cols["sheddable"],
-            e2e_slo=cols["e2e_slo"],
             max_requests=max_requests,
+            **{c.name: cols[c.json_key] for c in COLUMNS},
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -326,30 +313,23 @@ class Snapshot:
             out["prefill_throughput"] = self.prefill_throughput
         if self.profile:
             out["profile"] = self.profile
-        out["requests"] = [
-            {
-                "id": rid,
-                "arrival": float(self.arrival[i]),
-                "prompt_tokens": int(self.prompt_tokens[i]),
-                "computed_tokens": int(self.computed_tokens[i]),
-                "output_tokens": int(self.output_tokens[i]),
-                "ttft_slo": float(self.ttft_slo[i]),
-                "tbt_slo": float(self.tbt_slo[i]),
-                "protected": bool(self.protected[i]),
-            }
-            for i, rid in enumerate(self.ids)
-        ]
-        # the class fields only where they differ from the default (the v1 form stays as it was)
-        for name, col in (("priority", self.priority), ("sheddable", self.sheddable), ("e2e_slo", self.e2e_slo)):
-            for i in np.flatnonzero(col).tolist():
-                out["requests"][i][name] = col[i].item()
+        keys = ("id", *(c.json_key for c in _ALWAYS))
+        lists = [getattr(self, c.name).tolist() for c in _ALWAYS]  # plain float/int/bool
+        rows = [dict(zip(keys, row, strict=True)) for row in zip(self.ids, *lists, strict=True)]
+        # the optional columns only where they differ from the default (the v1 form stays as it was)
+        for c in _OPTIONAL:
+            col = getattr(self, c.name)
+            for i in np.flatnonzero(col != c.default).tolist():
+                rows[i][c.json_key] = col[i].item()
+        out["requests"] = rows
         return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), separators=(",", ":"))
 
     def requests(self) -> list[Request]:
-        return [Request(**r) for r in self.to_dict()["requests"]]
+        names = {c.json_key: c.name for c in COLUMNS}
+        return [Request(**{names.get(k, k): v for k, v in r.items()}) for r in self.to_dict()["requests"]]
 
     # ---------------------------------------------------------------- derived
     def __len__(self) -> int:
@@ -441,19 +421,25 @@ class Snapshot:
         return bool(v)
 
 
+#: The schema's columns: those every snapshot has, and the optional ones.
+_ALWAYS: tuple[Column, ...] = tuple(c for c in COLUMNS if not c.optional)
+_OPTIONAL: tuple[Column, ...] = tuple(c for c in COLUMNS if c.optional)
+#: The keys of a JSON request object: (default, required) each.
 _REQUEST_FIELDS: dict[str, tuple[Any, bool]] = {
     "id": ("", True),
-    "arrival": (0.0, True),
-    "prompt_tokens": (0, True),
-    "computed_tokens": (0, False),
-    "output_tokens": (0, False),
-    "ttft_slo": (0.0, True),
-    "tbt_slo": (0.0, True),
-    "protected": (False, False),
-    "priority": (0, False),
-    "sheddable": (False, False),
-    "e2e_slo": (0.0, False),
+    **{c.json_key: (c.default, c.required) for c in COLUMNS},
 }
+
+
+def _known_columns(columns: Mapping[str, Any], where: str) -> None:
+    """``TypeError`` for an unknown column name or a required column left out (the
+    caller's bug, as for a missing keyword argument)."""
+    unknown = [k for k in columns if k not in COLUMNS_BY_NAME]
+    if unknown:
+        raise TypeError(f"{where}() got unknown request columns {unknown}")
+    missing = [c.name for c in _ALWAYS if columns.get(c.name) is None]
+    if missing:
+        raise TypeError(f"{where}() missing request columns {missing}")
 
 
 def _limit_requests(errs: list[FieldViolation], n: int, max_requests: int) -> None:
@@ -612,6 +598,18 @@ def _validate_scalars(
     )
 
 
+#: Array kinds a column of each dtype accepts (converted, exactly or widening).
+_KINDS: dict[Any, str] = {np.float64: "fiu", np.int64: "iu", np.bool_: "b"}
+
+
+def _is_bool(v: Any) -> bool:
+    return isinstance(v, bool | np.bool_)
+
+
+#: What each element of a column of each dtype must be.
+_ELEMENT_CHECKS: dict[Any, Any] = {np.float64: _is_real, np.int64: _is_int, np.bool_: _is_bool}
+
+
 def _column(
     errs: list[FieldViolation], name: str, values: Any, dtype: Any, n: int
 ) -> np.ndarray | None:
@@ -620,21 +618,16 @@ def _column(
         if arr.ndim != 1:
             errs.append(FieldViolation(name, "must be one-dimensional"))
             return None
-        kind_ok = {
-            np.float64: arr.dtype.kind in "fiu",
-            np.int64: arr.dtype.kind in "iu",
-            np.bool_: arr.dtype.kind == "b",
-        }[dtype]
-        if not kind_ok:
+        if arr.dtype.kind not in _KINDS[dtype]:
             errs.append(FieldViolation(name, f"has dtype {arr.dtype}, expected {np.dtype(dtype)}"))
             return None
         arr = arr.astype(dtype, copy=True)
     else:
         seq = list(values)
-        check = {np.float64: _is_real, np.int64: _is_int, np.bool_: lambda v: isinstance(v, bool | np.bool_)}[dtype]
+        check = _ELEMENT_CHECKS[dtype]
         bad = [i for i, v in enumerate(seq) if not check(v)]
         if bad:
-            what = {np.float64: "a number", np.int64: "an integer", np.bool_: "a boolean"}[dtype]
+            what = DTYPE_WORDS[dtype]
             for i in bad[:5]:
                 errs.append(FieldViolation(f"requests[{i}].{name}", f"must be {what}, got {seq[i]!r}"))
             return None
@@ -674,33 +667,9 @@ def _validate_ids(errs: list[FieldViolation], ids: tuple[str, ...]) -> None:
 
 
 def _validate_rows(errs: list[FieldViolation], a: dict[str, np.ndarray]) -> None:
-    """Vectorised row checks; per-row messages are built only for failing rows."""
-    p, c, o = a["prompt_tokens"], a["computed_tokens"], a["output_tokens"]
-    checks: list[tuple[str, np.ndarray, str]] = [
-        ("arrival", ~(np.abs(a["arrival"]) <= MAX_SECONDS), f"must be finite, |arrival| <= {MAX_SECONDS:g}"),
-        ("ttft_slo", ~((a["ttft_slo"] > 0) & (a["ttft_slo"] <= MAX_SECONDS)),
-         f"must be finite and > 0, at most {MAX_SECONDS:g}"),
-        ("tbt_slo", ~((a["tbt_slo"] > 0) & (a["tbt_slo"] <= MAX_SECONDS)),
-         f"must be finite and > 0, at most {MAX_SECONDS:g}"),
-        ("prompt_tokens", (p < 1) | (p > MAX_TOKENS), "must be >= 1"),
-        ("computed_tokens", c < 0, "must be >= 0"),
-        ("computed_tokens", c > p, "exceeds prompt_tokens"),
-        ("output_tokens", (o < 0) | (o > MAX_TOKENS), "must be >= 0"),
-        ("output_tokens", (c < p) & (o > 0), "must be 0 while the prompt is not fully computed"),
-        ("output_tokens", (c == p) & (o < 1), "must be >= 1 once the prompt is fully computed"),
-    ]
-    if "priority" in a:
-        pr = a["priority"]  # not np.abs: |int64 min| overflows to itself, which would pass
-        checks.append(("priority", (pr < -MAX_PRIORITY) | (pr > MAX_PRIORITY), f"must be within ±{MAX_PRIORITY}"))
-    if "e2e_slo" in a:
-        e = a["e2e_slo"]
-        checks.append(("e2e_slo", ~((e >= 0) & (e <= MAX_SECONDS)),
-                       f"must be finite and >= 0 (0 = none), at most {MAX_SECONDS:g}"))
-    for name, bad, msg in checks:
-        if not bad.any():
-            continue
-        for i in np.flatnonzero(bad)[:5]:
-            errs.append(FieldViolation(f"requests[{int(i)}].{name}", msg))
+    """The schema's value checks (:data:`~scheduler_service.core.columns.CHECKS`),
+    vectorised; per-row messages are built only for failing rows."""
+    errs.extend(FieldViolation(f, d) for f, d in find_violations(a))
 
 
 # ---------------------------------------------------- typed columns (from_arrays)
@@ -712,26 +681,22 @@ def _typed_columns(
     errs: list[FieldViolation], columns: Mapping[str, np.ndarray], n: int
 ) -> dict[str, np.ndarray]:
     """The columns of :meth:`Snapshot.from_arrays`, checked for length like
-    :func:`_column` (same violation); a wrong dtype or shape is a ``TypeError``."""
+    :func:`_column` (same violation); a wrong dtype or shape, a required column missing
+    or an unknown one is a ``TypeError``.  An optional column left out (None, or empty
+    while there are requests) is the default for every request."""
     arrays: dict[str, np.ndarray] = {}
-    for name, dtype in COLUMN_DTYPES.items():
-        arr = columns[name]
-        if not isinstance(arr, np.ndarray) or arr.ndim != 1 or arr.dtype != dtype:
-            raise TypeError(f"column {name} must be a 1-D {np.dtype(dtype)} array")
+    if len(columns) > len(COLUMNS) or not COLUMNS_BY_NAME.keys() >= columns.keys():
+        raise TypeError(f"unknown request columns {sorted(set(columns) - COLUMNS_BY_NAME.keys())}")
+    for c in COLUMNS:
+        arr = columns.get(c.name)
+        if c.optional and (arr is None or (len(arr) == 0 and n > 0)):
+            continue  # not sent: the default
+        if not isinstance(arr, np.ndarray) or arr.ndim != 1 or arr.dtype != c.dtype:
+            raise TypeError(f"column {c.name} must be a 1-D {np.dtype(c.dtype)} array")
         if len(arr) != n:
-            errs.append(FieldViolation(name, f"has {len(arr)} entries but there are {n} ids"))
+            errs.append(FieldViolation(c.name, f"has {len(arr)} entries but there are {n} ids"))
         else:
-            arrays[name] = arr
-    for name, dtype in CLASS_COLUMN_DTYPES.items():
-        given = columns.get(name)
-        if given is None or (len(given) == 0 and n > 0):
-            continue  # not sent: the default class
-        if not isinstance(given, np.ndarray) or given.ndim != 1 or given.dtype != dtype:
-            raise TypeError(f"column {name} must be a 1-D {np.dtype(dtype)} array")
-        if len(given) != n:
-            errs.append(FieldViolation(name, f"has {len(given)} entries but there are {n} ids"))
-        else:
-            arrays[name] = given
+            arrays[c.name] = arr
     return arrays
 
 
@@ -760,27 +725,3 @@ def _str_ids_ok(ids: tuple[str, ...]) -> bool:
     policies no longer need it); on False, :func:`_validate_ids` names the offending ids."""
     unique = set(ids)
     return len(unique) == len(ids) and "" not in unique and (not ids or max(map(len, ids)) <= MAX_ID_CHARS)
-
-
-def _rows_ok(a: dict[str, np.ndarray]) -> bool:
-    """True when every check of :func:`_validate_rows` passes, in about a dozen
-    reductions instead of its per-check masks; NaN fails every comparison, so it is
-    caught as there.  On False, :func:`_validate_rows` finds and names the rows."""
-    p, c, o = a["prompt_tokens"], a["computed_tokens"], a["output_tokens"]
-    if not len(p):
-        return True
-    t, b = a["ttft_slo"], a["tbt_slo"]
-    return bool(
-        np.abs(a["arrival"]).max() <= MAX_SECONDS
-        and t.min() > 0 and t.max() <= MAX_SECONDS
-        and b.min() > 0 and b.max() <= MAX_SECONDS
-        and p.min() >= 1 and p.max() <= MAX_TOKENS
-        and c.min() >= 0 and (p - c).min() >= 0
-        and o.min() >= 0 and o.max() <= MAX_TOKENS
-        # with 0 <= c <= p and o >= 0: output 0 exactly while the prompt is incomplete
-        and np.array_equal(c == p, o > 0)
-        and ("priority" not in a or not len(a["priority"])
-             or (a["priority"].min() >= -MAX_PRIORITY and a["priority"].max() <= MAX_PRIORITY))
-        and ("e2e_slo" not in a or not len(a["e2e_slo"])
-             or (a["e2e_slo"].min() >= 0 and a["e2e_slo"].max() <= MAX_SECONDS))
-    )

@@ -31,6 +31,7 @@ from scheduler_service.core import (
     ValidationError,
     batch_features,
 )
+from scheduler_service.core.columns import COLUMNS
 from scheduler_service.core.predictor import N_FEATURES, scenario_codes
 from scheduler_service.core.snapshot import MAX_BATCH_TOKENS, MAX_TOKENS
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
@@ -58,20 +59,17 @@ MAX_LATENCY_MS = 600_000.0
 #: (2^20, so also <= 2^20 requests) and u <= 2^40 bound every x_i by 2^20 * (2^40 + 2^20).
 MAX_FEATURE = float(2**61)
 
-_COLUMNS = (
-    ("arrival", np.float64),
-    ("prompt_tokens", np.int64),
-    ("computed_tokens", np.int64),
-    ("output_tokens", np.int64),
-    ("ttft_slo", np.float64),
-    ("tbt_slo", np.float64),
-    ("protected", np.bool_),
-)
-#: The optional class columns (empty on the wire = the default class).
-_CLASS_COLUMNS = (("priority", np.int64), ("sheddable", np.bool_), ("e2e_slo", np.float64))
+#: The request columns (the core's schema, ``scheduler_service.core.columns``): those
+#: always sent, and the optional ones (empty on the wire = the default for every request).
+_ALWAYS = tuple(c for c in COLUMNS if not c.optional)
+_OPTIONAL = tuple(c for c in COLUMNS if c.optional)
 _COLUMN_FIELD_NUMBERS = {f.name: f.number for f in pb.RequestColumns.DESCRIPTOR.fields}
-_FIXED_COLUMNS = ("arrival", "ttft_slo", "tbt_slo", "protected")
-_VARINT_COLUMNS = ("prompt_tokens", "computed_tokens", "output_tokens")
+#: Always-sent columns encoded as packed fixed-width bytes straight from numpy (doubles,
+#: bools), and those protobuf encodes as varints (int64).
+_FIXED_COLUMNS = tuple(c for c in _ALWAYS if c.dtype in (np.float64, np.bool_))
+_VARINT_COLUMNS = tuple(c for c in _ALWAYS if c.dtype not in (np.float64, np.bool_))
+#: The core's column name → the field of ``RequestColumns`` and ``Request``.
+_WIRE_NAMES = {c.name: c.wire for c in COLUMNS}
 _ROW_PATH = re.compile(r"^requests\[(\d+)\]\.(\w+)$")
 _SCALARS = frozenset({"now", "max_batch_tokens", "max_num_seqs", "free_kv_tokens", "prefill_throughput"})
 
@@ -105,14 +103,14 @@ def _wire_field(core_field: str, prefix: str, encoding: str) -> str:
     if m:
         i, name = m.groups()
         if encoding == "rows":
-            return f"{prefix}.rows.requests[{i}].{name}"
-        return f"{prefix}.columns.{'ids' if name == 'id' else name}[{i}]"
+            return f"{prefix}.rows.requests[{i}].{_WIRE_NAMES.get(name, name)}"
+        return f"{prefix}.columns.{'ids' if name == 'id' else _WIRE_NAMES.get(name, name)}[{i}]"
     if core_field in _SCALARS:
         return f"{prefix}.{core_field}"
     if core_field == "requests":
         return f"{prefix}.rows.requests" if encoding == "rows" else f"{prefix}.columns"
     if encoding == "columns":
-        return f"{prefix}.columns.{core_field}"
+        return f"{prefix}.columns.{_WIRE_NAMES.get(core_field, core_field)}"
     return f"{prefix}.{core_field}"
 
 
@@ -162,18 +160,17 @@ def columns_to_arrays(c: pb.RequestColumns) -> tuple[tuple[str, ...], dict[str, 
     10x faster than ``np.fromiter``), no per-request Python object but the id strings.
     Not validated: :meth:`Snapshot.from_arrays` does that vectorised, relying on the
     container's type for each element's."""
-    columns = {name: np.asarray(getattr(c, name), dtype=dt) for name, dt in _COLUMNS}
-    for name, dt in _CLASS_COLUMNS:
-        if len(getattr(c, name)):
-            columns[name] = np.asarray(getattr(c, name), dtype=dt)
+    columns = {col.name: np.asarray(getattr(c, col.wire), dtype=col.dtype) for col in _ALWAYS}
+    for col in _OPTIONAL:
+        values = getattr(c, col.wire)
+        if len(values):
+            columns[col.name] = np.asarray(values, dtype=col.dtype)
     return tuple(c.ids), columns
 
 
 def _rows_snapshot(rows: Sequence[pb.Request], scalars: dict[str, Any]) -> Snapshot:
     """The row encoding: one Python object per request and field (slower; see the module)."""
-    cols: dict[str, Any] = {
-        name: np.array([getattr(r, name) for r in rows], dtype=dt) for name, dt in _COLUMNS + _CLASS_COLUMNS
-    }
+    cols: dict[str, Any] = {c.name: np.array([getattr(r, c.wire) for r in rows], dtype=c.dtype) for c in COLUMNS}
     return Snapshot.from_columns(ids=tuple(r.id for r in rows), **scalars, **cols)
 
 
@@ -202,19 +199,19 @@ def snapshot_to_pb(
     if encoding == "columns":
         c = msg.columns
         c.ids.extend(snap.ids)
-        for name in _VARINT_COLUMNS:
-            getattr(c, name).extend(getattr(snap, name).tolist())
+        for col in _VARINT_COLUMNS:
+            getattr(c, col.wire).extend(getattr(snap, col.name).tolist())
         c.MergeFromString(_packed_fixed_columns(snap))
-        for name, _ in _CLASS_COLUMNS:  # sent only when some request is not of the default class
-            col = getattr(snap, name)
-            if col.any():
-                getattr(c, name).extend(col.tolist())
+        for col in _OPTIONAL:  # sent only when some request is not of the default
+            values = getattr(snap, col.name)
+            if (values != col.default).any():
+                getattr(c, col.wire).extend(values.tolist())
     elif encoding == "rows":
-        lists = [getattr(snap, name).tolist() for name, _ in _COLUMNS + _CLASS_COLUMNS]
+        wires = ("id", *(col.wire for col in COLUMNS))
+        lists = [getattr(snap, col.name).tolist() for col in COLUMNS]
         add = msg.rows.requests.add
-        for rid, a, p, cp, o, ttft, tbt, g, pr, sh, e2e in zip(snap.ids, *lists, strict=True):
-            add(id=rid, arrival=a, prompt_tokens=p, computed_tokens=cp, output_tokens=o,
-                ttft_slo=ttft, tbt_slo=tbt, protected=g, priority=pr, sheddable=sh, e2e_slo=e2e)
+        for row in zip(snap.ids, *lists, strict=True):
+            add(**dict(zip(wires, row, strict=True)))
     else:
         raise ValueError(f"encoding must be 'columns' or 'rows', got {encoding!r}")
     return msg
@@ -239,11 +236,11 @@ def _packed_fixed_columns(snap: Snapshot) -> bytes:
     fast as ``extend(arr.tolist())``; merged into the message, so the result is the same
     message protobuf itself would build (pinned by a test)."""
     parts = []
-    for name in _FIXED_COLUMNS:
-        a = getattr(snap, name)
+    for col in _FIXED_COLUMNS:
+        a = getattr(snap, col.name)
         if len(a):
             raw = a.astype(np.uint8).tobytes() if a.dtype == np.bool_ else a.astype("<f8").tobytes()
-            parts.append(_packed(_COLUMN_FIELD_NUMBERS[name], raw))
+            parts.append(_packed(_COLUMN_FIELD_NUMBERS[col.wire], raw))
     return b"".join(parts)
 
 

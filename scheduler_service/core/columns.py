@@ -1,0 +1,268 @@
+"""The request-column schema: the one description of a snapshot's per-request columns.
+
+Every per-request column of a :class:`~scheduler_service.core.Snapshot` is one
+:class:`Column` row of :data:`COLUMNS`: its name (the snapshot attribute, the
+``from_columns`` keyword), numpy dtype, default, bounds, JSON key and protobuf field.
+Everything else is derived from that table: the snapshot's fields, ``COLUMN_DTYPES``,
+the JSON reader and writer, protobuf conversion (``scheduler_service.wire.convert``), the
+simulator's and the vLLM adapter's snapshot builders, and the validation checks
+(:data:`CHECKS`), which the generic path (:meth:`Snapshot.from_columns`, per-row
+violations) and the fast path (:meth:`Snapshot.from_arrays`, a few reductions) both run,
+so that they agree check for check.
+
+Adding a request field = a row here (``optional=True``: old clients and engines leave it
+out and get the default), its field in ``RequestColumns`` and ``Request`` of the .proto
+(``wire`` names it), and the policy that reads ``snapshot.<name>`` (docs/architecture.md,
+The request-column schema).
+
+This module imports nothing of the core: the core's modules import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "CHECKS",
+    "COLUMNS",
+    "COLUMNS_BY_NAME",
+    "COUNTER_COLUMNS",
+    "MAX_PRIORITY",
+    "MAX_SECONDS",
+    "MAX_TOKENS",
+    "ROW_RULES",
+    "Check",
+    "Column",
+    "Rule",
+    "checks_pass",
+    "find_violations",
+]
+
+#: Largest token count accepted anywhere (guards int64 arithmetic downstream).
+MAX_TOKENS = 1 << 40
+#: Largest magnitude of a time or SLO in seconds (~31,700 years).  Finite is not enough:
+#: sums like ``arrival + ttft_slo + k * tbt_slo`` must not overflow to inf downstream.
+MAX_SECONDS = 1e12
+#: Bound on ``|priority|`` (vLLM takes any int; 32 bits keep keys exact in float64).
+MAX_PRIORITY = (1 << 31) - 1
+
+#: What a value of each dtype is called in a violation ("must be a number, got ...").
+DTYPE_WORDS: dict[Any, str] = {np.float64: "a number", np.int64: "an integer", np.bool_: "a boolean"}
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    """One per-request column of a snapshot."""
+
+    #: The snapshot attribute, ``from_columns`` keyword and :class:`Request` field.
+    name: str
+    #: numpy dtype of the column: ``np.float64``, ``np.int64`` or ``np.bool_``.
+    dtype: Any
+    #: The value of a request that does not set it (JSON key left out; an optional column
+    #: left out everywhere).
+    default: Any
+    doc: str
+    #: A JSON request object must have the key (else it defaults to ``default``).
+    required: bool = False
+    #: May be left out as a whole (``None`` in ``from_columns``, empty on the wire, absent
+    #: from a JSON request): every request then has ``default``.  Written (JSON, wire) only
+    #: where some request differs from the default, so older peers never see it.  Every
+    #: column added after v1 is optional.
+    optional: bool = False
+    #: Bounds (None = unbounded on that side); ``lo_open``: ``> lo`` rather than ``>= lo``.
+    #: NaN is outside any bounds.
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    #: The violation's description when a value is out of bounds.
+    bounds_message: str = ""
+    #: Key in a JSON request object; "" = ``name``.
+    json_key: str = ""
+    #: Field name in protobuf ``RequestColumns`` and ``Request`` (same name in both); "" = ``name``.
+    wire: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.json_key:
+            object.__setattr__(self, "json_key", self.name)
+        if not self.wire:
+            object.__setattr__(self, "wire", self.name)
+        if (self.lo is not None or self.hi is not None) and not self.bounds_message:
+            raise ValueError(f"column {self.name}: bounds need a bounds_message")
+
+    @property
+    def bounded(self) -> bool:
+        return self.lo is not None or self.hi is not None
+
+    def out_of_bounds(self, x: np.ndarray) -> np.ndarray:
+        """Mask of the values outside the bounds (NaN included)."""
+        ok = np.ones(len(x), np.bool_)
+        if self.lo is not None:
+            ok &= (x > self.lo) if self.lo_open else (x >= self.lo)
+        if self.hi is not None:
+            ok &= x <= self.hi
+        return ~ok
+
+    def within_bounds(self, x: np.ndarray) -> bool:
+        """``not out_of_bounds(x).any()`` in one or two reductions (NaN fails every
+        comparison, so a NaN minimum or maximum fails too)."""
+        if not len(x):
+            return True
+        if self.lo is not None:
+            m = x.min()
+            if not ((m > self.lo) if self.lo_open else (m >= self.lo)):
+                return False
+        return self.hi is None or bool(x.max() <= self.hi)
+
+    def clip(self, v: float) -> float:
+        """``v`` moved into the bounds (an open lower bound is not reachable by clipping:
+        the caller keeps such values positive itself)."""
+        if self.hi is not None and v > self.hi:
+            return float(self.hi)
+        if self.lo is not None and v < self.lo:
+            return float(self.lo)
+        return v
+
+
+_SLO = f"must be finite and > 0, at most {MAX_SECONDS:g}"
+
+#: The request columns, in wire (field number) order.  The first seven are the v1
+#: contract (always present); the rest are optional.
+COLUMNS: tuple[Column, ...] = (
+    Column("arrival", np.float64, 0.0, "Arrival time, engine clock (s).", required=True,
+           lo=-MAX_SECONDS, hi=MAX_SECONDS, bounds_message=f"must be finite, |arrival| <= {MAX_SECONDS:g}"),
+    Column("prompt_tokens", np.int64, 0, "Prompt length (tokens); a recomputed request's generated "
+           "tokens are folded in.", required=True, lo=1, hi=MAX_TOKENS, bounds_message="must be >= 1"),
+    Column("computed_tokens", np.int64, 0, "Prompt tokens already in the KV cache.",
+           lo=0, bounds_message="must be >= 0"),
+    Column("output_tokens", np.int64, 0, "Tokens generated so far (0 until the prompt is computed).",
+           lo=0, hi=MAX_TOKENS, bounds_message="must be >= 0"),
+    Column("ttft_slo", np.float64, 0.0, "Time-to-first-token objective (s after arrival).", required=True,
+           lo=0, lo_open=True, hi=MAX_SECONDS, bounds_message=_SLO),
+    Column("tbt_slo", np.float64, 0.0, "Time-between-tokens objective (s).", required=True,
+           lo=0, lo_open=True, hi=MAX_SECONDS, bounds_message=_SLO),
+    Column("protected", np.bool_, False, "Never starved by the policy's overload control."),
+    Column("priority", np.int64, 0, "Class priority: smaller is served first (vLLM's convention).",
+           optional=True, lo=-MAX_PRIORITY, hi=MAX_PRIORITY, bounds_message=f"must be within ±{MAX_PRIORITY}"),
+    Column("sheddable", np.bool_, False, "The scheduler may reject the request early when its SLO "
+           "cannot be met.", optional=True),
+    Column("e2e_slo", np.float64, 0.0, "End-to-end objective: s after arrival by which the last token "
+           "must be out; 0 = none.", optional=True, lo=0, hi=MAX_SECONDS,
+           bounds_message=f"must be finite and >= 0 (0 = none), at most {MAX_SECONDS:g}"),
+)
+COLUMNS_BY_NAME: dict[str, Column] = {c.name: c for c in COLUMNS}
+#: The columns an engine derives from its token counters each iteration (the rest are
+#: per-request constants, set once when the request arrives).
+COUNTER_COLUMNS = ("prompt_tokens", "computed_tokens", "output_tokens")
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """An invariant between columns of one row (the request states, docs/usage.md),
+    reported under ``column``."""
+
+    column: str
+    message: str
+    #: Mask of the rows that break it, from the columns by name.
+    bad: Callable[[Mapping[str, np.ndarray]], np.ndarray] = field(repr=False)
+
+
+ROW_RULES: tuple[Rule, ...] = (
+    Rule("computed_tokens", "exceeds prompt_tokens", lambda a: a["computed_tokens"] > a["prompt_tokens"]),
+    Rule("output_tokens", "must be 0 while the prompt is not fully computed",
+         lambda a: (a["computed_tokens"] < a["prompt_tokens"]) & (a["output_tokens"] > 0)),
+    Rule("output_tokens", "must be >= 1 once the prompt is fully computed",
+         lambda a: (a["computed_tokens"] == a["prompt_tokens"]) & (a["output_tokens"] < 1)),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """One value check: a column's bounds, or a row rule.  ``bad`` finds the failing
+    rows (the generic path names them); ``passes`` is the same verdict for the whole
+    snapshot, cheaper (the fast path)."""
+
+    column: str
+    message: str
+    bounds: Column | None = None
+    rule: Rule | None = None
+
+    def bad(self, a: Mapping[str, np.ndarray]) -> np.ndarray:
+        if self.bounds is not None:
+            return self.bounds.out_of_bounds(a[self.column])
+        assert self.rule is not None
+        return self.rule.bad(a)
+
+    def passes(self, a: Mapping[str, np.ndarray]) -> bool:
+        if self.bounds is not None:
+            return self.bounds.within_bounds(a[self.column])
+        return not self.bad(a).any()
+
+    def applies(self, a: Mapping[str, np.ndarray]) -> bool:
+        """The columns it reads are there (an optional column left out has only defaults,
+        all within bounds)."""
+        return self.column in a
+
+
+def _checks() -> tuple[Check, ...]:
+    """Each column's bounds, then the rules reported under it, in column order."""
+    out: list[Check] = []
+    for c in COLUMNS:
+        if c.bounded:
+            out.append(Check(c.name, c.bounds_message, bounds=c))
+        out.extend(Check(r.column, r.message, rule=r) for r in ROW_RULES if r.column == c.name)
+    return tuple(out)
+
+
+#: Every value check of a snapshot's columns, in reporting order.
+CHECKS: tuple[Check, ...] = _checks()
+#: Failing rows named per check (the rest are counted only by the first violations).
+MAX_ROWS_PER_CHECK = 5
+
+
+def find_violations(a: Mapping[str, np.ndarray]) -> list[tuple[str, str]]:
+    """(field path, description) of every failing check, up to
+    :data:`MAX_ROWS_PER_CHECK` rows each, in :data:`CHECKS` order."""
+    out: list[tuple[str, str]] = []
+    for chk in CHECKS:
+        if not chk.applies(a):
+            continue
+        bad = chk.bad(a)
+        if bad.any():
+            out.extend((f"requests[{int(i)}].{chk.column}", chk.message)
+                       for i in np.flatnonzero(bad)[:MAX_ROWS_PER_CHECK])
+    return out
+
+
+def checks_pass(a: Mapping[str, np.ndarray]) -> bool:
+    """True exactly when :func:`find_violations` finds nothing, in a few reductions: each
+    column's bounds as its minimum and maximum (NaN fails every comparison), each rule as
+    one ``any``.  (:meth:`Check.passes`, unrolled: this runs on every decision.)"""
+    if not len(a["prompt_tokens"]):
+        return True
+    for column, lo, lo_open, hi, rule in _FAST:
+        x = a.get(column)
+        if x is None:
+            continue
+        if rule is not None:
+            if rule.bad(a).any():
+                return False
+            continue
+        if lo is not None:
+            m = x.min()
+            if not ((m > lo) if lo_open else (m >= lo)):
+                return False
+        if hi is not None and not x.max() <= hi:
+            return False
+    return True
+
+
+#: :data:`CHECKS` for :func:`checks_pass`: (column, lo, lo_open, hi, rule) each.
+_FAST: tuple[tuple[str, float | None, bool, float | None, Rule | None], ...] = tuple(
+    (chk.column, chk.bounds.lo, chk.bounds.lo_open, chk.bounds.hi, None) if chk.bounds is not None
+    else (chk.column, None, False, None, chk.rule)
+    for chk in CHECKS
+)
