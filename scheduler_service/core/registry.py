@@ -25,6 +25,7 @@ from .baselines import (
     VllmFcfsPolicy,
 )
 from .errors import ValidationError
+from .kernels._warm import exercise
 from .params import describe as describe_params
 from .params import override
 from .policy import Policy, PolicySpec
@@ -130,8 +131,6 @@ def describe(name: str) -> dict[str, Any]:
 def _warm_up_kernels() -> None:
     """What :func:`.kernels.warm_up` runs: every registered policy on the warm-up
     snapshots, with the bundled predictor (``default_predictor()``'s file)."""
-    from .kernels._warm import exercise  # deferred: it imports the compiled kernels (numba)
-
     text = resources.files(__package__).joinpath("data/default_predictor.json").read_text()
     exercise(create, names(), BatchLatencyPredictor.from_json(text))
 

@@ -20,7 +20,6 @@ import numpy as np
 
 from ..snapshot import Request, Snapshot
 from ..sorter import late_set, prefill_indices
-from . import _compiled
 
 if TYPE_CHECKING:
     from ..policy import Policy
@@ -76,4 +75,6 @@ def exercise(create: Callable[..., Policy], names: Iterable[str], pred: BatchLat
 
 def missing() -> list[str]:
     """Public kernels with no compiled signature yet."""
+    from . import _compiled  # deferred: the registry imports this module with the core, numba is not
+
     return [name for name in _compiled.__all__ if not getattr(_compiled, name).signatures]
