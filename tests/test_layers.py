@@ -104,6 +104,11 @@ def test_cli_imports_the_server_only_in_the_commands_that_run_it() -> None:
     assert [n for n in names if n.startswith("scheduler_service.server")] == []
 
 
+def test_the_cli_loads_no_server_until_a_command_runs_one() -> None:
+    """Everything ``slidingserve plan`` loads (the CLI with its bench and live subcommands)."""
+    assert _loaded_after("clients.cli", "scheduler_service.server", "prometheus_client") == []
+
+
 @pytest.mark.parametrize("module", ["scheduler_service.core", "scheduler_service.client"])
 def test_numba_loads_with_the_first_decision_not_with_the_core(module: str) -> None:
     """The compiled kernels import numba on first use (or at the server's warm-up): an

@@ -38,8 +38,6 @@ from engine_adapter.sim.engine import EngineConfig, SimResult, SimulatedEngine, 
 from engine_adapter.sim.groundtruth import DEFAULT_PROFILE, PROFILES, load_ground_truth
 from engine_adapter.sim.profiling import fit_profile_predictor
 from scheduler_service.core import BatchLatencyPredictor
-from scheduler_service.server.app import SchedulerServer
-from scheduler_service.server.config import ServerConfig
 
 __all__ = [
     "MAIN_POLICIES",
@@ -147,6 +145,11 @@ class _EmbeddedServer:
         return self._server.target, f"{self.profile}#{os.getpid()}.{next(self._ids)}"
 
     def _start(self) -> Any:
+        # Here, not at the top: `slidingserve plan` and the other commands that load this
+        # module through the CLI never start a server (tests/test_layers.py).
+        from scheduler_service.server.app import SchedulerServer
+        from scheduler_service.server.config import ServerConfig
+
         # The server reads its bootstrap predictor from a file; it is read at start.
         fd, path = tempfile.mkstemp(prefix="slidingserve-bench-", suffix=".json")
         try:
