@@ -28,6 +28,7 @@ from tests.factories import (
     token_predictor,
     waiting,
 )
+from tests.reach import count_reached
 
 
 def caps(snap: Snapshot, n_dec: int, n_all_dec: int, queue: np.ndarray, reserve: int) -> tuple[int, int]:
@@ -173,8 +174,11 @@ def best_total_k2(cq: CandidateQueue, W: np.ndarray, b1: int) -> int:
     return int(Y[ok].max()) if ok.any() else -1
 
 
-@pytest.mark.parametrize("seed", [s for s in range(18) if s % 3])  # monotone predictors (setup)
-def test_granularity_result_is_on_the_grid_and_loses_under_a_step(seed: int) -> None:
+GRID_SEEDS = [s for s in range(18) if s % 3]  # monotone predictors (setup)
+
+
+def _grid_result(seed: int) -> bool:
+    """The checks of the test below; whether the second was reached (fine > 0)."""
     cq, W, _ = setup(seed, 2, 48, 6, 30)
     Wa = np.array(W)
     b = sliding_chunk(cq, Wa, granularity=8)
@@ -186,6 +190,17 @@ def test_granularity_result_is_on_the_grid_and_loses_under_a_step(seed: int) -> 
     if fine > 0:
         # the coarse grid reaches at most one step less over both windows
         assert best_total_k2(cq, Wa, b) >= best_total_k2(cq, Wa, fine) - 8
+    return fine > 0
+
+
+@pytest.mark.parametrize("seed", GRID_SEEDS)
+def test_granularity_result_is_on_the_grid_and_loses_under_a_step(seed: int) -> None:
+    _grid_result(seed)
+
+
+def test_granularity_loss_is_checked_on_most_seeds() -> None:
+    n = count_reached(_grid_result, GRID_SEEDS)
+    assert n >= 5, n  # 9 of 12 measured
 
 
 def production_case(seed: int) -> tuple[CandidateQueue, np.ndarray, BudgetCurve] | None:
@@ -347,16 +362,27 @@ def test_tie_prone_small_cases_equal_exhaustive_scan(k: int) -> None:
     assert not failures, f"(seed, expected b1, got): {failures}"
 
 
-@pytest.mark.parametrize("seed", range(8))
-def test_loose_second_window_gives_the_greedy_answer_exactly(seed: int) -> None:
-    """With W_2 out of reach the window search must agree with k = 1: b_1 =
-    TimeToBudget(W_1) − |D| to the token, not the grid point below it."""
+def _loose_second_window(seed: int) -> bool:
+    """The check of the test below; whether it was reached (the drain rule does not apply)."""
     case = production_case(100 + seed)
     assert case is not None
     cq, W, curve = case
     reach = curve.prefill_tokens_within(float(W[0]), cq.first_cap)
     if cq.supply <= cq.first_cap:  # the drain rule would take everything
-        return
+        return False
     p = SlidingServeParams()
     got = sliding_chunk(cq, np.array([W[0], W[0] + 1e6]), p.granularity, p.max_grid, curve, p.tie_tolerance_ms)
     assert got == max(reach, 0)
+    return True
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_loose_second_window_gives_the_greedy_answer_exactly(seed: int) -> None:
+    """With W_2 out of reach the window search must agree with k = 1: b_1 =
+    TimeToBudget(W_1) − |D| to the token, not the grid point below it."""
+    _loose_second_window(seed)
+
+
+def test_loose_second_window_is_checked_on_most_seeds() -> None:
+    n = count_reached(_loose_second_window, range(8))
+    assert n >= 4, n  # 8 of 8 measured

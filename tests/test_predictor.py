@@ -28,6 +28,7 @@ from scheduler_service.core.predictor import (
     scenario_codes,
 )
 from tests.factories import brute_batch_features, linear_model, make_predictor, predict_cu, random_predictor
+from tests.reach import Reached
 from tests.strategies import predictors
 
 
@@ -306,12 +307,12 @@ def _cu_batches(draw: st.DrawFn) -> list[tuple[int, int]]:
     return draw(st.lists(st.tuples(st.sampled_from([1, 1, 2, 3, 17, 300]), st.integers(0, 3000)), max_size=10))
 
 
+MONOTONE_REACHED = Reached()
+
+
 @settings(max_examples=150, deadline=None, derandomize=True, database=None)
 @given(st.data(), st.integers(0, 2**31 - 1))
-def test_monotone_fits_never_predict_less_for_more_work(data: st.DataObject, seed: int) -> None:
-    """Adding a decode or a prefill chunk, growing a chunk of ≥ 2 tokens or adding cached
-    tokens never lowers the prediction of a monotone fit (here fitted on noisy samples of
-    random truths, often non-monotone ones), within the domain it was fitted on."""
+def _monotone_fits_never_predict_less_for_more_work(data: st.DataObject, seed: int) -> None:
     rng = np.random.default_rng(seed)
     truth = {k: LinearModel(float(rng.uniform(0, 8)), tuple(float(w) for w in
              np.array(m.weights) * rng.uniform(0, 2, 7))) for k, m in NON_MONOTONE.items()}
@@ -331,6 +332,7 @@ def test_monotone_fits_never_predict_less_for_more_work(data: st.DataObject, see
     before = t(cu)
     eps = 1e-9 * max(1.0, before)
     u_new = data.draw(st.integers(0, int(p.meta["monotone_domain"]["max_context"])))
+    MONOTONE_REACHED("joins")
     assert t([*cu, (1, u_new)]) >= before - eps                            # a decode joins
     assert t([*cu, (data.draw(st.integers(2, 400)), u_new)]) >= before - eps  # a prefill chunk joins
     if cu:
@@ -338,10 +340,22 @@ def test_monotone_fits_never_predict_less_for_more_work(data: st.DataObject, see
         c, u = cu[j]
         more_u = [*cu[:j], (c, u + data.draw(st.integers(1, 500))), *cu[j + 1:]]
         if not (c == 1 and more_u[j][1] > p.meta["monotone_domain"]["max_context"]):
+            MONOTONE_REACHED("cached")
             assert t(more_u) >= before - eps                               # more cached tokens
         if c >= 2:
+            MONOTONE_REACHED("grows")
             grown = [*cu[:j], (c + data.draw(st.integers(1, 300)), u), *cu[j + 1:]]
             assert t(grown) >= before - eps                                # a chunk grows
+
+
+def test_monotone_fits_never_predict_less_for_more_work() -> None:
+    """Adding a decode or a prefill chunk, growing a chunk of ≥ 2 tokens or adding cached
+    tokens never lowers the prediction of a monotone fit (here fitted on noisy samples of
+    random truths, often non-monotone ones), within the domain it was fitted on.  Counted:
+    the examples that reached each of the three kinds of check (the others fall outside
+    the fitted domain)."""
+    # of 150 (derandomized) examples, measured: joins 150, cached 114, grows 81
+    MONOTONE_REACHED.floor(_monotone_fits_never_predict_less_for_more_work, joins=75, cached=55, grows=40)
 
 
 def test_bundled_default_is_monotone_and_regenerates() -> None:
