@@ -28,6 +28,7 @@ from scheduler_service.core import (
 )
 from scheduler_service.core.predictor import learn_margin
 from scheduler_service.server.predictors import PredictorRegistry, RefitSettings
+from tests.reach import Reached
 from tests.strategies import predictors, snapshots
 
 GT = load_ground_truth()
@@ -72,11 +73,13 @@ def coverage(p: BatchLatencyPredictor, data: tuple[np.ndarray, np.ndarray, np.nd
 ratios = st.lists(st.floats(0.2, 5.0), min_size=20, max_size=300)
 
 
+COVERED = Reached()
+
+
 @settings(max_examples=200, deadline=None, derandomize=True, database=None)
 @given(r=ratios, pred=st.lists(st.floats(1.0, 200.0), min_size=300, max_size=300),
        q=st.sampled_from([0.5, 0.9, 0.99]), cap=st.sampled_from([1.5, 2.0, 10.0]))
-def test_learned_margin_covers_its_quantile_of_the_larger_batches(r: list[float], pred: list[float], q: float,
-                                                                   cap: float) -> None:
+def _covers_its_quantile(r: list[float], pred: list[float], q: float, cap: float) -> None:
     p = np.array(pred[:len(r)])
     y = p * np.array(r)
     m = learn_margin(p, y, quantile=q, cap=cap)
@@ -84,11 +87,16 @@ def test_learned_margin_covers_its_quantile_of_the_larger_batches(r: list[float]
     assert m == 1.0 or m == cap or abs(m / 0.05 - round(m / 0.05)) < 1e-6  # on the step grid
     big = p >= np.median(p)
     if int(big.sum()) >= 10 and m < cap:
+        COVERED()
         assert np.mean(y[big] <= p[big] * m + 1e-9) >= q
     # more measured time never asks for less margin; the smaller batches do not count
     assert learn_margin(p, y * 1.3, quantile=q, cap=cap) >= m
     small = ~big
     assert learn_margin(p, np.where(small, y * 3.0, y), quantile=q, cap=cap) == m
+
+
+def test_learned_margin_covers_its_quantile_of_the_larger_batches() -> None:
+    COVERED.floor(_covers_its_quantile, checked=70)  # 139 of 200 measured
 
 
 def test_learned_margin_without_enough_samples_is_one() -> None:
