@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from scheduler_service.core import Snapshot
-from scheduler_service.core.columns import COLUMNS, COLUMNS_BY_NAME, COUNTER_COLUMNS, MAX_PRIORITY
+from scheduler_service.core.columns import COLUMNS, COLUMNS_BY_NAME, COUNTER_COLUMNS
 from scheduler_service.core.snapshot import MAX_BATCH_TOKENS
 
 __all__ = ["ClassSlo", "RequestSlo", "SloDefaults", "SnapshotBuilder", "request_slo"]
@@ -79,7 +79,7 @@ def _positive(v: Any) -> float | None:
 
 
 _TRUE = (True, 1, "1", "true", "True", "yes")
-_TTFT, _TBT, _E2E = COLUMNS_BY_NAME["ttft_slo"], COLUMNS_BY_NAME["tbt_slo"], COLUMNS_BY_NAME["e2e_slo"]
+_TTFT, _TBT, _E2E, _PRIORITY = (COLUMNS_BY_NAME[k] for k in ("ttft_slo", "tbt_slo", "e2e_slo", "priority"))
 
 
 def request_slo(extra_args: Any, prompt_tokens: int, defaults: SloDefaults, priority: int = 0) -> RequestSlo:
@@ -144,10 +144,9 @@ def _row_values(r: Any, s: RequestSlo) -> dict[str, Any]:
 
 
 def _priority(r: Any) -> int:
-    """vLLM's ``Request.priority`` (an int; 0 when absent), clipped to the snapshot's bound."""
+    """vLLM's ``Request.priority`` (an int; 0 when absent), clipped to the schema's bounds."""
     p = getattr(r, "priority", 0)
-    p = int(p) if isinstance(p, int) else 0
-    return max(-MAX_PRIORITY, min(MAX_PRIORITY, p))
+    return int(_PRIORITY.clip(int(p) if isinstance(p, int) else 0))
 
 
 class SnapshotBuilder:

@@ -117,13 +117,13 @@ class Column:
                 return False
         return self.hi is None or bool(x.max() <= self.hi)
 
-    def clip(self, v: float) -> float:
-        """``v`` moved into the bounds (an open lower bound is not reachable by clipping:
-        the caller keeps such values positive itself)."""
+    def clip(self, v: Any) -> Any:
+        """``v`` moved into the bounds, as the bound's own value when it is moved (an open
+        lower bound is not reachable by clipping: the caller keeps such values above it)."""
         if self.hi is not None and v > self.hi:
-            return float(self.hi)
+            return self.hi
         if self.lo is not None and v < self.lo:
-            return float(self.lo)
+            return self.lo
         return v
 
 
