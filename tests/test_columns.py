@@ -13,13 +13,23 @@ from typing import Any
 import numpy as np
 import pytest
 from google.protobuf.descriptor import FieldDescriptor
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from benchmarks.snapshots import busy_snapshot
 from engine_adapter.sim.engine import SimulatedEngine, Workload
 from engine_adapter.sim.groundtruth import DEFAULT_PROFILE, PROFILES, load_ground_truth
 from engine_adapter.vllm.snapshot import SloDefaults, SnapshotBuilder
 from scheduler_service.core import Request, Snapshot, ValidationError
-from scheduler_service.core.columns import CHECKS, COLUMNS, COUNTER_COLUMNS, ROW_RULES, Column
+from scheduler_service.core.columns import (
+    CHECKS,
+    COLUMNS,
+    COUNTER_COLUMNS,
+    ROW_RULES,
+    Column,
+    checks_pass,
+    find_violations,
+)
 from scheduler_service.core.snapshot import ALL_COLUMN_DTYPES, CLASS_COLUMN_DTYPES, COLUMN_DTYPES
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
 from scheduler_service.wire.convert import snapshot_from_pb, snapshot_to_pb
@@ -173,6 +183,36 @@ def test_out_of_bounds_rejected_identically(column: Column, value: Any) -> None:
                            ("rows", f"snapshot.rows.requests[{ROW}].{column.wire}")):
         msg = pb.Snapshot.FromString(snapshot_to_pb(bad, encoding=encoding).SerializeToString())
         assert (path, column.bounds_message) in _violations(lambda m=msg: snapshot_from_pb(m, max_requests=100))
+
+
+def _edge_values(c: Column) -> list[Any]:
+    """In-range, boundary and out-of-range values of ``c``."""
+    if c.dtype == np.bool_:
+        return [False, True]
+    vals: list[Any] = [c.default, 0, 1, 2, 3, *_out_of_bounds(c)]
+    for b in (c.lo, c.hi):
+        if b is not None:
+            vals += [b, b + 1, b - 1]
+    return [v for v in vals if c.dtype != np.int64 or (isinstance(v, int | float) and np.isfinite(v))]
+
+
+@st.composite
+def _arrays(draw: Any) -> dict[str, np.ndarray]:
+    n = draw(st.integers(0, 6))
+    out = {}
+    for c in COLUMNS:
+        if c.optional and draw(st.booleans()):
+            continue  # left out
+        out[c.name] = np.array([draw(st.sampled_from(_edge_values(c))) for _ in range(n)], dtype=c.dtype)
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(_arrays())
+def test_fast_verdict_is_the_generic_one(a: dict[str, np.ndarray]) -> None:
+    """The fast path's verdict (a few reductions) is exactly "the generic path finds no
+    violation", on any values, NaN and the bounds themselves included."""
+    assert checks_pass(a) == (find_violations(a) == [])
 
 
 @pytest.mark.parametrize("column", COLUMNS, ids=IDS)
