@@ -122,10 +122,9 @@ class Snapshot:
     validate.
 
     Besides the fields below it has one read-only numpy array per request column of the
-    schema (:data:`~scheduler_service.core.columns.COLUMNS`: ``arrival``,
-    ``prompt_tokens``, ``computed_tokens``, ``output_tokens``, ``ttft_slo``, ``tbt_slo``,
-    ``protected``, ``priority``, ``sheddable``, ``e2e_slo``), keyword-only in the
-    constructor; an optional column left out (None or empty) is filled with its default.
+    schema (:data:`~scheduler_service.core.columns.COLUMNS`, ``arrival`` to ``e2e_slo``
+    and any added since), keyword-only in the constructor; an optional column left out
+    (None or empty) is filled with its default.
 
     Invariants (checked by :meth:`validate`): all columns have ``len(ids)``
     rows; ids are unique non-empty strings; ``0 <= computed_tokens <=
