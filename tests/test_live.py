@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from clients.live.measure import RequestResult, Slo, goodput, summarize
-from clients.live.report import goodputs, judge_table, markdown, noise_table, sim_table
+from clients.live.report import goodputs, judge_table, markdown, noise_table, sim_table, timing_table
 from clients.live.runner import Config, LiveSpec
 from clients.live.workload import WorkloadSpec, make_requests
 
@@ -193,3 +193,15 @@ def test_noise_table_reports_margin_overruns_and_refits() -> None:
     assert "| remote:slidingserve | 2 | 3.5 (3.0–4.0) | 1.23 (1.20–1.25) | 45% (40%–50%) | 8% (6%–10%) " \
            "| 1 published, 2 rejected, 1 remargined |" in text
     assert "| vllm |" not in text and noise_table(runs[:1]) == ""
+
+
+def test_timing_table_sets_client_and_vllm_side_by_side() -> None:
+    def run(seed: int, client_ttft: float, vllm_ttft: float) -> dict[str, Any]:
+        return {**_run("vllm", 3, seed, 1.0, 1.0),
+                "client": {"ttft_mean_ms": client_ttft, "send_late_mean_ms": 1.0, "send_late_max_ms": 4.0 * seed},
+                "vllm_timings": {"ttft_mean_ms": vllm_ttft, "queue_mean_ms": 50.0, "prefill_mean_ms": 30.0,
+                                 "itl_mean_ms": 20.0}}
+
+    text = timing_table([run(1, 400.0, 300.0), run(2, 600.0, 500.0)])
+    assert "| vllm | 3 | 500 | 400 | 50 | 30 | 20 | 1 / 6 |" in text
+    assert timing_table([_run("vllm", 3, 1, 1.0, 1.0)]) == ""

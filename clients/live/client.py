@@ -23,7 +23,7 @@ __all__ = ["run_requests"]
 
 async def _one(client: Any, model: str, req: LiveRequest, t0: float, timeout_s: float) -> RequestResult:
     await asyncio.sleep(max(0.0, t0 + req.at_s - time.monotonic()))
-    res = RequestResult(req.index, time.monotonic(), req.output_len)
+    res = RequestResult(req.index, time.monotonic(), req.output_len, due=t0 + req.at_s)
     try:
         stream = await client.completions.create(
             model=model, prompt=list(req.prompt), max_tokens=req.output_len, stream=True,

@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 from .judge import TINY_LLAMA, write_model, write_tokenizer
 from .measure import Slo
 from .procs import EngineArgs
-from .report import judge_table, markdown, noise_table, sim_table, write_plot
+from .report import judge_table, markdown, noise_table, sim_table, timing_table, write_plot
 from .runner import Config, LiveSpec, load_runs, run_sweep
 from .workload import WorkloadSpec
 
@@ -81,6 +81,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--report-only", action="store_true", help="only rebuild the report from runs.jsonl")
     p.add_argument("--sim", action="store_true", help="also replay the sweep in the simulator on the engine's "
                    "fitted cost model (engine_predictor.json, saved by sweeps with a remote configuration)")
+    p.add_argument("--sim-only", type=Path, metavar="ENGINE_PREDICTOR_JSON",
+                   help="start no engine: replay the sweep in the simulator on this cost model (the "
+                        "engine_predictor.json of an earlier sweep, e.g. docs/results/live/) and report it; "
+                        "for trying engine settings (budget, SLOs) before measuring them live")
     p.add_argument("--sim-noise", type=float, default=0.15,
                    help="lognormal spread of the simulated iteration times (default 0.15)")
     return p
@@ -106,6 +110,37 @@ def _simulate(spec: LiveSpec, out: Path, noise: float) -> list[dict[str, Any]]:
     sim = simulate_sweep(spec, pred, noise)
     (out / "sim.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sim))
     return sim
+
+
+def _sim_only(spec: LiveSpec, out: Path, args: argparse.Namespace) -> int:
+    from scheduler_service.core import BatchLatencyPredictor, ValidationError
+
+    from .sim import simulate_sweep
+
+    try:
+        doc = json.loads(args.sim_only.read_text())
+        pred = BatchLatencyPredictor.from_dict(doc.get("predictor", doc) if isinstance(doc, dict) else doc)
+    except (OSError, ValueError, ValidationError) as e:
+        print(f"live-bench: --sim-only {args.sim_only}: {e}", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+
+    def progress(i: int, n: int, note: str) -> None:
+        if i == n or i % 10 == 0:
+            el = time.monotonic() - t0
+            print(f"[{i}/{n}] {el:.0f}s, eta {el / i * (n - i):.0f}s  {note}", flush=True)
+
+    sim = simulate_sweep(spec, pred, args.sim_noise, progress=progress)
+    (out / "sim.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sim))
+    text = (f"Simulated only (no live engine): the cost model {args.sim_only} with noise σ {args.sim_noise:g}, "
+            f"budget {spec.engine.max_num_batched_tokens}, TTFT {spec.slo.ttft_ms:g} ms, TBT {spec.slo.tbt_ms:g} ms; "
+            "vLLM's own scheduler is modelled by vllm-fcfs.\n\n" + markdown(sim, args.threshold))
+    (out / "report.md").write_text(text)
+    png = write_plot(sim, out / "live.png", args.threshold)
+    print(text)
+    print(f"wrote {out / 'report.md'}, {out / 'sim.jsonl'}" + (f", {png}" if png else ""))
+    return 0
 
 
 def _cost(out: Path) -> str:
@@ -145,6 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"live-bench: {e}", file=sys.stderr)
         return 2
     out: Path = args.out
+    if args.sim_only is not None:
+        return _sim_only(spec, out, args)
     runs = out / "runs.jsonl"
     if not args.report_only:
         model = out / "work" / "model"
@@ -166,8 +203,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     data = load_runs(runs)
     sim = _simulate(spec, out, args.sim_noise) if args.sim else []
-    text = "\n".join(x for x in (markdown(data, args.threshold), judge_table(data), noise_table(data),
-                                  sim_table(data, sim),
+    text = "\n".join(x for x in (markdown(data, args.threshold), judge_table(data), timing_table(data),
+                                  noise_table(data), sim_table(data, sim),
                                   _cost(out)) if x)
     (out / "report.md").write_text(text)
     png = write_plot(data, out / "live.png", args.threshold, sim)

@@ -42,6 +42,8 @@ class RequestResult:
     #: monotonic time of every output token (tokens of one chunk share its time)
     token_times: list[float] = field(default_factory=list)
     error: str | None = None
+    #: monotonic time it was due (``sent`` minus this: how late the client's event loop sent it)
+    due: float = math.nan
 
     @property
     def complete(self) -> bool:

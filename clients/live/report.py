@@ -14,7 +14,7 @@ import numpy as np
 
 from .measure import goodput
 
-__all__ = ["goodputs", "judge_table", "markdown", "noise_table", "sim_table", "write_plot"]
+__all__ = ["goodputs", "judge_table", "markdown", "noise_table", "sim_table", "timing_table", "write_plot"]
 
 DEFS = (("attain_f1", "formula (1)"), ("attain_tpot", "TTFT+TPOT"))
 
@@ -116,6 +116,40 @@ def noise_table(runs: Sequence[dict[str, Any]]) -> str:
             f"{_spread(margins)} | {_spread([100 * r['overrun_share']['none'] for r in rs], '{:.0f}%')} | "
             f"{_spread([100 * r['overrun_share']['learned'] for r in rs], '{:.0f}%')} | "
             + (", ".join(f"{int(v)} {k}" for k, v in refits.items()) or "—") + " |")
+    return "\n".join(lines) + "\n"
+
+
+def timing_table(runs: Sequence[dict[str, Any]]) -> str:
+    """Where a request's time goes, per configuration and rate (means over runs, ms): the
+    client's TTFT beside vLLM's own (from its API server's arrival), vLLM's queueing and
+    prefill time, its inter-token latency, and how late the client sent requests.  A client
+    TTFT far above vLLM's is time outside the engine (client, HTTP, the API server)."""
+    rows = [r for r in runs if r.get("vllm_timings")]
+    if not rows:
+        return ""
+    lines = ["Where the time goes (means over runs, ms; every request of a run, warm-up included): the client's "
+             "TTFT, vLLM's (its API server's arrival to first token), vLLM's queue and prefill time, its "
+             "inter-token latency, and how late the client sent requests (mean / max):", "",
+             "| configuration | rate | TTFT, client | TTFT, vLLM | queue | prefill | inter-token | sent late |",
+             "|---|---|---|---|---|---|---|---|"]
+
+    def mean(rs: Sequence[dict[str, Any]], *path: str) -> str:
+        xs = []
+        for r in rs:
+            v: Any = r
+            for k in path:
+                v = v.get(k) if isinstance(v, dict) else None
+            if v is not None:
+                xs.append(float(v))
+        return f"{np.mean(xs):.0f}" if xs else "—"
+
+    for c in _configs(rows):
+        for rate in sorted({float(r["rate"]) for r in rows if r["config"] == c}):
+            rs = [r for r in rows if r["config"] == c and float(r["rate"]) == rate]
+            lines.append(f"| {c} | {rate:g} | {mean(rs, 'client', 'ttft_mean_ms')} | "
+                         f"{mean(rs, 'vllm_timings', 'ttft_mean_ms')} | {mean(rs, 'vllm_timings', 'queue_mean_ms')} | "
+                         f"{mean(rs, 'vllm_timings', 'prefill_mean_ms')} | {mean(rs, 'vllm_timings', 'itl_mean_ms')} | "
+                         f"{mean(rs, 'client', 'send_late_mean_ms')} / {mean(rs, 'client', 'send_late_max_ms')} |")
     return "\n".join(lines) + "\n"
 
 

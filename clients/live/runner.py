@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from .client import run_requests
 from .judge import run_judge, write_dataset
-from .measure import Slo, summarize
+from .measure import RequestResult, Slo, summarize
 from .procs import EngineArgs, ServiceProcess, VllmProcess, pin, scrape, worker_cores
 from .workload import LiveRequest, WorkloadSpec, make_requests
 
@@ -114,6 +114,45 @@ def _counters(v: VllmProcess) -> dict[str, float]:
             out[name.removeprefix("slidingserve_adapter_").removesuffix("_total")] = val
         elif name == "slidingserve_adapter_fallbacks_total":
             out["fallback_" + labels.get("reason", "?")] = val
+    return out
+
+
+#: vLLM's own request timings (its API server's /metrics), histograms in seconds: what the
+#: server saw, to set beside what the client saw.
+_VLLM_TIMINGS = {"vllm:time_to_first_token_seconds": "ttft", "vllm:request_queue_time_seconds": "queue",
+                 "vllm:request_prefill_time_seconds": "prefill", "vllm:inter_token_latency_seconds": "itl",
+                 "vllm:e2e_request_latency_seconds": "e2e"}
+
+
+def _vllm_timings(v: VllmProcess) -> dict[str, float]:
+    """Sum and count of each of vLLM's request timing histograms, so far."""
+    out: dict[str, float] = {}
+    for name, _, val in scrape(v.port):
+        for suffix in ("_sum", "_count"):
+            base = name.removesuffix(suffix)
+            if name.endswith(suffix) and base in _VLLM_TIMINGS:
+                out[_VLLM_TIMINGS[base] + suffix] = out.get(_VLLM_TIMINGS[base] + suffix, 0.0) + val
+    return out
+
+
+def _timing_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Mean of each timing over one run (ms)."""
+    out = {}
+    for key in _VLLM_TIMINGS.values():
+        n = after.get(key + "_count", 0.0) - before.get(key + "_count", 0.0)
+        if n > 0:
+            out[key + "_mean_ms"] = 1e3 * (after.get(key + "_sum", 0.0) - before.get(key + "_sum", 0.0)) / n
+    return out
+
+
+def _client_side(results: Sequence[RequestResult]) -> dict[str, float]:
+    """The client's mean TTFT over every request of a run (warm-up ones included, as in
+    vLLM's own histograms) and how late its event loop sent requests (mean, max; ms)."""
+    ttfts = [1e3 * r.ttft_s for r in results if r.token_times]
+    late = [1e3 * (r.sent - r.due) for r in results if r.due == r.due]
+    out = {"ttft_mean_ms": sum(ttfts) / len(ttfts)} if ttfts else {}
+    if late:
+        out |= {"send_late_mean_ms": sum(late) / len(late), "send_late_max_ms": max(late)}
     return out
 
 
@@ -210,13 +249,17 @@ class _Bench:
         over0 = self.service.overruns() if self.service is not None else {}
         refits0 = self.service.refits() if self.service is not None else {}
         reqs = make_requests(self.spec.workload, rate, seed)
+        timings0 = _vllm_timings(server)
         results = run_requests(server.base_url, "live", reqs)
         measured = [r for r in results if not reqs[r.index].warmup]
         summary = summarize(measured, self.spec.slo)
         rec: dict[str, Any] = {"config": c.label, "mode": c.mode, "policy": c.policy or NATIVE, "rate": rate,
                                "seed": seed, **summary.to_dict(), "time": time.time(),
                                # the machine's 1-minute load at the end: other work on shared cores shows here
-                               "loadavg": os.getloadavg()[0]}
+                               "loadavg": os.getloadavg()[0],
+                               # what vLLM's server saw of the same requests (warm-up ones included)
+                               "vllm_timings": _timing_means(timings0, _vllm_timings(server)),
+                               "client": _client_side(results)}
         if c.mode != "native":
             info = server.adapter_info()
             if info.get("policy") != c.policy or (info.get("address") == "inproc") != (c.mode == "inproc"):

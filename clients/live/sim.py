@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -114,10 +114,16 @@ def _token_times(first: float, last: float, n: int) -> list[float]:
 
 
 def simulate_sweep(spec: LiveSpec, predictor: BatchLatencyPredictor, noise_sigma: float,
-                   configs: Sequence[Config] | None = None) -> list[dict[str, Any]]:
+                   configs: Sequence[Config] | None = None,
+                   progress: Callable[[int, int, str], None] | None = None) -> list[dict[str, Any]]:
     from clients.bench.runner import quiet_logs
 
     quiet_logs()  # one refit log line per few hundred iterations otherwise
     truth = FittedTruth(predictor, noise_sigma)
-    return [simulate_run(spec, c, rate, seed, truth) for rate, seed, c in spec.order()
-            if configs is None or c in configs]
+    todo = [(rate, seed, c) for rate, seed, c in spec.order() if configs is None or c in configs]
+    out = []
+    for i, (rate, seed, c) in enumerate(todo, 1):
+        out.append(simulate_run(spec, c, rate, seed, truth))
+        if progress is not None:
+            progress(i, len(todo), f"{c.label} at {rate:g} req/s, seed {seed} (simulated)")
+    return out

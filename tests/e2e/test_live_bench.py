@@ -37,19 +37,47 @@ def test_live_bench_small_sweep(tmp_path: Path) -> None:
         assert 0 < x["ttft_p50_ms"] <= x["ttft_max_ms"]
         j = x["judge"]  # vLLM's own client replayed the same requests
         assert j["completed"] == 12 and j["failed"] == 0, j
+        # vLLM's own timings of the same requests, beside the client's
+        t = x["vllm_timings"]
+        assert 0 < t["ttft_mean_ms"] <= x["client"]["ttft_mean_ms"] and t["itl_mean_ms"] > 0, (t, x["client"])
+        assert x["client"]["send_late_max_ms"] >= 0
         if x["mode"] != "native":
             a = x["adapter"]
             # the policy planned the run: most iterations from plans, not vLLM's fallback
             assert a["planned"] > 0.5 * a["iterations"] > 0, a
     remote = next(x for x in runs if x["mode"] == "remote")
     assert remote["service_reports"] > 0 and remote["service_mae_ms"] is not None
+    # how the service's predictor held up: iterations over prediction (× its learned margin)
+    over = remote["overrun_share"]
+    assert 0.0 <= over["learned"] <= over["none"] <= 1.0 and remote["service_margin"] >= 1.0, remote
     report = (out / "report.md").read_text()
     assert all(f"| {c} |" in report for c in CONFIGS), report
+    assert "Where the time goes" in report and "on this engine's noise" in report, report
     assert (out / "live.png").stat().st_size > 10_000
     # a second call finds every run done and only rebuilds the report
     again = _live(["--configs", " ".join(CONFIGS), "--rates", "2", "--seeds", "1", "--requests", "12",
                    "--warmup", "6", "--out", str(out)], timeout=120)
     assert again.returncode == 0 and "already in" in again.stdout, again.stdout + again.stderr
+
+
+def test_sim_only_replays_settings_without_an_engine(tmp_path: Path) -> None:
+    """``--sim-only``: the sweep on a live engine's cost model (the one in docs/results/live),
+    for trying settings before measuring them."""
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "sim"
+    r = _live(["--sim-only", str(root / "docs/results/live/engine_predictor.json"), "--configs",
+               "vllm inproc:slidingserve", "--rates", "2,6", "--seeds", "1", "--budget", "1024", "--out", str(out)],
+              timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    sim = [json.loads(x) for x in (out / "sim.jsonl").read_text().splitlines()]
+    assert sorted((x["config"], x["rate"]) for x in sim) == [("inproc:slidingserve", 2.0), ("inproc:slidingserve", 6.0),
+                                                             ("vllm", 2.0), ("vllm", 6.0)]
+    assert all(x["source"] == "sim" and x["requests"] > 0 for x in sim)
+    # overload shows: attainment falls with the rate
+    assert min(x["attain_tpot"] for x in sim if x["rate"] == 6.0) < max(x["attain_tpot"] for x in sim if x["rate"] == 2.0)
+    assert "budget 1024" in (out / "report.md").read_text()
+    bad = _live(["--sim-only", str(tmp_path / "missing.json"), "--out", str(tmp_path / "y")], timeout=120)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "missing.json" in bad.stderr
 
 
 @pytest.mark.parametrize("args, says", [
