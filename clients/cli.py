@@ -253,15 +253,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_token_new(args: argparse.Namespace) -> int:
-    from scheduler_service.server import security  # deferred: the token commands live with the server's auth
+    from scheduler_service.server import tokens  # deferred: the token commands live with the server's auth
 
-    return security.cmd_token_new(args)
+    return tokens.cmd_token_new(args)
 
 
 def cmd_token_hash(args: argparse.Namespace) -> int:
-    from scheduler_service.server import security
+    from scheduler_service.server import tokens
 
-    return security.cmd_token_hash(args)
+    return tokens.cmd_token_hash(args)
 
 
 # -------------------------------------------------------------------- parser

@@ -9,6 +9,11 @@ to be well-behaved towards others, so (a) every predictor is scoped to the calle
 stream and profile limits are per identity or tenant, so one engine cannot exhaust the
 server for the rest.
 
+The parts: :mod:`.identity` (the caller's :class:`Principal`, tenants, scoped predictor
+keys), :mod:`.tokens` (the tokens file and the CLI's ``token`` commands), :mod:`.ratelimit`
+(rate and stream limits), :mod:`.tls` (certificates that follow the files); this module
+holds the interceptor that puts them together and re-exports their names.
+
 How it plugs in, and why:
 
 * :class:`SecurityInterceptor` wraps every ``slidingserve.*`` method; health checking and
@@ -28,42 +33,39 @@ How it plugs in, and why:
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-import hmac
-import json
-import os
 import re
-import secrets
-import ssl
-import sys
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
 import structlog
 
-from scheduler_service.core import FieldViolation, ValidationError
-from scheduler_service.settings import FileWatch, read_document
-
 from .config import ServerConfig
+from .identity import ANONYMOUS, DEFAULT_TENANT, ENGINE_SCOPES, NAME, SCOPES, Principal, scoped_key, tenant_of
 from .metrics import Metrics
+from .ratelimit import Gate, RateLimiter, StreamSlots
+from .tls import CertificateReloader, server_credentials
+from .tokens import TokenStore, cmd_token_hash, cmd_token_new, hash_token, new_token, parse_tokens
 
 __all__ = [
+    "ANONYMOUS",
     "DEFAULT_TENANT",
+    "ENGINE_SCOPES",
     "METHOD_SCOPES",
+    "PROTECTED_PREFIX",
     "SCOPES",
     "CertificateReloader",
     "Principal",
     "RateLimiter",
     "SecurityInterceptor",
     "TokenStore",
+    "build_interceptor",
+    "cmd_token_hash",
+    "cmd_token_new",
     "hash_token",
+    "new_token",
+    "parse_tokens",
     "scoped_key",
     "server_credentials",
     "tenant_of",
@@ -71,12 +73,6 @@ __all__ = [
 
 log = structlog.get_logger("slidingserve.security")
 
-#: The one tenant of a server without authentication.
-DEFAULT_TENANT = "default"
-#: What a token may be allowed to do.  "admin" exists only for fail-closed new methods.
-SCOPES = ("schedule", "report", "read", "admin")
-#: Scopes a token has when its entry names none: everything an engine needs.
-ENGINE_SCOPES = ("schedule", "report", "read")
 _SERVICE = "/slidingserve.v1.SchedulerService/"
 METHOD_SCOPES: dict[str, str] = {
     _SERVICE + "Schedule": "schedule",
@@ -87,41 +83,11 @@ METHOD_SCOPES: dict[str, str] = {
 }
 #: Methods under this prefix are protected; everything else (health, reflection) is open.
 PROTECTED_PREFIX = "/slidingserve."
-#: Identities and tenants: short, printable, no "|" (the predictor-key separator).
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,127}$")
-_HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
 _BEARER = re.compile(r"^\s*bearer\s+(\S+)\s*$", re.IGNORECASE)
-
-
-# ------------------------------------------------------------------ principal
-@dataclass(frozen=True, slots=True)
-class Principal:
-    """Who is calling.  ``identity`` names the engine (token entry or certificate name);
-    ``tenant`` is the isolation domain its predictors live in."""
-
-    identity: str
-    tenant: str
-    scopes: frozenset[str]
-    authenticated: bool
-
-    @property
-    def label(self) -> str:
-        """Metric label: the identity when authenticated, else one bounded value."""
-        return self.identity if self.authenticated else "anonymous"
-
-
-ANONYMOUS = Principal("anonymous", DEFAULT_TENANT, frozenset(SCOPES), False)
-
-
-def scoped_key(tenant: str, profile_key: str) -> str:
-    """The predictor-registry key of ``profile_key`` for ``tenant``.
-
-    The default tenant keeps the bare profile key (unchanged behaviour without
-    authentication); any other tenant prefixes ``tenant|``.  Profile names cannot contain
-    ``|`` and a profile key has exactly two, so a scoped key can never equal another
-    tenant's key or a bare one.
-    """
-    return profile_key if tenant == DEFAULT_TENANT else f"{tenant}|{profile_key}"
+#: Old private names, kept for callers that reached in.
+_NAME = NAME
+_StreamSlots = StreamSlots
+_Gate = Gate
 
 
 class _PrincipalContext:
@@ -140,209 +106,6 @@ class _PrincipalContext:
         return getattr(self._context, name)
 
 
-def tenant_of(context: Any) -> str:
-    """The caller's tenant (:data:`DEFAULT_TENANT` when the server has no authentication)."""
-    p = getattr(context, "principal", None)
-    return p.tenant if isinstance(p, Principal) else DEFAULT_TENANT
-
-
-# --------------------------------------------------------------------- tokens
-def hash_token(token: str) -> str:
-    """Hex SHA-256 of a token: what the tokens file stores.  A plain hash suffices (no
-    salt, no slow KDF) because tokens are 256-bit random strings, not passwords."""
-    return hashlib.sha256(token.encode()).hexdigest()
-
-
-def new_token() -> str:
-    """A fresh 256-bit token, URL-safe (valid as gRPC metadata)."""
-    return secrets.token_urlsafe(32)
-
-
-def parse_tokens(data: Any, source: str) -> list[tuple[bytes, Principal]]:
-    """Validate a tokens document; every problem is reported with its path."""
-    errs: list[FieldViolation] = []
-    field = "auth_tokens_file"
-    if not isinstance(data, dict) or not isinstance(data.get("tokens"), dict) or set(data) != {"tokens"}:
-        raise ValidationError.single(field, f"{source}: must be a mapping with one key 'tokens' "
-                                            "(identity -> {sha256, tenant, scopes})")
-    out: list[tuple[bytes, Principal]] = []
-    seen: set[str] = set()
-    for ident, entry in data["tokens"].items():
-        where = f"{field}.tokens.{ident}"
-        if not isinstance(ident, str) or not _NAME.match(ident):
-            errs.append(FieldViolation(where, "identity must match [A-Za-z0-9][A-Za-z0-9._@-]{0,127}"))
-            continue
-        if not isinstance(entry, dict):
-            errs.append(FieldViolation(where, "must be a mapping with sha256, tenant and optional scopes"))
-            continue
-        unknown = sorted(set(map(str, entry)) - {"sha256", "tenant", "scopes"})
-        if unknown:
-            errs.append(FieldViolation(where, f"unknown keys {unknown}; valid: sha256, tenant, scopes"))
-        digest = entry.get("sha256")
-        if not isinstance(digest, str) or not _HEX64.match(digest):
-            errs.append(FieldViolation(f"{where}.sha256", "must be the 64-hex-digit SHA-256 of the token"))
-            continue
-        if digest.lower() in seen:
-            errs.append(FieldViolation(f"{where}.sha256", "the same token is listed twice"))
-        seen.add(digest.lower())
-        tenant = entry.get("tenant")
-        if not isinstance(tenant, str) or not _NAME.match(tenant):
-            errs.append(FieldViolation(f"{where}.tenant", "must match [A-Za-z0-9][A-Za-z0-9._@-]{0,127}"))
-            continue
-        scopes = entry.get("scopes", list(ENGINE_SCOPES))
-        if (not isinstance(scopes, list) or not scopes
-                or any(not isinstance(s, str) or s not in SCOPES for s in scopes)):
-            errs.append(FieldViolation(f"{where}.scopes", f"must be a non-empty list of {list(SCOPES)}"))
-            continue
-        out.append((bytes.fromhex(digest), Principal(ident, tenant, frozenset(scopes), True)))
-    if errs:
-        raise ValidationError(errs)
-    if not out:
-        raise ValidationError.single(field, f"{source}: lists no tokens (every call would be refused)")
-    return out
-
-
-def _load_document(path: str) -> Any:
-    return read_document(path, "auth_tokens_file", yaml_unless_json=True)
-
-
-class TokenStore:
-    """The accepted tokens, re-read when the file changes (checked at most every
-    ``reload_period_s``), so tokens are added and revoked without a restart.  A file that
-    no longer parses is logged and the last good set stays in force."""
-
-    def __init__(self, path: str, reload_period_s: float = 1.0) -> None:
-        self.path = path
-        self._watch = FileWatch(path, period_s=reload_period_s)
-        self._entries = parse_tokens(_load_document(path), path)  # fail fast at start
-        self._lock = threading.Lock()
-        self.reloads = 0
-
-    @property
-    def reload_period_s(self) -> float:
-        return self._watch.period_s
-
-    @reload_period_s.setter
-    def reload_period_s(self, value: float) -> None:
-        self._watch.period_s = value
-
-    def _maybe_reload(self) -> None:
-        if not self._watch.changed():
-            return
-        with self._lock:
-            try:
-                self._entries = parse_tokens(_load_document(self.path), self.path)
-            except ValidationError as e:
-                log.error("tokens_reload_failed", path=self.path, error=str(e), kept=len(self._entries))
-                return
-            self.reloads += 1
-            log.info("tokens_reloaded", path=self.path, tokens=len(self._entries))
-
-    def lookup(self, token: str) -> Principal | None:
-        """The principal of ``token``, or None.  Compares against every entry (constant
-        work per call whatever matches)."""
-        self._maybe_reload()
-        digest = hashlib.sha256(token.encode()).digest()
-        found: Principal | None = None
-        for d, principal in self._entries:
-            if hmac.compare_digest(d, digest):
-                found = principal
-        return found
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
-# ---------------------------------------------------------------------- limits
-class RateLimiter:
-    """Token buckets per key: ``rate`` per second, ``burst`` deep.
-
-    Buckets live in a bounded LRU (``max_keys``) so that unauthenticated callers keyed by
-    IP address cannot grow memory without bound; an evicted bucket restarts full.
-    """
-
-    def __init__(self, rate: float, burst: int, max_keys: int = 10_000,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.rate = rate
-        self.burst = float(burst)
-        self._max_keys = max_keys
-        self._clock = clock
-        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def take(self, key: str) -> float:
-        """Take one token: 0.0 when allowed, else the seconds until one is available."""
-        now = self._clock()
-        with self._lock:
-            b = self._buckets.get(key)
-            if b is None:
-                tokens = self.burst
-                if len(self._buckets) >= self._max_keys:
-                    self._buckets.popitem(last=False)
-            else:
-                tokens = min(self.burst, b[0] + (now - b[1]) * self.rate)
-                self._buckets.move_to_end(key)
-            if tokens >= 1.0:
-                self._buckets[key] = (tokens - 1.0, now)
-                return 0.0
-            self._buckets[key] = (tokens, now)
-            return (1.0 - tokens) / self.rate
-
-
-class _StreamSlots:
-    """Open streams per identity; a slot is returned by the call's termination callback,
-    which gRPC runs however the call ends (completion, cancellation, deadline)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._open: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def acquire(self, key: str) -> bool:
-        with self._lock:
-            n = self._open.get(key, 0)
-            if n >= self.limit:
-                return False
-            self._open[key] = n + 1
-            return True
-
-    def release(self, key: str) -> None:
-        with self._lock:
-            n = self._open.get(key, 0) - 1
-            if n > 0:
-                self._open[key] = n
-            else:
-                self._open.pop(key, None)
-
-    def count(self, key: str) -> int:
-        with self._lock:
-            return self._open.get(key, 0)
-
-
-class _Gate:
-    """A stream's request iterator with a rate check per message.  Over the limit it ends
-    the iteration (so the servicer finishes normally with what it has) and remembers
-    why; the wrapper then ends the call with RESOURCE_EXHAUSTED."""
-
-    def __init__(self, requests: Iterator[Any], check: Callable[[], float]) -> None:
-        self._requests = requests
-        self._check = check
-        self.retry_after = 0.0
-
-    def __iter__(self) -> _Gate:
-        return self
-
-    def __next__(self) -> Any:
-        if self.retry_after:
-            raise StopIteration
-        msg = next(self._requests)
-        wait = self._check()
-        if wait:
-            self.retry_after = wait
-            raise StopIteration
-        return msg
-
-
 # ------------------------------------------------------------------ interceptor
 class SecurityInterceptor(grpc.ServerInterceptor):
     """Authentication (token or client certificate), scopes, rate and stream limits."""
@@ -353,7 +116,7 @@ class SecurityInterceptor(grpc.ServerInterceptor):
         self._metrics = metrics
         self._limiter = (RateLimiter(config.rate_limit_rps, config.rate_limit_burst)
                          if config.rate_limit_rps > 0 else None)
-        self._streams = _StreamSlots(config.max_streams_per_identity) if config.max_streams_per_identity else None
+        self._streams = StreamSlots(config.max_streams_per_identity) if config.max_streams_per_identity else None
         self._last_log = 0.0
         self._suppressed = 0
 
@@ -389,7 +152,7 @@ class SecurityInterceptor(grpc.ServerInterceptor):
             auth = context.auth_context()
             names = auth.get("x509_common_name") or auth.get("x509_subject_alternative_name") or []
             name = names[0].decode(errors="replace") if names else ""
-            if not _NAME.match(name):
+            if not NAME.match(name):
                 self._refuse(context, grpc.StatusCode.UNAUTHENTICATED, "bad_certificate_name",
                              "the client certificate needs a common name (or DNS SAN) matching "
                              "[A-Za-z0-9][A-Za-z0-9._@-]{0,127}")
@@ -435,13 +198,13 @@ class SecurityInterceptor(grpc.ServerInterceptor):
                 slots.release(key)
         return principal, key
 
-    def _gate(self, requests: Iterator[Any], principal: Principal, key: str) -> _Gate | Iterator[Any]:
+    def _gate(self, requests: Iterator[Any], principal: Principal, key: str) -> Gate | Iterator[Any]:
         if self._limiter is None:
             return requests
-        return _Gate(requests, lambda: self._rate_check(principal, key))
+        return Gate(requests, lambda: self._rate_check(principal, key))
 
     def _end(self, context: grpc.ServicerContext, gate: Any, key: str) -> None:
-        if isinstance(gate, _Gate) and gate.retry_after:
+        if isinstance(gate, Gate) and gate.retry_after:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self._rate_message(key, gate.retry_after))
 
     # -------------------------------------------------------------- wrapping
@@ -506,94 +269,3 @@ def build_interceptor(config: ServerConfig, metrics: Metrics) -> SecurityInterce
             and not config.max_streams_per_identity:
         return None
     return SecurityInterceptor(config, metrics, tokens)
-
-
-# ------------------------------------------------------------------------- TLS
-class CertificateReloader:
-    """Server certificate configuration that follows the files.
-
-    gRPC calls the instance before every new TLS handshake; it answers None (keep the
-    current configuration) unless a file changed, then the new certificate, key and
-    client CAs, after checking that they load and that the key matches the certificate —
-    a half-rotated pair is logged and ignored, the old one stays in use.  Existing
-    connections keep the certificate they were established with.
-    """
-
-    def __init__(self, cert_file: str, key_file: str, client_ca_file: str = "") -> None:
-        self.files = (cert_file, key_file, client_ca_file)
-        self.reloads = 0
-        self._watch = FileWatch(*self.files)  # looked at before every new handshake
-        self.initial = self._load()
-
-    def _load(self) -> grpc.ServerCertificateConfiguration:
-        cert, key, ca = self.files
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        try:
-            ctx.load_cert_chain(cert, key)
-        except (OSError, ssl.SSLError) as e:
-            raise ValidationError.single("tls_cert_file", f"cannot load {cert} with key {key}: {e}") from None
-        if ca:
-            try:
-                ctx.load_verify_locations(cafile=ca)
-            except (OSError, ssl.SSLError) as e:
-                raise ValidationError.single("tls_client_ca_file", f"cannot load {ca}: {e}") from None
-        blobs = [Path(f).read_bytes() for f in (cert, key)]
-        return grpc.ssl_server_certificate_configuration(
-            [(blobs[1], blobs[0])], root_certificates=Path(ca).read_bytes() if ca else None
-        )
-
-    def __call__(self) -> grpc.ServerCertificateConfiguration | None:
-        if not self._watch.changed():
-            return None
-        try:
-            new = self._load()
-        except (ValidationError, OSError) as e:
-            log.error("tls_reload_failed", error=str(e))
-            return None
-        self.reloads += 1
-        log.info("tls_reloaded", cert_file=self.files[0])
-        return new
-
-
-def server_credentials(config: ServerConfig) -> tuple[grpc.ServerCredentials, CertificateReloader] | None:
-    """TLS (or mutual TLS) credentials for the gRPC port; None when TLS is off."""
-    if not config.tls_cert_file:
-        return None
-    reloader = CertificateReloader(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
-    creds = grpc.dynamic_ssl_server_credentials(
-        reloader.initial, reloader, require_client_authentication=bool(config.tls_client_ca_file)
-    )
-    return creds, reloader
-
-
-# ------------------------------------------------------------------------- CLI
-# ``slidingserve token new|hash`` (parsers in clients/cli.py, which imports this module only
-# when the command runs).  Bad input raises ValidationError: one line, exit code 2.
-def cmd_token_new(args: argparse.Namespace) -> int:
-    """The server never sees the token itself: the engine gets the token, the tokens file
-    only its digest."""
-    for what in ("identity", "tenant"):
-        if not _NAME.match(getattr(args, what)):
-            raise ValidationError.single(f"--{what}", "must match [A-Za-z0-9][A-Za-z0-9._@-]{0,127}")
-    token = new_token()
-    entry = {"tokens": {args.identity: {"sha256": hash_token(token), "tenant": args.tenant}}}
-    if args.token_out:
-        try:
-            fd = os.open(args.token_out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        except OSError as e:
-            raise ValidationError.single("--token-out", f"cannot write {args.token_out}: {e.strerror}") from None
-        with os.fdopen(fd, "w") as fh:
-            fh.write(token + "\n")
-    else:
-        print(f"token: {token}")
-    print("# tokens-file entry:")
-    print(json.dumps(entry, indent=2))
-    return 0
-
-
-def cmd_token_hash(args: argparse.Namespace) -> int:
-    token = sys.stdin.read().strip()
-    if not token:
-        raise ValidationError.single("stdin", "expected a token")
-    print(hash_token(token))
-    return 0

@@ -37,9 +37,9 @@ from .deployments import PolicySet, ShadowRunner
 from .engines import EngineTable
 from .errors import failure, rpc_errors
 from .handlers import Undecodable
+from .identity import DEFAULT_TENANT, scoped_key, tenant_of
 from .metrics import Metrics
 from .predictors import PredictorRegistry
-from .security import DEFAULT_TENANT, scoped_key, tenant_of
 
 __all__ = ["PolicyCache", "SchedulerServicer"]
 
