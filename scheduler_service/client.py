@@ -47,6 +47,7 @@ from scheduler_service.wire.status import violations_from_status
 __all__ = [
     "AsyncSchedulerClient",
     "ClientSecurity",
+    "DeploymentInfo",
     "EngineProfile",
     "IterationReport",
     "PolicyInfo",
@@ -167,8 +168,9 @@ def _typed(type_name: str, text: str) -> Any:
 
 
 @dataclass(frozen=True, slots=True)
-class PolicyVersionInfo:
-    """A named version of the server's policy config (what engines pin)."""
+class DeploymentInfo:
+    """A deployment: a named entry of the server's policy config (what engines pin).
+    ``policy_version`` is the version of its policy with these parameters, not the entry."""
 
     name: str
     policy: str
@@ -176,26 +178,37 @@ class PolicyVersionInfo:
     policy_version: str
 
 
+#: Deprecated alias of :class:`DeploymentInfo` (its name before the rename).
+PolicyVersionInfo = DeploymentInfo
+
+
 @dataclass(frozen=True, slots=True)
 class PolicyList:
     default_policy: str
     policies: tuple[PolicyInfo, ...]
-    #: The server's policy config: versions side by side, the shadow, the config digest
+    #: The server's policy config: deployments side by side, the shadow, the config digest
     #: (all empty for a server without one, or older than these fields).
-    versions: tuple[PolicyVersionInfo, ...] = ()
+    deployments: tuple[DeploymentInfo, ...] = ()
     shadow: str = ""
     config_digest: str = ""
+
+    @property
+    def versions(self) -> tuple[DeploymentInfo, ...]:
+        """Deprecated alias of :attr:`deployments` (and the wire field's name)."""
+        return self.deployments
 
     def names(self) -> list[str]:
         return [p.name for p in self.policies]
 
     def to_dict(self) -> dict[str, Any]:
         """Same shape as the offline ``{"default": ..., "policies": [registry.describe(n)...]}``,
-        plus ``versions``/``shadow``/``config_digest`` when the server has a policy config."""
+        plus ``deployments``/``shadow``/``config_digest`` when the server has a policy config
+        (and ``versions``, the same list under its pre-rename key, for existing scripts)."""
         out = self._registry_dict()
-        if self.versions:
-            out["versions"] = [{"name": v.name, "policy": v.policy, "params": dict(v.params),
-                                "policy_version": v.policy_version} for v in self.versions]
+        if self.deployments:
+            out["deployments"] = [{"name": d.name, "policy": d.policy, "params": dict(d.params),
+                                   "policy_version": d.policy_version} for d in self.deployments]
+            out["versions"] = out["deployments"]
             out["shadow"] = self.shadow
             out["config_digest"] = self.config_digest
         return out
@@ -412,6 +425,14 @@ class _Encoder:
             yield r if isinstance(r, pb.IterationReport) else r.to_pb(self.profile)
 
 
+def _wrong_reply(resp: pb.ScheduleResponse, req: pb.ScheduleRequest) -> SchedulerError:
+    """A stream's reply that answers another request than the one sent: the stream is out
+    of step (the caller drops it; the next call opens a new one)."""
+    return SchedulerError(grpc.StatusCode.INTERNAL,
+                          f"stream out of step: the reply is for request {resp.request_id!r}, "
+                          f"expected {req.request_id!r}")
+
+
 def _plan(resp: pb.ScheduleResponse) -> Plan:
     if resp.HasField("error"):
         raise SchedulerError.from_pb(resp.error)
@@ -434,7 +455,8 @@ def _policy_list(msg: pb.ListPoliciesResponse) -> PolicyList:
                 for q in p.params))
             for p in msg.policies
         ),
-        tuple(PolicyVersionInfo(v.name, v.policy, dict(v.params), v.policy_version) for v in msg.versions),
+        # the wire field keeps its pre-rename name ``versions`` (the proto is frozen)
+        tuple(DeploymentInfo(d.name, d.policy, dict(d.params), d.policy_version) for d in msg.versions),
         msg.shadow,
         msg.config_digest,
     )
@@ -624,8 +646,7 @@ class ScheduleStream:
                 self._reset()
             if resp.request_id != req.request_id:  # cannot happen on an in-order stream
                 self._reset()
-                raise SchedulerError(grpc.StatusCode.INTERNAL,
-                                     f"reply for {resp.request_id!r}, expected {req.request_id!r}")
+                raise _wrong_reply(resp, req)
             return _plan(resp)
 
     def close(self) -> None:
@@ -743,12 +764,9 @@ class AsyncScheduleStream:
             try:
                 async with asyncio.timeout(timeout):
                     await call.write(req)
-                    while True:
-                        resp = await call.read()
-                        if resp is grpc.aio.EOF:
-                            raise SchedulerError(grpc.StatusCode.UNAVAILABLE, "the server closed the stream")
-                        if resp.request_id == req.request_id:
-                            return _plan(resp)
+                    resp = await call.read()
+                    if resp is grpc.aio.EOF:
+                        raise SchedulerError(grpc.StatusCode.UNAVAILABLE, "the server closed the stream")
             except TimeoutError:
                 self._drop()
                 raise SchedulerError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply within {timeout:g} s") from None
@@ -759,6 +777,13 @@ class AsyncScheduleStream:
                 if e.code == grpc.StatusCode.UNAVAILABLE:
                     self._drop()
                 raise
+            except asyncio.CancelledError:  # the reply may still come: it must not answer the next call
+                self._drop()
+                raise
+            if resp.request_id != req.request_id:  # cannot happen on an in-order stream
+                self._drop()
+                raise _wrong_reply(resp, req)
+            return _plan(resp)
 
     def _drop(self) -> None:
         if self._call is not None:

@@ -65,3 +65,32 @@ def inject(server: SchedulerServer, policy: InjectedPolicy) -> None:
     cache = server.servicer._policies
     with cache._lock:
         cache._items[(policy.name, ())] = policy  # type: ignore[assignment]
+
+
+class WrongIdServer:
+    """A misbehaving service on loopback whose ScheduleStream answers every request with
+    another request's id (``"not-" + request_id``) and an empty plan."""
+
+    def __init__(self) -> None:
+        from concurrent import futures
+
+        import grpc
+
+        from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
+        from scheduler_service.gen.slidingserve.v1 import scheduler_pb2_grpc as pb_grpc
+
+        class Servicer(pb_grpc.SchedulerServiceServicer):
+            def ScheduleStream(self, requests: Any, context: Any) -> Any:
+                for req in requests:
+                    yield pb.ScheduleResponse(request_id="not-" + req.request_id)
+
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        pb_grpc.add_SchedulerServiceServicer_to_server(Servicer(), self._server)  # type: ignore[abstract]
+        self.target = f"127.0.0.1:{self._server.add_insecure_port('127.0.0.1:0')}"
+
+    def __enter__(self) -> WrongIdServer:
+        self._server.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.stop(grace=None)

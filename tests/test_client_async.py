@@ -71,3 +71,20 @@ def test_async_deadline(server: SchedulerServer) -> None:
                 assert (await s.schedule(snap)).policy == "slidingserve"  # reopened
 
     asyncio.run(main())
+
+
+def test_async_stream_reply_for_another_request_is_a_clear_error() -> None:
+    """As the sync stream: INTERNAL naming both ids (not a wait for the deadline), and the
+    next call opens a fresh stream."""
+    from tests.grpc_support import WrongIdServer
+
+    async def main() -> None:
+        with WrongIdServer() as srv:
+            async with AsyncSchedulerClient(srv.target, timeout_s=5.0) as cl, cl.stream() as s:
+                for rid in ("a1", "a2"):
+                    with pytest.raises(SchedulerError) as exc:
+                        await s.schedule(mixed_snapshot(0, 2, 2), request_id=rid)
+                    assert exc.value.code == grpc.StatusCode.INTERNAL
+                    assert f"'not-{rid}'" in str(exc.value) and f"expected '{rid}'" in str(exc.value)
+
+    asyncio.run(main())

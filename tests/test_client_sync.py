@@ -68,3 +68,16 @@ def test_stream_reply_at_the_deadline_does_not_poison_the_next_call() -> None:
                     codes.append(e.code.name)
             s.schedule(snap, policy="edge", timeout_s=5)  # and the stream still works
     assert set(codes) <= {"OK", "DEADLINE_EXCEEDED"}, codes
+
+
+def test_stream_reply_for_another_request_is_a_clear_error() -> None:
+    """A reply carrying the wrong request_id fails the call with INTERNAL naming both ids,
+    and the next call opens a fresh stream (the same as the async client)."""
+    from tests.grpc_support import WrongIdServer
+
+    with WrongIdServer() as srv, SchedulerClient(srv.target, timeout_s=5.0) as cl, cl.stream() as s:
+        for rid in ("a1", "a2"):
+            with pytest.raises(SchedulerError) as exc:
+                s.schedule(mixed_snapshot(0, 2, 2), request_id=rid)
+            assert exc.value.code == grpc.StatusCode.INTERNAL
+            assert f"'not-{rid}'" in str(exc.value) and f"expected '{rid}'" in str(exc.value)
