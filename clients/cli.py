@@ -5,7 +5,7 @@ Subcommands (their names, flags and output formats are the public interface):
 * ``serve``     run the gRPC scheduling service
 * ``health``    standard gRPC health check of a running service (container/K8s probes)
 * ``plan``      decide one iteration for a snapshot JSON file, offline or via a server
-* ``policies``  list policies, versions and parameters
+* ``policies``  list policies, their versions and parameters, and the server's deployments
 * ``predictor`` ``fit`` a predictor from a CSV of batch features and latencies;
   ``show`` one (a file, the built-in default, or a server's)
 * ``token``     ``new`` bearer token + tokens-file entry, ``hash`` of a token (docs/security.md)
@@ -121,6 +121,12 @@ def cmd_policies(args: argparse.Namespace) -> int:
             elif prm.get("min") is not None or prm.get("max") is not None:
                 bounds = f" in [{_num(prm.get('min'))}, {_num(prm.get('max'))}]"
             print(f"    --param {prm['name']}={prm['default']}  ({prm['type']}{bounds}) {prm['doc']}")
+    for d in info.get("deployments", ()):  # a server with a policy config (docs/operations.md)
+        marks = "".join(m for m, on in ((" (default)", d["name"] == info.get("default")),
+                                        (" (shadow)", d["name"] == info.get("shadow"))) if on)
+        params = " ".join(f"{k}={v}" for k, v in sorted(d["params"].items()))
+        print(f"deployment {d['name']}{marks}: {d['policy']} {params}".rstrip()
+              + f"  (policy version {d['policy_version']})")
     return 0
 
 

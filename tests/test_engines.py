@@ -54,6 +54,9 @@ def test_engine_table_is_bounded_and_tracks_versions() -> None:
     assert [r.engine_id for r in t.records()] == ["e2", "e3", "e4"]
     t.seen("default", "e3", "v2")  # e3 moves to v2 and becomes the most recent
     t.sweep()
+    assert m.registry.get_sample_value("slidingserve_engines_by_deployment", {"deployment": "v2"}) == 3
+    assert m.registry.get_sample_value("slidingserve_engines_by_deployment", {"deployment": "v1"}) == 0
+    # the pre-rename series, kept as an alias with the same values
     assert m.registry.get_sample_value("slidingserve_engines_by_version", {"version": "v2"}) == 3
     assert m.registry.get_sample_value("slidingserve_engines_by_version", {"version": "v1"}) == 0
     clock.t += 100

@@ -125,7 +125,7 @@ class SchedulerServer:
             self.board = PredictorBoard(cfg.predictor_dir, self.predictors, cfg.predictor_sync_s)
             self.board.poll()
         policies = PolicyCache()
-        # policy versions: a bad config fails the start (before binding), like a bad predictor
+        # deployments (policy config): a bad config fails the start (before binding), like a bad predictor
         try:
             pconf = PolicyConfig.from_file(cfg.policy_config) if cfg.policy_config else None
         except Exception:
@@ -210,8 +210,9 @@ class SchedulerServer:
 
     def _note_policy_config(self, c: PolicyConfig | None) -> None:
         if c is not None:
+            names = ",".join(sorted(c.deployments))  # label "versions": the pre-rename alias
             self.metrics.policy_config.info({"digest": c.digest, "default": c.default, "shadow": c.shadow,
-                                             "versions": ",".join(sorted(c.versions))})
+                                             "deployments": names, "versions": names})
 
     def _load_or_stop(self, policies: PolicyCache) -> None:
         try:

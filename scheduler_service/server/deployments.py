@@ -1,26 +1,31 @@
-"""Policy versions side by side, the policy config file that defines them, shadow mode.
+"""Deployments side by side, the policy config file that defines them, shadow mode.
 
 Operators change the scheduler without touching the GPUs: a *policy config* (YAML, TOML or
-JSON; ``policy_config`` in the server config) names versions — a registry policy plus
-parameter overrides — and which one is the default::
+JSON; ``policy_config`` in the server config) names *deployments* — a registry policy plus
+parameter overrides, under a name engines pin — and which one is the default::
 
     default: v2
-    versions:
+    deployments:
       v1: {policy: slidingserve}
       v2: {policy: slidingserve, params: {window: 3, margin: 1.15}}
       fcfs: {policy: vllm-fcfs}
-    shadow: {version: v2, sample: 0.25}   # optional: also decide with v2, compare, never serve
+    shadow: {deployment: v2, sample: 0.25}   # optional: also decide with v2, compare, never serve
 
-An engine pins a version by naming it in ``ScheduleRequest.policy`` (``SLIDINGSERVE_POLICY=v1``
-on the vLLM adapter) or follows the default by leaving it empty; a registry name
-(``slidingserve``) still works as before.  The file is re-read when it changes
+Aliases (configs written before the rename keep working): ``versions:`` for ``deployments:``
+and ``shadow: {version: …}`` for ``shadow: {deployment: …}``; giving both spellings at once
+is a validation error naming the alias.  A deployment is not a *policy version*
+(``Plan.policy_version``, the policy's code and parameter hash): docs/architecture.md, "Words".
+
+An engine pins a deployment by naming it in ``ScheduleRequest.policy``
+(``SLIDINGSERVE_POLICY=v1`` on the vLLM adapter) or follows the default by leaving it empty;
+a registry name (``slidingserve``) still works as before.  The file is re-read when it changes
 (:class:`PolicyConfigWatcher`): a file that does not parse or validate is refused with a
 logged reason and the last good config keeps serving; both outcomes are counted
-(``slidingserve_policy_config_reloads``).  Every version is built (and so validated) before
+(``slidingserve_policy_config_reloads``).  Every deployment is built (and so validated) before
 the swap, which is one reference assignment: a decision sees the old or the new config,
 never a mix.
 
-Shadow mode (:class:`ShadowRunner`) hands the live snapshot to a candidate version on one
+Shadow mode (:class:`ShadowRunner`) hands the live snapshot to a candidate deployment on one
 background thread after the served plan has been sent; the two plans are compared and only
 metered and logged.  When the thread is still busy the snapshot is dropped (counted), so a
 slow candidate can never slow down the served path or grow a queue.
@@ -54,52 +59,76 @@ from scheduler_service.settings import FileWatch, read_document
 
 from .metrics import Metrics
 
-__all__ = ["PolicyConfig", "PolicyConfigWatcher", "PolicySet", "ShadowRunner", "VersionSpec"]
+__all__ = ["Deployment", "PolicyConfig", "PolicyConfigWatcher", "PolicySet", "ShadowRunner", "VersionSpec"]
 
 log = structlog.get_logger("slidingserve.server")
 
-#: Version names: short, printable, usable as a metric label and an env var value.
+#: Deployment names: short, printable, usable as a metric label and an env var value.
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
-MAX_VERSIONS = 32
+MAX_DEPLOYMENTS = 32
+
+#: The policy config's key for its named entries, and the older spelling still accepted.
+DEPLOYMENTS_KEY = "deployments"
+DEPLOYMENTS_ALIAS = "versions"
+#: The shadow's key naming its deployment, and the older spelling still accepted.
+SHADOW_KEY = "deployment"
+SHADOW_ALIAS = "version"
 
 
 @dataclass(frozen=True, slots=True)
-class VersionSpec:
+class Deployment:
+    """A named entry of the policy config: a registry policy plus parameter overrides, under
+    the name engines pin (``SLIDINGSERVE_POLICY``) and plans report (``Plan.deployment``)."""
+
     name: str
     policy: str
     params: Mapping[str, str] = field(default_factory=dict)
 
 
+#: Deprecated alias of :class:`Deployment` (its name before the rename; kept for importers).
+VersionSpec = Deployment
+
+
 @dataclass(frozen=True, slots=True)
 class PolicyConfig:
-    """A validated policy config: every version's policy is already built."""
+    """A validated policy config: every deployment's policy is already built."""
 
     default: str
-    versions: Mapping[str, VersionSpec]
+    deployments: Mapping[str, Deployment]
     built: Mapping[str, Policy]
     shadow: str = ""
     shadow_sample: float = 1.0
     digest: str = ""
     source: str = ""
 
+    @property
+    def versions(self) -> Mapping[str, Deployment]:
+        """Deprecated alias of :attr:`deployments`."""
+        return self.deployments
+
     @classmethod
     def from_mapping(cls, data: Any, source: str = "") -> PolicyConfig:
         """Validate ``data``; every problem is a :class:`FieldViolation` naming its key."""
         errs: list[FieldViolation] = []
         if not isinstance(data, Mapping):
-            raise ValidationError.single("policy_config", "must be a mapping with 'default' and 'versions'")
-        unknown = sorted(set(map(str, data)) - {"default", "versions", "shadow"})
-        errs += [FieldViolation(k, "unknown key; valid: default, versions, shadow") for k in unknown]
-        raw_versions = data.get("versions")
-        if not isinstance(raw_versions, Mapping) or not raw_versions:
-            errs.append(FieldViolation("versions", "must map version names to {policy, params}"))
-            raw_versions = {}
-        elif len(raw_versions) > MAX_VERSIONS:
-            errs.append(FieldViolation("versions", f"at most {MAX_VERSIONS} versions, got {len(raw_versions)}"))
-        versions: dict[str, VersionSpec] = {}
+            raise ValidationError.single("policy_config", "must be a mapping with 'default' and 'deployments'")
+        unknown = sorted(set(map(str, data)) - {"default", DEPLOYMENTS_KEY, DEPLOYMENTS_ALIAS, "shadow"})
+        errs += [FieldViolation(k, "unknown key; valid: default, deployments (alias: versions), shadow")
+                 for k in unknown]
+        key = DEPLOYMENTS_ALIAS if DEPLOYMENTS_ALIAS in data and DEPLOYMENTS_KEY not in data else DEPLOYMENTS_KEY
+        if DEPLOYMENTS_KEY in data and DEPLOYMENTS_ALIAS in data:
+            errs.append(FieldViolation(DEPLOYMENTS_ALIAS, "'versions' is the old name of 'deployments'; "
+                                                          "give one of them, not both"))
+        raw_deployments = data.get(key)
+        if not isinstance(raw_deployments, Mapping) or not raw_deployments:
+            errs.append(FieldViolation(key, "must map deployment names to {policy, params}"))
+            raw_deployments = {}
+        elif len(raw_deployments) > MAX_DEPLOYMENTS:
+            errs.append(FieldViolation(key, f"at most {MAX_DEPLOYMENTS} deployments, got {len(raw_deployments)}"))
+        deployments: dict[str, Deployment] = {}
         built: dict[str, Policy] = {}
-        for name, spec in raw_versions.items():
-            where = f"versions.{name}"
+        for name, spec in raw_deployments.items():
+            where = f"{key}.{name}"
             name = str(name)
             if not name or len(name) > 64 or not set(name) <= _NAME_CHARS:
                 errs.append(FieldViolation(where, "name must be 1-64 characters of [A-Za-z0-9._-]"))
@@ -128,25 +157,31 @@ class PolicyConfig:
                 errs += [FieldViolation(f"{where}.{v.field}" if v.field else where, v.description)
                          for v in e.violations]
                 continue
-            versions[name] = VersionSpec(name, policy, text)
+            deployments[name] = Deployment(name, policy, text)
         default = data.get("default")
         if not isinstance(default, str) or not default:
-            errs.append(FieldViolation("default", "must name one of the versions"))
-        elif raw_versions and default not in raw_versions:
-            errs.append(FieldViolation("default", f"{default!r} is not a version; versions: {sorted(raw_versions)}"))
+            errs.append(FieldViolation("default", "must name one of the deployments"))
+        elif raw_deployments and default not in raw_deployments:
+            errs.append(FieldViolation("default", f"{default!r} is not a deployment; "
+                                                  f"deployments: {sorted(raw_deployments)}"))
         shadow, sample = "", 1.0
         raw_shadow = data.get("shadow")
         if raw_shadow is not None:
             if isinstance(raw_shadow, str):
-                raw_shadow = {"version": raw_shadow}
+                raw_shadow = {SHADOW_KEY: raw_shadow}
             if not isinstance(raw_shadow, Mapping):
-                errs.append(FieldViolation("shadow", "must be a version name or {version, sample}"))
+                errs.append(FieldViolation("shadow", "must be a deployment name or {deployment, sample}"))
             else:
-                extra = sorted(set(map(str, raw_shadow)) - {"version", "sample"})
-                errs += [FieldViolation(f"shadow.{k}", "unknown key; valid: version, sample") for k in extra]
-                shadow = str(raw_shadow.get("version", ""))
-                if shadow not in raw_versions:
-                    errs.append(FieldViolation("shadow.version", f"{shadow!r} is not a version"))
+                extra = sorted(set(map(str, raw_shadow)) - {SHADOW_KEY, SHADOW_ALIAS, "sample"})
+                errs += [FieldViolation(f"shadow.{k}", "unknown key; valid: deployment (alias: version), sample")
+                         for k in extra]
+                skey = SHADOW_ALIAS if SHADOW_ALIAS in raw_shadow and SHADOW_KEY not in raw_shadow else SHADOW_KEY
+                if SHADOW_KEY in raw_shadow and SHADOW_ALIAS in raw_shadow:
+                    errs.append(FieldViolation(f"shadow.{SHADOW_ALIAS}", "'version' is the old name of "
+                                                                         "'deployment'; give one of them, not both"))
+                shadow = str(raw_shadow.get(skey, ""))
+                if shadow not in raw_deployments:
+                    errs.append(FieldViolation(f"shadow.{skey}", f"{shadow!r} is not a deployment"))
                 s = raw_shadow.get("sample", 1.0)
                 if isinstance(s, bool) or not isinstance(s, int | float) or not 0.0 < float(s) <= 1.0:
                     errs.append(FieldViolation("shadow.sample", f"must be a number in (0, 1], got {s!r}"))
@@ -155,11 +190,13 @@ class PolicyConfig:
         if errs:
             raise ValidationError(errs)
         assert isinstance(default, str)
+        # the canonical form keeps its pre-rename key: a config's digest is the same under
+        # either spelling and across the upgrade (the digest only changes with the content)
         canon = json.dumps({"default": default, "shadow": shadow, "sample": sample,
-                            "versions": {n: [v.policy, dict(sorted(v.params.items()))]
-                                         for n, v in sorted(versions.items())}}, sort_keys=True)
+                            "versions": {n: [d.policy, dict(sorted(d.params.items()))]
+                                         for n, d in sorted(deployments.items())}}, sort_keys=True)
         digest = hashlib.sha256(canon.encode()).hexdigest()[:12]
-        return cls(default, versions, built, shadow, sample, digest, source)
+        return cls(default, deployments, built, shadow, sample, digest, source)
 
     @classmethod
     def from_file(cls, path: str | Path) -> PolicyConfig:
@@ -173,7 +210,7 @@ def _text(v: Any) -> str:
 class PolicySet:
     """Resolves a request's policy name to a policy; the config behind it is swapped whole.
 
-    Resolution: a version name of the config in force (its parameters, then the request's
+    Resolution: a deployment name of the config in force (its parameters, then the request's
     overrides on top), else a registry name (as without a config), else INVALID_ARGUMENT.
     """
 
@@ -191,17 +228,17 @@ class PolicySet:
         self.config = config  # one reference assignment: readers see old or new, never a mix
 
     def resolve(self, name: str, params: Mapping[str, str]) -> tuple[Policy, str]:
-        """(policy, version name or "" for a registry policy)."""
+        """(policy, deployment name or "" for a registry policy)."""
         c = self.config
         if name == "default":  # the adapters' spelling of "follow the default"
             name = ""
         if c is not None:
             key = name or c.default
-            spec = c.versions.get(key)
-            if spec is not None:
+            deployment = c.deployments.get(key)
+            if deployment is not None:
                 if not params:
                     return c.built[key], key
-                return self._cache.get(spec.policy, {**spec.params, **params}), key
+                return self._cache.get(deployment.policy, {**deployment.params, **params}), key
         return self._cache.get(name or self._default_policy, params), ""
 
 
@@ -247,7 +284,7 @@ class PolicyConfigWatcher:
         if self.on_swap is not None:
             self.on_swap(new)
         log.info("policy_config_reloaded", path=self.path, digest=new.digest, default=new.default,
-                 versions=sorted(new.versions), shadow=new.shadow,
+                 deployments=sorted(new.deployments), shadow=new.shadow,
                  previous=old.digest if old is not None else "")
         return True
 
@@ -262,11 +299,11 @@ class _ShadowJob:
     snapshot: Snapshot
     predictor: BatchLatencyPredictor
     served: Plan
-    served_version: str
+    served_deployment: str
 
 
 class ShadowRunner:
-    """Decides again with the shadow version on a background thread and meters the difference.
+    """Decides again with the shadow deployment on a background thread and meters the difference.
 
     ``offer`` never blocks: one job at a time; a job offered while another runs is dropped
     and counted, so the shadow costs the served path one queue put at most."""
@@ -281,14 +318,15 @@ class ShadowRunner:
         self.compared = 0
         self.dropped = 0
 
-    def offer(self, snapshot: Snapshot, predictor: BatchLatencyPredictor, served: Plan, served_version: str) -> None:
+    def offer(self, snapshot: Snapshot, predictor: BatchLatencyPredictor, served: Plan,
+              served_deployment: str) -> None:
         c = self.policies.config
-        if c is None or not c.shadow or c.shadow == served_version:
+        if c is None or not c.shadow or c.shadow == served_deployment:
             return
         if c.shadow_sample < 1.0 and self._rng.random() >= c.shadow_sample:
             return
         try:
-            self._jobs.put_nowait(_ShadowJob(snapshot, predictor, served, served_version))
+            self._jobs.put_nowait(_ShadowJob(snapshot, predictor, served, served_deployment))
         except queue.Full:
             self.dropped += 1
             self.metrics.shadow_decisions.labels(c.shadow, "dropped").inc()
@@ -312,7 +350,7 @@ class ShadowRunner:
         try:
             plan = c.built[name].plan(job.snapshot, job.predictor)
         except Exception:
-            log.exception("shadow_failed", version=name)
+            log.exception("shadow_failed", deployment=name)
             self.metrics.shadow_decisions.labels(name, "error").inc()
             return
         self.metrics.shadow_decision_seconds.labels(name).observe(time.perf_counter() - t0)
@@ -330,7 +368,7 @@ class ShadowRunner:
         if not same:
             only_served = sorted(set(served) - set(shadow))[:10]
             only_shadow = sorted(set(shadow) - set(served))[:10]
-            log.debug("shadow_differs", shadow=name, served=job.served_version or job.served.policy,
+            log.debug("shadow_differs", shadow=name, served=job.served_deployment or job.served.policy,
                       tokens=(job.served.token_budget, plan.token_budget),
                       only_served=only_served, only_shadow=only_shadow)
 

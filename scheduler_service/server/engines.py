@@ -1,7 +1,7 @@
-"""The engines a service instance is serving: who, since when, on which policy version.
+"""The engines a service instance is serving: who, since when, on which deployment.
 
 A fleet shares one service, so operators need to see it as a fleet — how many engines are
-active, how many follow each policy version during a rollout — and the service must not
+active, how many follow each deployment during a rollout — and the service must not
 grow with every engine that ever connected.  :class:`EngineTable` keeps one small record per
 (tenant, engine id) in least-recently-seen order: records unseen for ``ttl_s`` are expired
 (swept at most once per second, from the stale end, so a sweep costs only what it removes)
@@ -37,8 +37,8 @@ class EngineRecord:
     first_seen: float
     last_seen: float
     decisions: int = 0
-    #: policy version that served its last decision ("" = a registry policy named directly)
-    version: str = ""
+    #: deployment that served its last decision ("" = a registry policy named directly)
+    deployment: str = ""
 
 
 class EngineTable:
@@ -54,7 +54,7 @@ class EngineTable:
         self.expired = 0
         self.evicted = 0
 
-    def seen(self, tenant: str, engine_id: str, version: str) -> None:
+    def seen(self, tenant: str, engine_id: str, deployment: str) -> None:
         """Record one decision for an engine (called on every decision: O(1))."""
         engine_id = engine_id[:MAX_ID]
         key = (tenant, engine_id)
@@ -66,7 +66,7 @@ class EngineTable:
                 rec = joined = EngineRecord(tenant, engine_id, now, now)
             rec.last_seen = now
             rec.decisions += 1
-            rec.version = version
+            rec.deployment = deployment
             self._items[key] = rec
             if len(self._items) > self.max_engines:
                 _, evicted = self._items.popitem(last=False)
@@ -75,7 +75,7 @@ class EngineTable:
             if sweep:
                 self._next_sweep = now + 1.0
         if joined is not None:
-            log.info("engine_joined", tenant=tenant, engine_id=engine_id or "(unnamed)", version=version)
+            log.info("engine_joined", tenant=tenant, engine_id=engine_id or "(unnamed)", deployment=deployment)
         if evicted is not None:
             self.metrics.engines_removed.labels("evicted").inc()
             log.warning("engine_evicted", tenant=evicted.tenant, engine_id=evicted.engine_id,
@@ -96,15 +96,17 @@ class EngineTable:
                 gone.append(rec)
             self.expired += len(gone)
             active = len(self._items)
-            by_version = Counter(r.version for r in self._items.values())
+            by_deployment = Counter(r.deployment for r in self._items.values())
         m = self.metrics
         m.engines_active.set(active)
-        for v in list(m.known_engine_versions):
-            if v not in by_version:
-                m.engines_by_version.labels(v).set(0)
-        for v, n in by_version.items():
-            m.engines_by_version.labels(v).set(n)
-            m.known_engine_versions.add(v)
+        for d in list(m.known_engine_deployments):
+            if d not in by_deployment:
+                m.engines_by_deployment.labels(d).set(0)
+                m.engines_by_version.labels(d).set(0)  # the alias series
+        for d, n in by_deployment.items():
+            m.engines_by_deployment.labels(d).set(n)
+            m.engines_by_version.labels(d).set(n)
+            m.known_engine_deployments.add(d)
         for rec in gone:
             m.engines_removed.labels("expired").inc()
             log.info("engine_expired", tenant=rec.tenant, engine_id=rec.engine_id or "(unnamed)",
@@ -114,7 +116,7 @@ class EngineTable:
     def records(self) -> list[EngineRecord]:
         """Copies, least recently seen first."""
         with self._lock:
-            return [EngineRecord(r.tenant, r.engine_id, r.first_seen, r.last_seen, r.decisions, r.version)
+            return [EngineRecord(r.tenant, r.engine_id, r.first_seen, r.last_seen, r.decisions, r.deployment)
                     for r in self._items.values()]
 
     def __len__(self) -> int:

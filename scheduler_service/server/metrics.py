@@ -75,9 +75,16 @@ class Metrics:
         self.auth_failures = Counter(
             "slidingserve_auth_failures", "Calls refused by authentication or authorisation", ["reason"], registry=r
         )
-        # policy versions (deployments.py): version names come from the operator's config, bounded
+        # deployments (deployments.py): their names come from the operator's config, bounded.
+        # The *_version series are the pre-rename spellings, kept as aliases with the same values
+        # so existing dashboards and alerts keep working (docs/operations.md, metric table).
+        self.deployment_decisions = Counter(
+            "slidingserve_deployment_decisions", "Decisions by deployment of the policy config", ["deployment"],
+            registry=r,
+        )
         self.version_decisions = Counter(
-            "slidingserve_version_decisions", "Decisions by policy version of the policy config", ["version"],
+            "slidingserve_version_decisions",
+            "Alias of slidingserve_deployment_decisions (label version = the deployment)", ["version"],
             registry=r,
         )
         self.config_reloads = Counter(
@@ -101,22 +108,27 @@ class Metrics:
             buckets=(-50, -20, -10, -5, -2, -1, 0, 1, 2, 5, 10, 20, 50), registry=r,
         )
         self.shadow_decision_seconds = Histogram(
-            "slidingserve_shadow_decision_seconds", "Time the shadow version takes per decision", ["version"],
+            "slidingserve_shadow_decision_seconds", "Time the shadow deployment takes per decision", ["version"],
             buckets=DECISION_BUCKETS, registry=r,
         )
         # the fleet (engines.py): gauges refreshed by the engine table's sweeps
         self.engines_active = Gauge(
             "slidingserve_engines_active", "Engines seen within engine_ttl_s", registry=r
         )
+        self.engines_by_deployment = Gauge(
+            "slidingserve_engines_by_deployment", "Active engines by the deployment of their last decision",
+            ["deployment"], registry=r,
+        )
         self.engines_by_version = Gauge(
-            "slidingserve_engines_by_version", "Active engines by the policy version of their last decision",
+            "slidingserve_engines_by_version",
+            "Alias of slidingserve_engines_by_deployment (label version = the deployment)",
             ["version"], registry=r,
         )
         self.engines_removed = Counter(
             "slidingserve_engines_removed", "Engine records removed: expired (idle) or evicted (max_engines)",
             ["reason"], registry=r,
         )
-        self.known_engine_versions: set[str] = set()
+        self.known_engine_deployments: set[str] = set()
         self._http: Any = None
         self._lock = threading.Lock()
 

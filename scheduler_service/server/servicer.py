@@ -86,27 +86,34 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         self._predictors = predictors
         self._metrics = metrics
         self._policies = policies
-        self._versions = policyset or PolicySet(config.default_policy, policies)
+        self._deployments = policyset or PolicySet(config.default_policy, policies)
         self._shadow = shadow
         self.engines = engines or EngineTable(metrics, config.engine_ttl_s, config.max_engines)
         self.ready = threading.Event()
         self._metric_children: dict[tuple[str, str], tuple[Any, Any]] = {}
+        self._deployment_counters: dict[str, tuple[Any, Any]] = {}
 
     # ------------------------------------------------------------ decisions
     def _decide(self, request: pb.ScheduleRequest, t0: int, tenant: str = DEFAULT_TENANT) -> pb.ScheduleResponse:
         if isinstance(request, Undecodable):  # bytes that are no ScheduleRequest (handlers.py)
             raise request.error
         snap, profile = snapshot_from_pb(request.snapshot, max_requests=self._cfg.max_requests_per_snapshot)
-        policy, version = self._versions.resolve(request.policy, request.params)
+        policy, deployment = self._deployments.resolve(request.policy, request.params)
         predictor = self._predictors.current(scoped_key(tenant, profile.key))
         plan = policy.plan(snap, predictor)
         resp = pb.ScheduleResponse(request_id=request.request_id, plan=plan_to_pb(plan))
-        if version:
-            resp.plan.deployment = version
-            self._metrics.version_decisions.labels(version).inc()
+        if deployment:
+            resp.plan.deployment = deployment
+            counters = self._deployment_counters.get(deployment)
+            if counters is None:  # names come from the operator's config: bounded
+                m = self._metrics
+                counters = self._deployment_counters[deployment] = (
+                    m.deployment_decisions.labels(deployment), m.version_decisions.labels(deployment))
+            for counter in counters:  # the series and its pre-rename alias
+                counter.inc()
         if self._shadow is not None:  # one queue put at most; the comparison runs elsewhere
-            self._shadow.offer(snap, predictor, plan, version)
-        self.engines.seen(tenant, request.snapshot.engine_id, version)
+            self._shadow.offer(snap, predictor, plan, deployment)
+        self.engines.seen(tenant, request.snapshot.engine_id, deployment)
         dt = perf_counter_ns() - t0
         resp.server_us = dt // 1000
         decisions, seconds = self._decision_metrics(plan.policy, plan.path)
@@ -186,12 +193,12 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
     # ------------------------------------------------------------ metadata
     @rpc_errors(ready=False, log_rejected=False)
     def ListPolicies(self, request: pb.ListPoliciesRequest, context: grpc.ServicerContext) -> pb.ListPoliciesResponse:
-        resp = pb.ListPoliciesResponse(default_policy=self._versions.default)
+        resp = pb.ListPoliciesResponse(default_policy=self._deployments.default)
         resp.policies.extend(describe_to_pb(registry.describe(n)) for n in registry.names())
-        c = self._versions.config
-        if c is not None:
-            for name, spec in sorted(c.versions.items()):
-                resp.versions.add(name=name, policy=spec.policy, params=dict(spec.params),
+        c = self._deployments.config
+        if c is not None:  # the wire field keeps its pre-rename name (the proto is frozen)
+            for name, d in sorted(c.deployments.items()):
+                resp.versions.add(name=name, policy=d.policy, params=dict(d.params),
                                   policy_version=c.built[name].version)
             resp.shadow = c.shadow
             resp.config_digest = c.digest
