@@ -23,6 +23,7 @@ from scheduler_service.core import (
 from scheduler_service.core.plan import PATHS
 from scheduler_service.core.sorter import late_set
 from tests.factories import predict_cu
+from tests.reach import Reached
 from tests.strategies import NOW, predictors, snapshots
 
 VARIANTS: list[tuple[str, dict[str, Any]]] = [(n, {}) for n in sorted(registry.names())] + [
@@ -155,11 +156,13 @@ def test_sarathi_decodes_fill_the_chunk_first(snap: Snapshot, chunk: int) -> Non
     assert plan.token_budget <= min(chunk, snap.max_batch_tokens)
 
 
-@PROPS
-@given(snap=snapshots(max_n=12), factor=st.sampled_from([0.0, 1.0, 3.0]),
-       rule=st.sampled_from(["alone", "moore"]))
-def test_slidingserve_serves_lost_prefills_only_after_live_ones_fit(snap: Snapshot, factor: float,
-                                                                    rule: str) -> None:
+LOST_SERVED = Reached()
+
+
+@settings(PROPS, max_examples=300)
+@given(snap=st.one_of(snapshots(max_n=12), st.deferred(lambda: prefix_heavy_snapshots())),
+       factor=st.sampled_from([0.0, 1.0, 3.0]), rule=st.sampled_from(["alone", "moore"]))
+def _lost_prefills_after_live_ones(snap: Snapshot, factor: float, rule: str) -> None:
     """Lost prefills — expired; hopeless: more remaining tokens than the predictor's
     full-budget prefill rate × slack × hopeless_factor; with lost_rule moore, those
     Moore–Hodgson gives up on at the observed rate — sort last: one is served only when
@@ -175,12 +178,20 @@ def test_slidingserve_serves_lost_prefills_only_after_live_ones_fit(snap: Snapsh
 
     served_lost = [r for r in a if not snap.is_decoding[idx[r]] and gone[idx[r]]]
     if plan.path == "batch_constructor":
+        LOST_SERVED("batch_constructor")
         assert not served_lost
         assert all(a[r] == int(snap.remaining_prefill[idx[r]]) for r in a if not snap.is_decoding[idx[r]])
     elif served_lost:
+        LOST_SERVED("lost_served")
         live = [i for i in range(len(snap)) if not snap.is_decoding[i] and not gone[i]]
         assert all(a.get(snap.ids[i], 0) == int(snap.remaining_prefill[i]) for i in live)
     assert np.all(np.isfinite([plan.predicted_latency_ms]))
+
+
+def test_slidingserve_serves_lost_prefills_only_after_live_ones_fit() -> None:
+    """It reached its main check (a lost prefill served) on enough examples; the
+    batch-constructor branch is reached on few (the promise tests below cover that path)."""
+    LOST_SERVED.floor(_lost_prefills_after_live_ones, lost_served=20)  # 49 of 300 measured
 
 
 # ------------------------------------------------ plans keep their promise
