@@ -31,6 +31,7 @@ import grpc.aio
 import numpy as np
 
 from scheduler_service.core import BatchLatencyPredictor, FieldViolation, Plan, Snapshot
+from scheduler_service.core.params import param_text
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler_service.settings import FileWatch
@@ -391,7 +392,7 @@ def _profile(p: ProfileLike) -> EngineProfile | None:
 def _params_text(params: Mapping[str, Any] | None) -> dict[str, str]:
     if not params:
         return {}
-    return {str(k): ("true" if v else "false") if isinstance(v, bool) else str(v) for k, v in params.items()}
+    return {str(k): param_text(v) for k, v in params.items()}
 
 
 @dataclass(slots=True)

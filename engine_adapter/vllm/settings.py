@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from scheduler_service.core import registry
+from scheduler_service.core.params import param_text
 from scheduler_service.core.snapshot import MAX_SECONDS
 from scheduler_service.settings import (
     DocumentError,
@@ -267,7 +268,7 @@ def _coerce(name: str, raw: Any) -> Any:
             return json.dumps(raw)
         if typ is Mapping:  # params
             if isinstance(raw, Mapping):
-                return {str(k): ("true" if v is True else "false" if v is False else str(v)) for k, v in raw.items()}
+                return {str(k): param_text(v) for k, v in raw.items()}
             return parse_params(str(raw))
         return convert(typ, raw)
     except SettingsError:

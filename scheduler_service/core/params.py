@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from .errors import FieldViolation, ValidationError
 
-__all__ = ["describe", "override", "param"]
+__all__ = ["describe", "override", "param", "param_text"]
 
 P = TypeVar("P")
 
@@ -26,6 +26,12 @@ def param(default: Any, *, doc: str, lo: float | None = None, hi: float | None =
     return dataclasses.field(
         default=default, metadata={"doc": doc, "lo": lo, "hi": hi, "choices": choices}
     )
+
+
+def param_text(value: Any) -> str:
+    """A parameter value as text, the form of the wire's and the config's string maps:
+    booleans are ``true`` / ``false`` (what :func:`override` reads back), the rest ``str``."""
+    return ("true" if value else "false") if isinstance(value, bool) else str(value)
 
 
 def _coerce(name: str, typ: Any, raw: Any) -> Any:

@@ -32,6 +32,7 @@ from scheduler_service.core import (
     batch_features,
 )
 from scheduler_service.core.columns import COLUMNS
+from scheduler_service.core.params import param_text
 from scheduler_service.core.predictor import N_FEATURES, scenario_codes
 from scheduler_service.core.snapshot import MAX_BATCH_TOKENS, MAX_TOKENS
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
@@ -353,22 +354,18 @@ def report_from_pb(
 
 
 # ---------------------------------------------------------------- policies
-def _text(v: Any) -> str:
-    return ("true" if v else "false") if isinstance(v, bool) else str(v)
-
-
 def describe_to_pb(d: Mapping[str, Any]) -> pb.PolicyInfo:
     """``registry.describe(name)`` → :class:`pb.PolicyInfo`."""
     info = pb.PolicyInfo(name=d["name"], version=d["version"], doc=d.get("doc", ""))
     for p in d.get("params", []):
         item = info.params.add(
-            name=p["name"], type=str(p["type"]), default_value=_text(p["default"]), doc=p.get("doc", "")
+            name=p["name"], type=str(p["type"]), default_value=param_text(p["default"]), doc=p.get("doc", "")
         )
         if p.get("min") is not None:
             item.min = float(p["min"])
         if p.get("max") is not None:
             item.max = float(p["max"])
-        item.choices.extend(_text(c) for c in p.get("choices") or ())
+        item.choices.extend(param_text(c) for c in p.get("choices") or ())
     return info
 
 
