@@ -55,6 +55,7 @@ from scheduler_service.core import (
     ValidationError,
     registry,
 )
+from scheduler_service.core.params import param_text as _text
 from scheduler_service.settings import FileWatch, read_document
 
 from .metrics import Metrics
@@ -201,10 +202,6 @@ class PolicyConfig:
     @classmethod
     def from_file(cls, path: str | Path) -> PolicyConfig:
         return cls.from_mapping(read_document(path, "policy_config"), str(path))
-
-
-def _text(v: Any) -> str:
-    return "true" if v is True else "false" if v is False else str(v)
 
 
 class PolicySet:
