@@ -1,4 +1,4 @@
-"""Rolling upgrade: engines keep serving through a policy version change and a rolling restart.
+"""Rolling upgrade: engines keep serving through a default deployment change and a rolling restart.
 
 Two service replicas (real ``slidingserve serve`` processes with a policy config, default
 ``v1``) serve N simulated engines (real trace lengths, ground-truth GPU, paced in wall time)
@@ -58,7 +58,7 @@ class EngineRun:
     longest_fallback_run: int = 0
     iterations: int = 0
     error: str = ""
-    #: served version of the last remote decision, by phase label
+    #: served deployment of the last remote decision, by phase label
     phase_served: dict[str, Counter[str]] = dataclasses.field(default_factory=dict)
 
     @property
@@ -114,12 +114,12 @@ def _run_engine(run: EngineRun, target: str, speedup: float, phase: list[str], d
 def rolling_upgrade(workdir: Path, *, engines: int = 4, requests: int = 200, rate: float = 4.0,
                     speedup: float = 2.0, seed: int = 0, max_output: int = 128, deadline_ms: float = 200.0,
                     at: tuple[float, float, float] = (0.2, 0.4, 0.65), progress: bool = True) -> dict[str, Any]:
-    """Run the scenario; ``at``: when (fraction of the expected wall time) the version change
+    """Run the scenario; ``at``: when (fraction of the expected wall time) the default deployment change
     and the two restarts start."""
     quiet_logs()
     profile_predictor(DEFAULT_PROFILE)  # fit once, before any timing
     policy_file = workdir / "policies.json"
-    policy_file.write_text(json.dumps({"default": "v1", "versions": {"v1": V1, "v2": V2}}))
+    policy_file.write_text(json.dumps({"default": "v1", "deployments": {"v1": V1, "v2": V2}}))
     common = {"policy_config": str(policy_file), "policy_config_poll_s": 0.2, "grace_s": 1.0}
     (workdir / "a").mkdir(exist_ok=True)
     (workdir / "b").mkdir(exist_ok=True)
@@ -149,7 +149,7 @@ def rolling_upgrade(workdir: Path, *, engines: int = 4, requests: int = 200, rat
         t.start()
     try:
         time.sleep(max(0.0, t0 + at[0] * wall - time.monotonic()))
-        policy_file.write_text(json.dumps({"default": "v2", "versions": {"v1": V1, "v2": V2}}))
+        policy_file.write_text(json.dumps({"default": "v2", "deployments": {"v1": V1, "v2": V2}}))
         phase[0] = "reload"
         log("policy config: default v1 -> v2")
         time.sleep(max(0.0, t0 + at[1] * wall - time.monotonic()))

@@ -1,4 +1,4 @@
-"""Rolling upgrade (issue: fleet operation): simulated engines run through a policy version change
+"""Rolling upgrade (issue: fleet operation): simulated engines run through a default deployment change
 (config reload, v1 -> v2) and a rolling restart of both service replicas (real processes) with
 zero lost requests and a bounded number of fallback iterations.  The full-size figures come
 from ``python -m benchmarks.rolling_upgrade``."""
