@@ -167,3 +167,20 @@ def test_predictor_fit_bad_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str
     bad.write_text("x1,x2\n1,2\n")
     code, _, err = run(capsys, "predictor", "fit", "--csv", str(bad))
     assert code == 2 and "missing columns" in err
+
+
+def test_policies_lists_the_servers_deployments(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    conf = tmp_path / "p.json"
+    conf.write_text(json.dumps({"default": "v2", "deployments": {"v1": {"policy": "vllm-fcfs"},
+                                "v2": {"policy": "slidingserve", "params": {"window": 3}}}, "shadow": "v1"}))
+    with make_server(policy_config=str(conf)) as server:
+        code, out, err = run(capsys, "policies", "--server", server.target)
+        assert code == 0, err
+        lines = [ln for ln in out.splitlines() if ln.startswith("deployment ")]
+        assert len(lines) == 2
+        assert lines[0].startswith("deployment v1 (shadow): vllm-fcfs  (policy version ")
+        assert lines[1].startswith("deployment v2 (default): slidingserve window=3  (policy version ")
+        code, out, _ = run(capsys, "policies", "--json", "--server", server.target)
+        info = json.loads(out)
+        assert [d["name"] for d in info["deployments"]] == ["v1", "v2"]
+        assert info["versions"] == info["deployments"]  # the pre-rename key, kept for scripts
