@@ -111,7 +111,28 @@ class SchedulerServer:
         if cfg.auth_tokens_file and tls is None:
             log.warning("tokens_without_tls", hint="bearer tokens travel in plaintext; set tls_cert_file "
                         "unless every client is on loopback or a trusted network")
-        self.predictors = PredictorRegistry(
+        predictors = self._start_predictors(bootstrap)
+        policies, servicer = self._start_policies(predictors)
+        server = self._bind(policies, servicer, predictors, tls)
+        if cfg.health_port:
+            self._start_health_server()
+        server.start()
+        self._server = server
+        if not self._reuse_port:  # alone on the port: live (NOT_SERVING) while it loads
+            self._load_or_stop(policies)
+        self._start_side_services()
+        servicer.ready.set()
+        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info("server_started", address=cfg.address, port=self.port, metrics_port=self.metrics_port,
+                 default_policy=cfg.default_policy, predictor_version=bootstrap.version,
+                 tls=tls is not None, mutual_tls=bool(cfg.tls_client_ca_file),
+                 tokens=bool(cfg.auth_tokens_file), health_port=self.health_port)
+        return self
+
+    def _start_predictors(self, bootstrap: BatchLatencyPredictor) -> PredictorRegistry:
+        """The predictor registry, and the board of refits shared with the other workers."""
+        cfg = self.config
+        self.predictors = predictors = PredictorRegistry(
             bootstrap,
             RefitSettings(cfg.refit_every, cfg.refit_window, cfg.refit_holdout_fraction,
                           cfg.refit_min_samples, cfg.max_profiles,
@@ -122,20 +143,31 @@ class SchedulerServer:
             on_publish=self._publish,
         )
         if cfg.predictor_dir:  # before serving: a restarted worker starts from the latest refits
-            self.board = PredictorBoard(cfg.predictor_dir, self.predictors, cfg.predictor_sync_s)
+            self.board = PredictorBoard(cfg.predictor_dir, predictors, cfg.predictor_sync_s)
             self.board.poll()
+        return predictors
+
+    def _start_policies(self, predictors: PredictorRegistry) -> tuple[PolicyCache, SchedulerServicer]:
+        """The policy cache, the deployments of the policy config, the shadow runner and the servicer."""
+        cfg = self.config
         policies = PolicyCache()
         # deployments (policy config): a bad config fails the start (before binding), like a bad predictor
         try:
             pconf = PolicyConfig.from_file(cfg.policy_config) if cfg.policy_config else None
         except Exception:
-            self.predictors.close()
+            predictors.close()
             raise
         self.policies = PolicySet(cfg.default_policy, policies, pconf)
         self.shadow = ShadowRunner(self.policies, self.metrics)
         self._note_policy_config(pconf)
-        self.servicer = SchedulerServicer(cfg, self.predictors, self.metrics, policies,
+        self.servicer = SchedulerServicer(cfg, predictors, self.metrics, policies,
                                           policyset=self.policies, shadow=self.shadow)
+        return policies, self.servicer
+
+    def _bind(self, policies: PolicyCache, servicer: SchedulerServicer, predictors: PredictorRegistry,
+              tls: tuple[grpc.ServerCredentials, CertificateReloader] | None) -> grpc.Server:
+        """The gRPC server with its services (scheduler, health, reflection), bound to the port."""
+        cfg = self.config
         server = grpc.server(
             ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix="grpc"),
             options=[
@@ -149,7 +181,7 @@ class SchedulerServer:
             # One of several workers on the port: the kernel gives new connections to every
             # socket listening there, so a worker joins only once it can decide (workers.py).
             self._load_or_stop(policies)
-        add_servicer(self.servicer, server)  # never-raising request decoding (handlers.py)
+        add_servicer(servicer, server)  # never-raising request decoding (handlers.py)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
@@ -160,33 +192,26 @@ class SchedulerServer:
             port = server.add_secure_port(cfg.address, tls[0])
             self.certificates = tls[1]
         if port == 0:
-            self.predictors.close()
+            predictors.close()
             raise OSError(f"cannot bind {cfg.address}")
         self.port = port
-        if cfg.health_port:
-            self._start_health_server()
-        server.start()
-        self._server = server
-        if not self._reuse_port:  # alone on the port: live (NOT_SERVING) while it loads
-            self._load_or_stop(policies)
+        return server
+
+    def _start_side_services(self) -> None:
+        """The metrics endpoint, the policy config's watcher and the shared board's sync."""
+        cfg = self.config
         if cfg.metrics_port:
             self.metrics_port = self.metrics.serve_http(
                 "127.0.0.1" if self.target.startswith("127.") else cfg.host.strip("[]"),
                 max(cfg.metrics_port, 0),
             )
         if cfg.policy_config:
+            assert self.policies is not None
             self.policy_watcher = PolicyConfigWatcher(
                 cfg.policy_config, self.policies, self.metrics, cfg.policy_config_poll_s,
                 on_swap=self._note_policy_config).start()
         if self.board is not None:
             self.board.start()
-        self.servicer.ready.set()
-        self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        log.info("server_started", address=cfg.address, port=self.port, metrics_port=self.metrics_port,
-                 default_policy=cfg.default_policy, predictor_version=bootstrap.version,
-                 tls=tls is not None, mutual_tls=bool(cfg.tls_client_ca_file),
-                 tokens=bool(cfg.auth_tokens_file), health_port=self.health_port)
-        return self
 
     def _start_health_server(self) -> None:
         """Plaintext, health-only: probes (kubelet's gRPC probe, load balancers) speak

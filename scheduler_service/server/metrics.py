@@ -25,8 +25,21 @@ ERROR_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0, 100.0, 25
 
 
 class Metrics:
+    """The server's metrics in a registry of their own, registered group by group."""
+
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
+        self._decision_metrics(r)
+        self._predictor_metrics(r)
+        self._call_metrics(r)
+        self._deployment_metrics(r)
+        self._fleet_metrics(r)
+        self.known_engine_deployments: set[str] = set()
+        self._http: Any = None
+        self._lock = threading.Lock()
+
+    def _decision_metrics(self, r: CollectorRegistry) -> None:
+        """Decisions: how many, which failed, the server's time per decision."""
         self.decisions = Counter(
             "slidingserve_decisions", "Scheduling decisions made", ["policy", "path"], registry=r
         )
@@ -40,6 +53,9 @@ class Metrics:
             buckets=DECISION_BUCKETS,
             registry=r,
         )
+
+    def _predictor_metrics(self, r: CollectorRegistry) -> None:
+        """The per-profile predictors and the iteration reports that refit them."""
         self.predictor_abs_error_ms = Histogram(
             "slidingserve_predictor_abs_error_ms",
             "Absolute error of the current predictor vs each reported measured latency (ms)",
@@ -63,6 +79,9 @@ class Metrics:
         self.predictor_version = Info(
             "slidingserve_predictor", "Current predictor version per profile", ["profile"], registry=r
         )
+
+    def _call_metrics(self, r: CollectorRegistry) -> None:
+        """Open streams and the calls refused by authentication or the per-identity limits."""
         self.active_streams = Gauge(
             "slidingserve_active_streams", "Open ScheduleStream calls", registry=r
         )
@@ -75,6 +94,9 @@ class Metrics:
         self.auth_failures = Counter(
             "slidingserve_auth_failures", "Calls refused by authentication or authorisation", ["reason"], registry=r
         )
+
+    def _deployment_metrics(self, r: CollectorRegistry) -> None:
+        """The policy config's deployments, its reloads and the shadow deployment."""
         # deployments (deployments.py): their names come from the operator's config, bounded.
         # The *_version series are the pre-rename spellings, kept as aliases with the same values
         # so existing dashboards and alerts keep working (docs/operations.md, metric table).
@@ -111,7 +133,9 @@ class Metrics:
             "slidingserve_shadow_decision_seconds", "Time the shadow deployment takes per decision", ["version"],
             buckets=DECISION_BUCKETS, registry=r,
         )
-        # the fleet (engines.py): gauges refreshed by the engine table's sweeps
+
+    def _fleet_metrics(self, r: CollectorRegistry) -> None:
+        """The fleet (engines.py): gauges refreshed by the engine table's sweeps."""
         self.engines_active = Gauge(
             "slidingserve_engines_active", "Engines seen within engine_ttl_s", registry=r
         )
@@ -128,9 +152,6 @@ class Metrics:
             "slidingserve_engines_removed", "Engine records removed: expired (idle) or evicted (max_engines)",
             ["reason"], registry=r,
         )
-        self.known_engine_deployments: set[str] = set()
-        self._http: Any = None
-        self._lock = threading.Lock()
 
     def serve_http(self, host: str, port: int) -> int:
         """Start the /metrics HTTP endpoint; ``port`` 0 here means "any free port"."""
