@@ -54,8 +54,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 ENV_PREFIX = "SLIDINGSERVE_"
-#: ``SLIDINGSERVE_POLICY`` value that follows the service's default policy version (what an
-#: empty ``ScheduleRequest.policy`` selects) instead of naming a policy or version.
+#: ``SLIDINGSERVE_POLICY`` value that follows the service's default deployment (what an
+#: empty ``ScheduleRequest.policy`` selects) instead of naming a policy or deployment.
 FOLLOW_DEFAULT = "default"
 
 
@@ -126,8 +126,8 @@ class VllmAdapterSettings:
 
     #: ``host:port`` of the scheduling service, or ``inproc`` (policy in the engine process).
     address: str = "inproc"
-    #: A registry policy, a policy version of the service's policy config (pins it), or
-    #: ``default`` (follow the service's default version; in-process: ``slidingserve``).
+    #: A registry policy, a deployment of the service's policy config (pins it), or
+    #: ``default`` (follow the service's default deployment; in-process: ``slidingserve``).
     policy: str = "slidingserve"
     params: Mapping[str, str] = field(default_factory=dict)
     #: Time the engine waits for a remote plan before scheduling natively.

@@ -64,10 +64,10 @@ class ServerConfig:
     predictor_file: str = ""
     #: Log level: debug, info, warning or error.
     log_level: str = "info"
-    # policy versions (scheduler_service/server/deployments.py)
-    #: Policy config file (YAML/TOML/JSON): named versions side by side, the default, a shadow.
+    # deployments (scheduler_service/server/deployments.py)
+    #: Policy config file (YAML/TOML/JSON): named deployments side by side, the default, a shadow.
     #: Re-read on change; a bad file is refused and the last good one keeps serving.  Empty:
-    #: no versions, requests name registry policies and ``default_policy`` applies.
+    #: no deployments, requests name registry policies and ``default_policy`` applies.
     policy_config: str = ""
     #: Seconds between checks of the policy config file for changes.
     policy_config_poll_s: float = 2.0
