@@ -22,6 +22,24 @@ def plan_violations(snapshot: Snapshot, plan: Plan, *, limit: int = 10) -> list[
     reason is not checked (``REJECT_REASONS`` lists today's, a later service may add one).
     """
     problems: list[str] = []
+    seen, total = _check_allocations(snapshot, plan, limit, problems)
+    if total != plan.token_budget:
+        problems.append(f"token_budget {plan.token_budget} != sum of allocations {total}")
+    if total > snapshot.max_batch_tokens:
+        problems.append(f"{total} tokens exceed max_batch_tokens {snapshot.max_batch_tokens}")
+    if len(plan.allocations) > snapshot.max_num_seqs:
+        problems.append(f"{len(plan.allocations)} requests exceed max_num_seqs {snapshot.max_num_seqs}")
+    preempted, freed = _check_preemptions(snapshot, plan, seen, problems)
+    if snapshot.free_kv_tokens is not None and total > snapshot.free_kv_tokens + freed:
+        extra = f" + {freed} freed by preemption" if freed else ""
+        problems.append(f"{total} tokens exceed free_kv_tokens {snapshot.free_kv_tokens}{extra}")
+    _check_rejections(snapshot, plan, seen, preempted, problems)
+    return problems[:limit]
+
+
+def _check_allocations(snapshot: Snapshot, plan: Plan, limit: int, problems: list[str]) -> tuple[set[str], int]:
+    """Each allocation on its own (appended to ``problems``, stopping at ``limit``): the ids
+    allocated and the tokens they add up to."""
     index = snapshot.index_of
     seen: set[str] = set()
     total = 0
@@ -40,12 +58,13 @@ def plan_violations(snapshot: Snapshot, plan: Plan, *, limit: int = 10) -> list[
         if not 1 <= a.tokens <= need:
             problems.append(f"request {a.id!r} gets {a.tokens} tokens, allowed 1..{need}")
         total += a.tokens
-    if total != plan.token_budget:
-        problems.append(f"token_budget {plan.token_budget} != sum of allocations {total}")
-    if total > snapshot.max_batch_tokens:
-        problems.append(f"{total} tokens exceed max_batch_tokens {snapshot.max_batch_tokens}")
-    if len(plan.allocations) > snapshot.max_num_seqs:
-        problems.append(f"{len(plan.allocations)} requests exceed max_num_seqs {snapshot.max_num_seqs}")
+    return seen, total
+
+
+def _check_preemptions(snapshot: Snapshot, plan: Plan, seen: set[str],
+                       problems: list[str]) -> tuple[set[str], int]:
+    """Each preemption (appended to ``problems``): the ids preempted and the KV tokens freed."""
+    index = snapshot.index_of
     freed = 0
     preempted: set[str] = set()
     for rid in plan.preemptions:
@@ -61,9 +80,13 @@ def plan_violations(snapshot: Snapshot, plan: Plan, *, limit: int = 10) -> list[
         else:
             freed += int(snapshot.kv_tokens[i])
         preempted.add(rid)
-    if snapshot.free_kv_tokens is not None and total > snapshot.free_kv_tokens + freed:
-        extra = f" + {freed} freed by preemption" if freed else ""
-        problems.append(f"{total} tokens exceed free_kv_tokens {snapshot.free_kv_tokens}{extra}")
+    return preempted, freed
+
+
+def _check_rejections(snapshot: Snapshot, plan: Plan, seen: set[str], preempted: set[str],
+                      problems: list[str]) -> None:
+    """Each rejection (appended to ``problems``)."""
+    index = snapshot.index_of
     rejected: set[str] = set()
     for r in plan.rejections:
         i = index.get(r.id)
@@ -78,4 +101,3 @@ def plan_violations(snapshot: Snapshot, plan: Plan, *, limit: int = 10) -> list[
         elif r.id in preempted:
             problems.append(f"rejects request {r.id!r} and also preempts it")
         rejected.add(r.id)
-    return problems[:limit]
