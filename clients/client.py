@@ -9,6 +9,7 @@ module does: no server, no prometheus.
 from scheduler_service.client import (
     AsyncSchedulerClient,
     ClientSecurity,
+    DeploymentInfo,
     EngineProfile,
     IterationReport,
     PolicyInfo,
@@ -23,6 +24,7 @@ from scheduler_service.client import (
 __all__ = [
     "AsyncSchedulerClient",
     "ClientSecurity",
+    "DeploymentInfo",
     "EngineProfile",
     "IterationReport",
     "PolicyInfo",
