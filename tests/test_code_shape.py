@@ -19,11 +19,7 @@ GENERATED = "scheduler_service/gen/"
 
 #: Still to split: ``path:qualified name``.
 STILL_TO_SPLIT = {
-    "engine_adapter/vllm/scheduler.py:SlidingServeMixin._decide",
-    "engine_adapter/vllm/scheduler.py:SlidingServeMixin._fit",
     "engine_adapter/vllm/snapshot.py:SnapshotBuilder.build",
-    "scheduler_service/core/slidingserve.py:SlidingServePolicy._plan",
-    "scheduler_service/server/deployments.py:PolicyConfig.from_mapping",
 }
 
 

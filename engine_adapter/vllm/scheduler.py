@@ -82,6 +82,8 @@ from engine_adapter.remote import GrpcBackend  # noqa: E402
 from scheduler_service.core import Plan, Rejection, Snapshot, default_predictor  # noqa: E402
 from scheduler_service.server.predictors import PredictorRegistry, RefitSettings  # noqa: E402
 
+from .fit import Fit, KvRules, decodes_needing_block, execution_order, fit_plan  # noqa: E402
+from .fit import View as _View  # noqa: E402
 from .settings import (  # noqa: E402
     FOLLOW_DEFAULT,
     SettingsError,
@@ -102,23 +104,6 @@ _SCHEDULABLE = frozenset((RequestStatus.WAITING, RequestStatus.PREEMPTED, Reques
 
 _status_of = operator.attrgetter("status")
 _WAITING = frozenset((RequestStatus.WAITING, RequestStatus.PREEMPTED))
-
-
-@dataclass(slots=True)
-class _View:
-    """One snapshot of vLLM's queues with what executing a plan on it needs."""
-
-    snap: Snapshot
-    #: vLLM request objects aligned with the snapshot's rows
-    rows: list[Any]
-    #: vLLM's ``num_computed_tokens`` per row, and how many leading rows are running
-    computed: np.ndarray
-    running_rows: int
-    #: requests left out because they are blocked (remote KV, grammar, streaming input)
-    blocked: set[str]
-    #: running requests whose next token needs a new KV block (see ``_kv_short``);
-    #: counted for projected views only
-    kv_need: int = 0
 
 
 @dataclass(slots=True)
@@ -370,12 +355,8 @@ class SlidingServeMixin:
             max_num_seqs=self.max_num_running_reqs, free_kv_tokens=free_tokens,
             now=time.time() + ahead_s, project=project)
         rr = builder.last_running_rows
-        kv_need = 0
-        if project:  # a view taken now is checked with _kv_short instead, before it is taken
-            comp = builder.last_computed[:rr]
-            left = snap.prompt_tokens[:rr] - snap.computed_tokens[:rr]
-            one = (left == 1) | ((left == 0) & (snap.output_tokens[:rr] >= 1))
-            kv_need = int(np.count_nonzero(one & (comp % self.block_size == 0)))
+        # a view taken now is checked with _kv_short instead, before it is taken
+        kv_need = decodes_needing_block(snap, builder.last_computed, rr, self.block_size) if project else 0
         return _View(snap, rows, builder.last_computed, rr, blocked, kv_need)
 
     def _snapshot(self) -> tuple[Snapshot, list[Any], int]:
@@ -399,95 +380,18 @@ class SlidingServeMixin:
         free = int(self.kv_cache_manager.block_pool.get_num_free_blocks())
         return f"{need} decodes need a new KV block, {free} free" if need > free else ""
 
-    def _fit(self, view: _View, plan: dict[str, int], free_blocks: int, *, stale: bool = False) -> tuple[str, int]:
-        """Mirror vLLM's KV rules on the plan: ("why it cannot run", 0) when its
-        running requests need more blocks than are free (vLLM would preempt), else
-        ("", trimmed) after shrinking running prefill chunks that the free blocks cannot
-        hold and dropping, from ``plan``, the admissions vLLM's own admission control would refuse (free sequence slots; the whole prompt must
-        fit, ``scheduler_reserve_full_isl``; the watermark).  Running requests are
-        placed first, as vLLM does; prefix-cache hits are ignored (conservative).
-        ``stale``: the view was taken before the last ``update_from_output``, so
-        requests that finished since are dropped from the plan first."""
-        snap, rows = view.snap, view.rows
-        if stale:
-            # vLLM collects the requests freed since the last schedule() (finished, aborted)
-            # in finished_req_ids, exactly the window since the view was taken
-            for rid in self.finished_req_ids:
-                plan.pop(rid, None)
-        keys = list(plan)
-        idx = np.fromiter(map(snap.index_of.__getitem__, keys), np.int64, len(keys))
-        n = np.fromiter(plan.values(), np.int64, len(keys))
-        is_run = idx < view.running_rows
-        b = self.block_size
-        la = self.num_lookahead_tokens
-        run_idx = idx[is_run]
-        comp = view.computed[run_idx]
-        n_run = n[is_run]
-        need_run = np.maximum(0, -(-(comp + n_run + la) // b) + (-comp // b))
-        free = free_blocks - int(need_run.sum())
-        trimmed = 0
-        if free < 0:
-            # The headroom counts the free tail of every running request's last block, which
-            # only that request can use; a plan that leaves some running decodes out (they are
-            # ahead of their deadlines) can ask for more.  Shrink the running prefill chunks,
-            # last planned first, by the missing blocks before giving up on the plan.
-            run_keys = [k for k, r in zip(keys, is_run.tolist(), strict=True) if r]
-            for j in range(len(run_keys) - 1, -1, -1):
-                if free >= 0:
-                    break
-                if n_run[j] <= 1:
-                    continue  # a decode
-                held = -(-int(comp[j]) // b)
-                keep = max(0, int(need_run[j]) + free)  # blocks this chunk may still take
-                n_new = min(int(n_run[j]), (held + keep) * b - int(comp[j]) - la)
-                free += int(need_run[j]) - keep
-                if n_new <= 0:
-                    del plan[run_keys[j]]
-                else:
-                    plan[run_keys[j]] = n_new
-                trimmed += 1
-            if free < 0:
-                return f"running requests need {free_blocks - free} KV blocks, {free_blocks} free", 0
-            keys = list(plan)
-            idx = np.fromiter(map(snap.index_of.__getitem__, keys), np.int64, len(keys))
-            n = np.fromiter(plan.values(), np.int64, len(keys))
-            is_run = idx < view.running_rows
-            run_idx = idx[is_run]
-        self._ss_run_order = list(map(rows.__getitem__, run_idx.tolist()))
-        admitted: list[Any] = []
-        self._ss_admit = admitted
-        slots = min(self.max_num_running_reqs, self.max_num_active_reqs) - len(self.running)
-        watermark = int(getattr(self.kv_cache_manager, "watermark_blocks", 0)) if self.running else 0
-        full_isl = bool(getattr(self, "scheduler_reserve_full_isl", False))
-        for j in np.flatnonzero(~is_run).tolist():
-            rid = keys[j]
-            r = rows[idx[j]]
-            n_j = int(n[j])
-            comp_j = r.num_computed_tokens
-            held = -(-comp_j // b)
-            need = max(0, -(-(comp_j + n_j + la) // b) - held)
-            full = max(0, -(-r.num_tokens // b) - held) if full_isl else 0
-            if slots <= 0 or max(need, full) + watermark > free:
-                del plan[rid]
-                trimmed += 1
-                continue
-            slots -= 1
-            free -= need
-            admitted.append(r)
-        if not plan and trimmed:
-            # Only admissions were planned (running decodes ahead of their deadlines sat out
-            # for them) and vLLM refuses them all: run those decodes rather than nothing.
-            self._ss_run_order = []
-            for row, r in enumerate(rows[:view.running_rows]):
-                comp_r = int(view.computed[row])
-                if comp_r < r.num_tokens - 1:
-                    continue  # still prefilling
-                need = max(0, -(-(comp_r + 1 + la) // b) + (-comp_r // b))
-                if need <= free:
-                    free -= need
-                    plan[r.request_id] = 1
-                    self._ss_run_order.append(r)
-        return "", trimmed
+    def _fit(self, view: _View, plan: dict[str, int], free_blocks: int, *, stale: bool = False) -> Fit:
+        """:func:`fit_plan` with this engine's KV and admission state; ``stale``: the view
+        was taken before the last ``update_from_output`` (vLLM collects the requests freed
+        since the last ``schedule()`` in ``finished_req_ids``, exactly that window)."""
+        rules = KvRules(
+            block_size=self.block_size, lookahead=self.num_lookahead_tokens, free_blocks=free_blocks,
+            slots=min(self.max_num_running_reqs, self.max_num_active_reqs) - len(self.running),
+            watermark=int(getattr(self.kv_cache_manager, "watermark_blocks", 0)) if self.running else 0,
+            full_isl=bool(getattr(self, "scheduler_reserve_full_isl", False)))
+        fit = fit_plan(view, plan, rules, self.finished_req_ids if stale else ())
+        self._ss_run_order, self._ss_admit = fit.run_order, fit.admit
+        return fit
 
     # ----------------------------------------------------------------- decision
     def _fallback(self, reason: str, detail: str) -> None:
@@ -548,24 +452,30 @@ class SlidingServeMixin:
         if decision.plan is None:
             self._fallback(decision.reason, core.last_error)
             return None
-        if decision.plan.rejections:
-            self._reject(decision.plan.rejections)
-        if decision.plan.preemptions and self._preempt(decision.plan.preemptions):
+        return self._take(view, decision.plan, free_blocks, stale=pending is not None)
+
+    def _take(self, view: _View, decided: Plan, free_blocks: int, *, stale: bool) -> dict[str, int] | None:
+        """The plan's rejections and preemptions carried out now, and its allocations as
+        vLLM can execute them (:meth:`_fit`); None for native scheduling."""
+        if decided.rejections:
+            self._reject(decided.rejections)
+        if decided.preemptions and self._preempt(decided.preemptions):
             free_blocks = int(self.kv_cache_manager.block_pool.get_num_free_blocks())
-        plan = decision.plan.tokens_by_id()
+        plan = decided.tokens_by_id()
         if not plan:
-            self._fallback("empty_plan", f"policy path {decision.plan.path!r} schedules nothing")
+            self._fallback("empty_plan", f"policy path {decided.path!r} schedules nothing")
             return None
-        why, trimmed = self._fit(view, plan, free_blocks, stale=pending is not None)
-        if why:
-            self._fallback("unallocatable", why)
+        fit = self._fit(view, plan, free_blocks, stale=stale)
+        if fit.why:
+            self._fallback("unallocatable", fit.why)
             return None
-        if trimmed:
-            self._ss_counts["trimmed_admissions"] += trimmed
+        if fit.trimmed:
+            self._ss_counts["trimmed_admissions"] += fit.trimmed
+        plan = fit.plan
         if not plan:  # finished meanwhile, or our estimate ignores prefix hits: vLLM decides
             self._fallback("unallocatable", "no planned request fits vLLM's admission rules")
             return None
-        self._ss_ahead_s = decision.plan.predicted_latency_ms / 1e3
+        self._ss_ahead_s = decided.predicted_latency_ms / 1e3
         return plan
 
     def _reject(self, rejections: Sequence[Rejection]) -> None:
@@ -760,22 +670,10 @@ class SlidingServeMixin:
         """``super().schedule()`` with the queues ordered and the hooks capping by ``plan``."""
         running0 = list(self.running)
         waiting0 = list(self.waiting)
-        # planned running requests in plan order, then the unplanned ones in their order
-        order = self._ss_run_order
-        if len(order) != len(running0):
-            planned = set(map(id, order))
-            order = order + [r for r in running0 if id(r) not in planned]
+        order, planned_waiting = execution_order(
+            running0, waiting0, Fit(plan, self._ss_run_order, self._ss_admit), holding=self.kv_holding_waiting,
+            blocked=[r for r in waiting0 if r.status not in _SCHEDULABLE] if self._ss_blocked else ())
         self.running[:] = order
-        # only the planned waiting requests (plan order), not those in kv_holding_waiting
-        planned_waiting = self._ss_admit
-        if self.kv_holding_waiting:
-            holding = set(map(id, self.kv_holding_waiting))
-            planned_waiting = [r for r in planned_waiting if id(r) not in holding]
-        else:
-            planned_waiting = list(planned_waiting)
-        # blocked requests stay visible so vLLM still promotes them when they are ready
-        if self._ss_blocked:
-            planned_waiting += [r for r in waiting0 if r.status not in _SCHEDULABLE]
         self.waiting.clear()
         self.waiting.extend(planned_waiting)
         self._ss_hidden = len(waiting0) - len(planned_waiting)

@@ -268,6 +268,19 @@ class SlidingServePolicy:
             W = W / p.margin
         return W
 
+    def _queue(self, snap: Snapshot, pre: np.ndarray, lost: np.ndarray, rho: float) -> tuple[np.ndarray, np.ndarray]:
+        """The prefill queue (MLPS or EDF) and which of ``pre`` starve: those head it,
+        oldest first (the starvation bound)."""
+        p = self.params
+        if p.order == "mlps":
+            queue = mlps_order(snap, pre, rho, p.alpha, p.epsilon_s, lost=lost)
+        else:
+            queue = edf_order(snap, pre, expired_last=False)
+        starving = self._starving(snap, pre)
+        if starving.any():
+            queue = np.concatenate([ordered(snap, pre[starving]), queue[np.isin(queue, pre[~starving])]])
+        return queue, starving
+
     def _plan(self, snap: Snapshot, predictor: BatchLatencyPredictor, t0: int, dec_all: np.ndarray,
               runnable: np.ndarray, pre: np.ndarray, lost: np.ndarray, live: np.ndarray, rho: float) -> Plan:
         p = self.params
@@ -275,13 +288,7 @@ class SlidingServePolicy:
         if p.class_sit_out and not snap.one_class:
             decodes = fit_class_decodes(snap, predictor, decodes, p.margin)
         n_dec = len(decodes)
-        if p.order == "mlps":
-            queue = mlps_order(snap, pre, rho, p.alpha, p.epsilon_s, lost=lost)
-        else:
-            queue = edf_order(snap, pre, expired_last=False)
-        starving = self._starving(snap, pre)
-        if starving.any():  # the starvation bound: they head the queue, oldest first
-            queue = np.concatenate([ordered(snap, pre[starving]), queue[np.isin(queue, pre[~starving])]])
+        queue, starving = self._queue(snap, pre, lost, rho)
         t1 = time.perf_counter_ns()
         cq = CandidateQueue.build(
             snap, predictor, decodes, queue,

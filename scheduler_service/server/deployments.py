@@ -129,65 +129,16 @@ class PolicyConfig:
         deployments: dict[str, Deployment] = {}
         built: dict[str, Policy] = {}
         for name, spec in raw_deployments.items():
-            where = f"{key}.{name}"
-            name = str(name)
-            if not name or len(name) > 64 or not set(name) <= _NAME_CHARS:
-                errs.append(FieldViolation(where, "name must be 1-64 characters of [A-Za-z0-9._-]"))
-                continue
-            if name in registry.names() or name == "default":
-                errs.append(FieldViolation(where, f"name {name!r} is reserved (a registry policy or 'default'); "
-                                                  "choose another"))
-                continue
-            if not isinstance(spec, Mapping):
-                errs.append(FieldViolation(where, "must be a mapping {policy, params}"))
-                continue
-            extra = sorted(set(map(str, spec)) - {"policy", "params"})
-            errs += [FieldViolation(f"{where}.{k}", "unknown key; valid: policy, params") for k in extra]
-            policy = spec.get("policy")
-            params = spec.get("params") or {}
-            if not isinstance(policy, str) or not policy:
-                errs.append(FieldViolation(f"{where}.policy", "must name a registered policy"))
-                continue
-            if not isinstance(params, Mapping):
-                errs.append(FieldViolation(f"{where}.params", "must be a mapping of parameter names to values"))
-                continue
-            text = {str(k): _text(v) for k, v in params.items()}
-            try:
-                built[name] = registry.create(policy, text or None)
-            except ValidationError as e:
-                errs += [FieldViolation(f"{where}.{v.field}" if v.field else where, v.description)
-                         for v in e.violations]
-                continue
-            deployments[name] = Deployment(name, policy, text)
+            one = _deployment(f"{key}.{name}", str(name), spec, errs)
+            if one is not None:
+                deployments[one[0].name], built[one[0].name] = one
         default = data.get("default")
         if not isinstance(default, str) or not default:
             errs.append(FieldViolation("default", "must name one of the deployments"))
         elif raw_deployments and default not in raw_deployments:
             errs.append(FieldViolation("default", f"{default!r} is not a deployment; "
                                                   f"deployments: {sorted(raw_deployments)}"))
-        shadow, sample = "", 1.0
-        raw_shadow = data.get("shadow")
-        if raw_shadow is not None:
-            if isinstance(raw_shadow, str):
-                raw_shadow = {SHADOW_KEY: raw_shadow}
-            if not isinstance(raw_shadow, Mapping):
-                errs.append(FieldViolation("shadow", "must be a deployment name or {deployment, sample}"))
-            else:
-                extra = sorted(set(map(str, raw_shadow)) - {SHADOW_KEY, SHADOW_ALIAS, "sample"})
-                errs += [FieldViolation(f"shadow.{k}", "unknown key; valid: deployment (alias: version), sample")
-                         for k in extra]
-                skey = SHADOW_ALIAS if SHADOW_ALIAS in raw_shadow and SHADOW_KEY not in raw_shadow else SHADOW_KEY
-                if SHADOW_KEY in raw_shadow and SHADOW_ALIAS in raw_shadow:
-                    errs.append(FieldViolation(f"shadow.{SHADOW_ALIAS}", "'version' is the old name of "
-                                                                         "'deployment'; give one of them, not both"))
-                shadow = str(raw_shadow.get(skey, ""))
-                if shadow not in raw_deployments:
-                    errs.append(FieldViolation(f"shadow.{skey}", f"{shadow!r} is not a deployment"))
-                s = raw_shadow.get("sample", 1.0)
-                if isinstance(s, bool) or not isinstance(s, int | float) or not 0.0 < float(s) <= 1.0:
-                    errs.append(FieldViolation("shadow.sample", f"must be a number in (0, 1], got {s!r}"))
-                else:
-                    sample = float(s)
+        shadow, sample = _shadow(data.get("shadow"), raw_deployments, errs)
         if errs:
             raise ValidationError(errs)
         assert isinstance(default, str)
@@ -202,6 +153,64 @@ class PolicyConfig:
     @classmethod
     def from_file(cls, path: str | Path) -> PolicyConfig:
         return cls.from_mapping(read_document(path, "policy_config"), str(path))
+
+def _deployment(where: str, name: str, spec: Any, errs: list[FieldViolation]) -> tuple[Deployment, Policy] | None:
+    """One entry of the config, built; None (its problems added to ``errs``) when invalid."""
+    if not name or len(name) > 64 or not set(name) <= _NAME_CHARS:
+        errs.append(FieldViolation(where, "name must be 1-64 characters of [A-Za-z0-9._-]"))
+        return None
+    if name in registry.names() or name == "default":
+        errs.append(FieldViolation(where, f"name {name!r} is reserved (a registry policy or 'default'); "
+                                          "choose another"))
+        return None
+    if not isinstance(spec, Mapping):
+        errs.append(FieldViolation(where, "must be a mapping {policy, params}"))
+        return None
+    extra = sorted(set(map(str, spec)) - {"policy", "params"})
+    errs += [FieldViolation(f"{where}.{k}", "unknown key; valid: policy, params") for k in extra]
+    policy = spec.get("policy")
+    params = spec.get("params") or {}
+    if not isinstance(policy, str) or not policy:
+        errs.append(FieldViolation(f"{where}.policy", "must name a registered policy"))
+        return None
+    if not isinstance(params, Mapping):
+        errs.append(FieldViolation(f"{where}.params", "must be a mapping of parameter names to values"))
+        return None
+    text = {str(k): _text(v) for k, v in params.items()}
+    try:
+        built = registry.create(policy, text or None)
+    except ValidationError as e:
+        errs += [FieldViolation(f"{where}.{v.field}" if v.field else where, v.description) for v in e.violations]
+        return None
+    return Deployment(name, policy, text), built
+
+
+def _shadow(raw_shadow: Any, deployments: Mapping[Any, Any], errs: list[FieldViolation]) -> tuple[str, float]:
+    """(shadow deployment, sample share) of the config's ``shadow`` entry; ("", 1.0) without one."""
+    shadow, sample = "", 1.0
+    if raw_shadow is None:
+        return shadow, sample
+    if isinstance(raw_shadow, str):
+        raw_shadow = {SHADOW_KEY: raw_shadow}
+    if not isinstance(raw_shadow, Mapping):
+        errs.append(FieldViolation("shadow", "must be a deployment name or {deployment, sample}"))
+        return shadow, sample
+    extra = sorted(set(map(str, raw_shadow)) - {SHADOW_KEY, SHADOW_ALIAS, "sample"})
+    errs += [FieldViolation(f"shadow.{k}", "unknown key; valid: deployment (alias: version), sample") for k in extra]
+    skey = SHADOW_ALIAS if SHADOW_ALIAS in raw_shadow and SHADOW_KEY not in raw_shadow else SHADOW_KEY
+    if SHADOW_KEY in raw_shadow and SHADOW_ALIAS in raw_shadow:
+        errs.append(FieldViolation(f"shadow.{SHADOW_ALIAS}", "'version' is the old name of "
+                                                             "'deployment'; give one of them, not both"))
+    shadow = str(raw_shadow.get(skey, ""))
+    if shadow not in deployments:
+        errs.append(FieldViolation(f"shadow.{skey}", f"{shadow!r} is not a deployment"))
+    s = raw_shadow.get("sample", 1.0)
+    if isinstance(s, bool) or not isinstance(s, int | float) or not 0.0 < float(s) <= 1.0:
+        errs.append(FieldViolation("shadow.sample", f"must be a number in (0, 1], got {s!r}"))
+    else:
+        sample = float(s)
+    return shadow, sample
+
 
 
 class PolicySet:

@@ -1,0 +1,205 @@
+"""The adapter's decisions on vLLM's queues, as pure functions (no vLLM import).
+
+:class:`~engine_adapter.vllm.scheduler.SlidingServeMixin` keeps only vLLM's hooks; what it
+decides about a plan lives here, where tests run without vLLM (tests/test_vllm_fit.py):
+
+* :func:`fit_plan`: the plan vLLM can execute — vLLM's KV block arithmetic and admission
+  control applied to a policy's plan (running requests first, as vLLM places them);
+* :func:`decodes_needing_block`: how many running decodes need a new KV block for their
+  next token (when there are more than free blocks only vLLM's preemption can help);
+* :func:`execution_order`: the running and waiting queues ``schedule()`` sees to execute
+  a fitted plan.
+
+A request is anything with vLLM's ``request_id``, ``num_computed_tokens`` and
+``num_tokens`` attributes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from scheduler_service.core import Snapshot
+
+__all__ = ["Fit", "KvRules", "View", "decodes_needing_block", "execution_order", "fit_plan"]
+
+
+@dataclass(slots=True)
+class View:
+    """One snapshot of vLLM's queues with what executing a plan on it needs."""
+
+    snap: Snapshot
+    #: vLLM request objects aligned with the snapshot's rows
+    rows: list[Any]
+    #: vLLM's ``num_computed_tokens`` per row, and how many leading rows are running
+    computed: np.ndarray
+    running_rows: int
+    #: requests left out because they are blocked (remote KV, grammar, streaming input)
+    blocked: set[str]
+    #: running requests whose next token needs a new KV block (:func:`decodes_needing_block`);
+    #: counted for projected views only
+    kv_need: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class KvRules:
+    """vLLM's KV and admission state a plan must fit."""
+
+    block_size: int
+    #: speculative lookahead tokens every scheduled request reserves room for
+    lookahead: int
+    free_blocks: int
+    #: sequence slots left: min(max_num_running_reqs, max_num_active_reqs) − running
+    slots: int
+    #: blocks an admission must leave free (vLLM's watermark; 0 while nothing runs)
+    watermark: int = 0
+    #: ``scheduler_reserve_full_isl``: an admission needs room for its whole prompt
+    full_isl: bool = False
+
+
+@dataclass(slots=True)
+class Fit:
+    """What vLLM can execute of a plan."""
+
+    #: request id → tokens, without what vLLM would refuse (a new dict)
+    plan: dict[str, int]
+    #: planned running requests, in plan order
+    run_order: list[Any] = field(default_factory=list)
+    #: planned waiting requests vLLM will admit, in plan order
+    admit: list[Any] = field(default_factory=list)
+    #: chunks shrunk and admissions dropped
+    trimmed: int = 0
+    #: non-empty: the running requests need more blocks than are free (vLLM would preempt)
+    why: str = ""
+
+
+def _ceil_div(a: Any, b: int) -> Any:
+    return -(-a // b)
+
+
+def fit_plan(view: View, plan: dict[str, int], kv: KvRules, finished: Collection[str] = ()) -> Fit:
+    """Mirror vLLM's KV rules on ``plan``: running prefill chunks the free blocks cannot hold
+    are shrunk (last planned first), admissions vLLM's own admission control would refuse are
+    dropped (free sequence slots; the whole prompt when ``full_isl``; the watermark), and
+    ``why`` is set when even then the running requests need more blocks than are free.
+    Prefix-cache hits are ignored (conservative).  ``finished``: requests finished since the
+    view was taken (dropped first)."""
+    plan = {k: v for k, v in plan.items() if k not in finished} if finished else dict(plan)
+    fit = Fit(plan)
+    idx, n, is_run = _rows(view, plan)
+    b, la = kv.block_size, kv.lookahead
+    comp = view.computed[idx[is_run]]
+    need_run = np.maximum(0, _ceil_div(comp + n[is_run] + la, b) + (-comp // b))
+    free = kv.free_blocks - int(need_run.sum())
+    if free < 0:
+        free = _shrink_running(fit, [k for k, r in zip(plan, is_run.tolist(), strict=True) if r],
+                               comp, n[is_run], need_run, free, kv)
+        if free < 0:
+            fit.why = f"running requests need {kv.free_blocks - free} KV blocks, {kv.free_blocks} free"
+            return fit
+        idx, n, is_run = _rows(view, plan)
+    fit.run_order = list(map(view.rows.__getitem__, idx[is_run].tolist()))
+    free = _admit(fit, view, list(plan), idx, n, is_run, free, kv)
+    if not plan and fit.trimmed:
+        # Only admissions were planned (running decodes ahead of their deadlines sat out
+        # for them) and vLLM refuses them all: run those decodes rather than nothing.
+        _decodes_instead(fit, view, free, kv)
+    return fit
+
+
+def _rows(view: View, plan: dict[str, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Snapshot row, tokens and whether running, of each planned request (plan order)."""
+    idx = np.fromiter(map(view.snap.index_of.__getitem__, plan), np.int64, len(plan))
+    n = np.fromiter(plan.values(), np.int64, len(plan))
+    return idx, n, idx < view.running_rows
+
+
+def _shrink_running(fit: Fit, run_keys: list[str], comp: np.ndarray, n_run: np.ndarray, need_run: np.ndarray,
+                    free: int, kv: KvRules) -> int:
+    """The headroom counts the free tail of every running request's last block, which only
+    that request can use; a plan that leaves some running decodes out (they are ahead of
+    their deadlines) can ask for more.  Shrink the running prefill chunks, last planned
+    first, by the missing blocks; the blocks still missing (negative) or left."""
+    b, la = kv.block_size, kv.lookahead
+    for j in range(len(run_keys) - 1, -1, -1):
+        if free >= 0:
+            break
+        if n_run[j] <= 1:
+            continue  # a decode
+        held = _ceil_div(int(comp[j]), b)
+        keep = max(0, int(need_run[j]) + free)  # blocks this chunk may still take
+        n_new = min(int(n_run[j]), (held + keep) * b - int(comp[j]) - la)
+        free += int(need_run[j]) - keep
+        if n_new <= 0:
+            del fit.plan[run_keys[j]]
+        else:
+            fit.plan[run_keys[j]] = n_new
+        fit.trimmed += 1
+    return free
+
+
+def _admit(fit: Fit, view: View, keys: list[str], idx: np.ndarray, n: np.ndarray, is_run: np.ndarray,
+           free: int, kv: KvRules) -> int:
+    """Admit the planned waiting requests in plan order while vLLM would; the free blocks left."""
+    b, la = kv.block_size, kv.lookahead
+    slots = kv.slots
+    for j in np.flatnonzero(~is_run).tolist():
+        r = view.rows[idx[j]]
+        comp = r.num_computed_tokens
+        held = _ceil_div(comp, b)
+        need = max(0, _ceil_div(comp + int(n[j]) + la, b) - held)
+        full = max(0, _ceil_div(r.num_tokens, b) - held) if kv.full_isl else 0
+        if slots <= 0 or max(need, full) + kv.watermark > free:
+            del fit.plan[keys[j]]
+            fit.trimmed += 1
+            continue
+        slots -= 1
+        free -= need
+        fit.admit.append(r)
+    return free
+
+
+def _decodes_instead(fit: Fit, view: View, free: int, kv: KvRules) -> None:
+    """Every running decode whose next token's block is free, in queue order."""
+    b, la = kv.block_size, kv.lookahead
+    fit.run_order = []
+    for row, r in enumerate(view.rows[:view.running_rows]):
+        comp = int(view.computed[row])
+        if comp < r.num_tokens - 1:
+            continue  # still prefilling
+        need = max(0, _ceil_div(comp + 1 + la, b) + (-comp // b))
+        if need <= free:
+            free -= need
+            fit.plan[r.request_id] = 1
+            fit.run_order.append(r)
+
+
+def decodes_needing_block(snap: Snapshot, computed: np.ndarray, running_rows: int, block_size: int) -> int:
+    """Running requests of a (projected) snapshot whose next token needs a new KV block:
+    one token left to compute (a decode, or the last prompt token) at a block boundary."""
+    rr = running_rows
+    left = snap.prompt_tokens[:rr] - snap.computed_tokens[:rr]
+    one = (left == 1) | ((left == 0) & (snap.output_tokens[:rr] >= 1))
+    return int(np.count_nonzero(one & (computed[:rr] % block_size == 0)))
+
+
+def execution_order(running: Sequence[Any], waiting: Sequence[Any], fit: Fit, *,
+                    holding: Collection[Any] = (), blocked: Sequence[Any] = ()) -> tuple[list[Any], list[Any]]:
+    """The running and waiting queues ``schedule()`` executes a fitted plan on: planned
+    running requests in plan order, then the unplanned ones in their order; only the planned
+    waiting requests (plan order) that are not in ``holding`` (vLLM's KV-holding queue, which
+    it schedules itself), then the ``blocked`` ones, so that vLLM still promotes them when
+    they are ready.  Compared by identity: vLLM's requests are not hashable by value."""
+    order = list(fit.run_order)
+    if len(order) != len(running):
+        planned = set(map(id, order))
+        order += [r for r in running if id(r) not in planned]
+    if holding:
+        held = set(map(id, holding))
+        admit = [r for r in fit.admit if id(r) not in held]
+    else:
+        admit = list(fit.admit)
+    return order, admit + list(blocked)
