@@ -213,47 +213,10 @@ class SnapshotBuilder:
         (and ``"sync"``): a request whose in-flight tokens reach ``max_tokens`` drops
         out — vLLM skips it once the older in-flight step's output is applied (its
         own rule, evaluated now, keeps it while two steps are in flight)."""
-        run = list(running)
-        wait = list(waiting)
-        nr, nw = len(run), len(wait)
-        # running requests (and partly computed waiting ones): the general rule
-        full = np.fromiter(_chain(map(_full, run)), np.int64, 6 * nr).reshape(nr, 6)
-        if nw and (any(map(_computed_of, wait)) or any(map(_placeholders_of, wait))):
-            # rare: the general rule for the waiting part too (it gives the
-            # fresh rows below for requests with nothing computed)
-            wf = np.fromiter(_chain(map(_full, wait)), np.int64, 6 * nw).reshape(nw, 6)
-            full = np.concatenate([full, wf])
-            wp = None
-        else:  # not started: prompt = known tokens, nothing computed
-            wp = np.fromiter(map(_num_tokens_of, wait), np.int64, nw)
-        ph, comp, p, ntok, nout, mt = full.T
-        if project == "sync":
-            ph = ph + ((ph == 0) & (comp >= ntok))
-        known = ntok + ph
-        need = known - comp
-        out = nout + ph
-        done = comp + 2 - ph >= p + mt
-        if project:
-            done |= out >= mt
-        keep = (need > 0) & ~((ph > 0) & done)
-        dec = (out >= 1) & (need == 1)
-        prompt = np.where(dec, p, known)
-        computed = np.where(dec, p, comp)
-        output = np.where(dec, out, 0)
-        reqs = run + wait
-        if wp is not None:
-            prompt = np.concatenate([prompt, wp])
-            computed = np.concatenate([computed, np.zeros(nw, np.int64)])
-            output = np.concatenate([output, np.zeros(nw, np.int64)])
-            keep = np.concatenate([keep, np.ones(nw, np.bool_)])
-        comp_all = comp if wp is None else np.concatenate([comp, np.zeros(nw, np.int64)])
-        if not keep.all():
-            reqs = list(itertools.compress(reqs, keep.tolist()))
-            prompt, computed, output = prompt[keep], computed[keep], output[keep]
-            comp_all = comp_all[keep]
+        reqs, prompt, computed, output, comp_all, running_rows = _token_counts(list(running), list(waiting), project)
         #: vLLM's ``num_computed_tokens`` per row, and how many leading rows are running
         self.last_computed = comp_all
-        self.last_running_rows = int(keep[:nr].sum())
+        self.last_running_rows = running_rows
         ids = list(map(_ids_of, reqs))
         slots = list(map(self._slot.get, ids))
         if None in slots:
@@ -277,3 +240,47 @@ class SnapshotBuilder:
             max_requests=len(ids),  # the limit guards the service against clients, not the engine
         )
         return snap, reqs
+
+
+def _token_counts(run: list[Any], wait: list[Any], project: str) -> tuple[
+        list[Any], np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    """The requests a snapshot shows (``project``: see :meth:`SnapshotBuilder.build`) and
+    their prompt, computed and output tokens as the core counts them, with vLLM's
+    ``num_computed_tokens`` per row and how many leading rows are running."""
+    nr, nw = len(run), len(wait)
+    # running requests (and partly computed waiting ones): the general rule
+    full = np.fromiter(_chain(map(_full, run)), np.int64, 6 * nr).reshape(nr, 6)
+    if nw and (any(map(_computed_of, wait)) or any(map(_placeholders_of, wait))):
+        # rare: the general rule for the waiting part too (it gives the
+        # fresh rows below for requests with nothing computed)
+        wf = np.fromiter(_chain(map(_full, wait)), np.int64, 6 * nw).reshape(nw, 6)
+        full = np.concatenate([full, wf])
+        wp = None
+    else:  # not started: prompt = known tokens, nothing computed
+        wp = np.fromiter(map(_num_tokens_of, wait), np.int64, nw)
+    ph, comp, p, ntok, nout, mt = full.T
+    if project == "sync":
+        ph = ph + ((ph == 0) & (comp >= ntok))
+    known = ntok + ph
+    need = known - comp
+    out = nout + ph
+    done = comp + 2 - ph >= p + mt
+    if project:
+        done |= out >= mt
+    keep = (need > 0) & ~((ph > 0) & done)
+    dec = (out >= 1) & (need == 1)
+    prompt = np.where(dec, p, known)
+    computed = np.where(dec, p, comp)
+    output = np.where(dec, out, 0)
+    reqs = run + wait
+    if wp is not None:
+        prompt = np.concatenate([prompt, wp])
+        computed = np.concatenate([computed, np.zeros(nw, np.int64)])
+        output = np.concatenate([output, np.zeros(nw, np.int64)])
+        keep = np.concatenate([keep, np.ones(nw, np.bool_)])
+    comp_all = comp if wp is None else np.concatenate([comp, np.zeros(nw, np.int64)])
+    if not keep.all():
+        reqs = list(itertools.compress(reqs, keep.tolist()))
+        prompt, computed, output = prompt[keep], computed[keep], output[keep]
+        comp_all = comp_all[keep]
+    return reqs, prompt, computed, output, comp_all, int(keep[:nr].sum())
