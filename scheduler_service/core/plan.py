@@ -54,8 +54,9 @@ class Plan:
     decision_us: int = 0
     #: Decision time per component (sorter, predictor, chunker, constructor).
     breakdown_us: Mapping[str, int] = field(default_factory=dict)
-    #: The service's policy version that decided ("" = a registry policy named directly);
-    #: set by the service, not by policies.
+    #: The deployment (a named entry of the service's policy config) that decided ("" = a
+    #: registry policy named directly); set by the service, not by policies.  Not to be
+    #: confused with ``policy_version``, the version of the policy's code and parameters.
     deployment: str = ""
     #: Sheddable requests to finish now (overload control); never an allocated one.
     rejections: tuple[Rejection, ...] = ()
