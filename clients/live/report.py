@@ -95,7 +95,8 @@ def noise_table(runs: Sequence[dict[str, Any]]) -> str:
     """How the service's predictor held up on the engine's noise, remote configurations only:
     its error, the margin it learned, the share of iterations measured above the prediction
     and above prediction × margin, and what its refits did."""
-    rows = [r for r in runs if r.get("overrun_share")]
+    # remote runs only: a report of another run can reach the service after it ended
+    rows = [r for r in runs if r.get("overrun_share") and r.get("mode") == "remote"]
     if not rows:
         return ""
     lines = ["The service's predictor on this engine's noise (remote runs; reports of every iteration): mean "

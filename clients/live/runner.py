@@ -273,6 +273,7 @@ class _Bench:
             rec["service_reports"] = n - err0[1]
             rec["service_refits"] = refits = self.service.refits()
             rec["service_refits_run"] = {k: v - refits0.get(k, 0.0) for k, v in refits.items() if v > refits0.get(k, 0.0)}
+        if self.service is not None and c.mode == "remote":  # the service plans for this run
             over = self.service.overruns()
             dn = over["reports"] - over0.get("reports", 0.0)
             # the share of this run's iterations that ran over the promise plans were built on
