@@ -177,15 +177,15 @@ def test_margin_quantile_zero_keeps_margin_one() -> None:
 @given(snap=snapshots(max_n=10, max_prompt=64, max_bmax=64), pred=predictors(),
        learned=st.sampled_from([1.0, 1.05, 1.1, 1.3, 1.8]))
 def test_a_learned_margin_plans_exactly_like_the_margin_param(snap, pred, learned) -> None:  # type: ignore[no-untyped-def]
-    """The policy counts predicted times max(margin, the predictor's) times over, exactly as
-    with that ``margin`` parameter: every promise test of the margin parameter holds for
-    learned margins too.  ``learned_margin=false`` ignores the predictor's."""
+    """With ``learned_margin`` the policy counts predicted times max(margin, the predictor's)
+    times over, exactly as with that ``margin`` parameter: every promise test of the margin
+    parameter holds for learned margins too.  Without (the default) it ignores the predictor's."""
     p = pred.with_margin(learned)
-    default = registry.create("slidingserve")
-    as_param = registry.create("slidingserve", {"margin": max(1.1, learned), "learned_margin": False})
-    assert decision(default, snap, p) == decision(as_param, snap, p)
-    ignoring = registry.create("slidingserve", {"learned_margin": False})
-    assert decision(ignoring, snap, p) == decision(default, snap, pred)
+    learning = registry.create("slidingserve", {"learned_margin": True})
+    as_param = registry.create("slidingserve", {"margin": max(1.1, learned)})
+    assert decision(learning, snap, p) == decision(as_param, snap, p)
+    default = registry.create("slidingserve")  # off by default: the predictor's margin is ignored
+    assert decision(default, snap, p) == decision(default, snap, pred)
 
 
 def decision(policy: Policy, snap: Snapshot, pred: BatchLatencyPredictor) -> tuple[object, ...]:
