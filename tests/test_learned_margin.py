@@ -7,6 +7,7 @@ noise widened to what the shared CPU machine shows (σ 0.15)."""
 
 from __future__ import annotations
 
+import copy
 import json
 from collections import Counter
 
@@ -31,13 +32,11 @@ from scheduler_service.server.predictors import PredictorRegistry, RefitSettings
 from tests.reach import Reached
 from tests.strategies import predictors, snapshots
 
-GT = load_ground_truth()
-
 
 def engine(n: int, seed: int, sigma: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Features, scenarios and measured ms of ``n`` random batches on the noisy ground truth."""
     rng = np.random.default_rng(seed)
-    gt = load_ground_truth()
+    gt = copy.copy(load_ground_truth())  # the loaded one is shared (cached): never change it
     gt.noise_sigma = sigma
     batches = random_batches(n, rng, gt.profile.max_model_len)
     y = gt.batch_ms(batches, rng)
