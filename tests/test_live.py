@@ -4,7 +4,9 @@ The benchmark itself runs against a real ``vllm serve`` in tests/e2e/test_live_b
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -12,9 +14,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from clients.live.command import main, parser, spec_of
 from clients.live.measure import RequestResult, Slo, goodput, summarize
 from clients.live.report import goodputs, judge_table, markdown, noise_table, sim_table, timing_table
-from clients.live.runner import Config, LiveSpec
+from clients.live.runner import Config, LiveSpec, _spec_dict, check_resumable
 from clients.live.workload import WorkloadSpec, make_requests
 
 SLO = Slo(ttft_ms=1000, tbt_ms=50)
@@ -205,3 +208,25 @@ def test_timing_table_sets_client_and_vllm_side_by_side() -> None:
     text = timing_table([run(1, 400.0, 300.0), run(2, 600.0, 500.0)])
     assert "| vllm | 3 | 500 | 400 | 50 | 30 | 20 | 1 / 6 |" in text
     assert timing_table([_run("vllm", 3, 1, 1.0, 1.0)]) == ""
+
+
+
+def test_a_sweep_resumes_only_into_runs_measured_with_the_same_settings(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Runs are keyed by (configuration, rate, seed): a folder measured with another budget
+    or SLO must not be taken for done (it once was)."""
+    out = tmp_path / "sweep"
+    base = ["--configs", "vllm", "--rates", "2", "--seeds", "1", "--out", str(out)]
+    out.mkdir()
+    (out / "runs.jsonl").write_text(json.dumps(_run("vllm", 2, 1, 1.0, 1.0)) + "\n")
+    (out / "spec.json").write_text(json.dumps(_spec_dict(spec_of(parser().parse_args(base)))))
+    assert main(base) == 0 and "already in" in capsys.readouterr().out  # same settings: done
+    before = sorted(p.name for p in out.rglob("*"))
+    assert main([*base, "--budget", "256"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "other settings (engine differ)" in err[0], err
+    assert main([*base, "--tbt-ms", "100"]) == 2 and "(slo differ)" in capsys.readouterr().err
+    assert sorted(p.name for p in out.rglob("*")) == before  # nothing measured or written
+    # more rates, seeds or configurations extend the sweep
+    check_resumable(out, spec_of(parser().parse_args([*base[:5], "1,2", *base[6:]])))
+    check_resumable(out, spec_of(parser().parse_args(["--configs", "vllm inproc:slidingserve", *base[2:]])))

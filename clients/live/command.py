@@ -19,7 +19,7 @@ from .judge import TINY_LLAMA, write_model, write_tokenizer
 from .measure import Slo
 from .procs import EngineArgs
 from .report import judge_table, markdown, noise_table, sim_table, timing_table, write_plot
-from .runner import Config, LiveSpec, load_runs, run_sweep
+from .runner import Config, LiveSpec, check_resumable, load_runs, run_sweep
 from .workload import WorkloadSpec
 
 __all__ = ["main"]
@@ -88,6 +88,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sim-noise", type=float, default=0.15,
                    help="lognormal spread of the simulated iteration times (default 0.15)")
     return p
+
+
+def spec_of(args: argparse.Namespace) -> LiveSpec:
+    """The sweep the command line asks for; ValueError on a bad value."""
+    return LiveSpec(
+        configs=_configs(args.configs), rates=args.rates, seeds=args.seeds,
+        workload=WorkloadSpec(requests=args.requests, warmup=args.warmup, max_prompt=args.max_prompt,
+                              max_output=args.max_output, vocab_size=int(TINY_LLAMA["vocab_size"])),
+        engine=EngineArgs(max_num_batched_tokens=args.budget, max_num_seqs=args.max_num_seqs,
+                          prefix_caching=args.prefix_caching),
+        slo=Slo(args.ttft_ms, args.tbt_ms), model=dict(TINY_LLAMA), deadline_ms=args.deadline_ms,
+        judge_seeds=tuple(x for x in args.judge_seeds if x != 0))
 
 
 def _configs(text: str) -> tuple[Config, ...]:
@@ -166,14 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminated)
     args = parser().parse_args(argv)
     try:
-        spec = LiveSpec(
-            configs=_configs(args.configs), rates=args.rates, seeds=args.seeds,
-            workload=WorkloadSpec(requests=args.requests, warmup=args.warmup, max_prompt=args.max_prompt,
-                                  max_output=args.max_output, vocab_size=int(TINY_LLAMA["vocab_size"])),
-            engine=EngineArgs(max_num_batched_tokens=args.budget, max_num_seqs=args.max_num_seqs,
-                              prefix_caching=args.prefix_caching),
-            slo=Slo(args.ttft_ms, args.tbt_ms), model=dict(TINY_LLAMA), deadline_ms=args.deadline_ms,
-            judge_seeds=tuple(x for x in args.judge_seeds if x != 0))
+        spec = spec_of(args)
         if not 0 < args.threshold <= 1:
             raise ValueError(f"--threshold must be in (0, 1], got {args.threshold}")
     except ValueError as e:
@@ -184,6 +189,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _sim_only(spec, out, args)
     runs = out / "runs.jsonl"
     if not args.report_only:
+        try:
+            check_resumable(out, spec)
+        except ValueError as e:
+            print(f"live-bench: {e}", file=sys.stderr)
+            return 2
         model = out / "work" / "model"
         write_model(model, TINY_LLAMA)
         write_tokenizer(model, int(TINY_LLAMA["vocab_size"]))

@@ -29,7 +29,7 @@ from .workload import LiveRequest, WorkloadSpec, make_requests
 if TYPE_CHECKING:
     from scheduler_service.core import BatchLatencyPredictor
 
-__all__ = ["Config", "LiveSpec", "run_sweep"]
+__all__ = ["Config", "LiveSpec", "check_resumable", "run_sweep"]
 
 NATIVE = "vllm"
 MODES = ("inproc", "remote")
@@ -301,6 +301,7 @@ def run_sweep(spec: LiveSpec, out: Path, model_dir: str, *, log: Callable[[str],
               progress: Callable[[int, int, str], None] | None = None) -> Path:
     """Run every (rate, seed, configuration) not yet in ``out/runs.jsonl``; its path."""
     runs = out / "runs.jsonl"
+    check_resumable(out, spec)
     out.mkdir(parents=True, exist_ok=True)
     (out / "spec.json").write_text(json.dumps(_spec_dict(spec), indent=2))
     todo = [(r, s, c) for r, s, c in spec.order() if (c.label, r, s) not in _done(runs)]
@@ -322,6 +323,23 @@ def run_sweep(spec: LiveSpec, out: Path, model_dir: str, *, log: Callable[[str],
     finally:
         bench.stop()
     return runs
+
+
+#: What a run measured depends on: a sweep resumes into a folder only with the same.
+_MEASURED_WITH = ("workload", "engine", "slo", "model", "deadline_ms")
+
+
+def check_resumable(out: Path, spec: LiveSpec) -> None:
+    """Raise ValueError when ``out`` holds runs measured with other settings (rates, seeds
+    and configurations may differ: a sweep can be extended)."""
+    path = out / "spec.json"
+    if not (out / "runs.jsonl").exists() or not path.exists():
+        return
+    old, new = json.loads(path.read_text()), json.loads(json.dumps(_spec_dict(spec)))
+    diff = [k for k in _MEASURED_WITH if old.get(k) != new.get(k)]
+    if diff:
+        raise ValueError(f"{out} holds runs measured with other settings ({', '.join(diff)} differ); "
+                         "give another --out")
 
 
 def _spec_dict(spec: LiveSpec) -> dict[str, Any]:
