@@ -230,3 +230,14 @@ def test_a_sweep_resumes_only_into_runs_measured_with_the_same_settings(tmp_path
     # more rates, seeds or configurations extend the sweep
     check_resumable(out, spec_of(parser().parse_args([*base[:5], "1,2", *base[6:]])))
     check_resumable(out, spec_of(parser().parse_args(["--configs", "vllm inproc:slidingserve", *base[2:]])))
+
+
+def test_ratio_counts_the_seeds_where_the_baseline_has_no_goodput() -> None:
+    runs = [_run("vllm", 2, 1, 1.0, 1.0), _run("vllm", 2, 2, 0.5, 0.5), _run("vllm", 3, 1, 0.5, 0.5),
+            _run("vllm", 3, 2, 0.5, 0.5),
+            _run("remote:slidingserve", 2, 1, 1.0, 1.0), _run("remote:slidingserve", 2, 2, 1.0, 1.0),
+            _run("remote:slidingserve", 3, 1, 1.0, 1.0), _run("remote:slidingserve", 3, 2, 0.5, 0.5)]
+    text = markdown(runs, 0.9)
+    # seed 1: 3 / 2.2 (vLLM's attainment crosses 90% at 2.2 rps); seed 2: vLLM 0 (under 90% at
+    # 2 rps), ours 2.2
+    assert "| remote:slidingserve | 2.60 (2.20–3.00) | 1.36× (1.36–1.36), ∞ on 1 |" in text, text

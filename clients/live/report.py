@@ -48,11 +48,14 @@ def _spread(xs: Sequence[float], fmt: str = "{:.2f}") -> str:
 
 
 def _ratio(mine: dict[int, float], base: dict[int, float]) -> str:
+    """Mean (min–max) of the per-seed ratios where the baseline's goodput is not 0; the seeds
+    where it is 0 and ours is not are counted apart ("∞ on k")."""
     seeds = [s for s in mine if s in base and base[s] > 0]
+    inf = sum(1 for s in mine if s in base and base[s] == 0 and mine[s] > 0)
     if not seeds:
-        return "—"
+        return f"∞ on {inf}" if inf else "—"
     r = [mine[s] / base[s] for s in seeds]
-    return f"{np.mean(r):.2f}× ({min(r):.2f}–{max(r):.2f})"
+    return f"{np.mean(r):.2f}× ({min(r):.2f}–{max(r):.2f})" + (f", ∞ on {inf}" if inf else "")
 
 
 def markdown(runs: Sequence[dict[str, Any]], threshold: float, baseline: str = "vllm") -> str:
