@@ -108,7 +108,7 @@ def adapter(v: VllmServer) -> dict[str, Any]:
     """The adapter's counters, from its Prometheus endpoint in vLLM's engine-core process."""
     m = v.adapter_metrics()
     p = "slidingserve_adapter_"
-    info = labels_of(m, p + "info_info")
+    info = labels_of(m, p + "info")
     assert len(info) == 1, info
     fallbacks = {lab["reason"]: val for n, lab, val in m if n == p + "fallbacks_total"}
     return {
