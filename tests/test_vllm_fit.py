@@ -163,12 +163,12 @@ def test_execution_order_puts_the_plan_first_and_keeps_vllms_own_queues() -> Non
     run = [Req(f"r{i}", 5, 6) for i in range(4)]
     wait = [Req(f"w{i}", 0, 9) for i in range(4)]
     fit = Fit({"r2": 1, "r0": 1, "w3": 9, "w1": 9}, run_order=[run[2], run[0]], admit=[wait[3], wait[1]])
-    order, waiting = execution_order(run, wait, fit, holding=[wait[1]], blocked=[wait[2]])
+    order, waiting = execution_order(run, fit, holding=[wait[1]], blocked=[wait[2]])
     assert order == [run[2], run[0], run[1], run[3]]
     assert waiting == [wait[3], wait[2]]
     # equal-looking requests are told apart by identity, as vLLM's are
     twin = Req("r0", 5, 6)
-    order, _ = execution_order([run[0], twin], [], Fit({"r0": 1}, run_order=[twin]))
+    order, _ = execution_order([run[0], twin], Fit({"r0": 1}, run_order=[twin]))
     assert order[0] is twin and order[1] is run[0]
 
 

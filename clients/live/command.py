@@ -11,7 +11,7 @@ import json
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -124,6 +124,18 @@ def _simulate(spec: LiveSpec, out: Path, noise: float) -> list[dict[str, Any]]:
     return sim
 
 
+def _progress(every: int = 1) -> Callable[[int, int, str], None]:
+    """A progress line with elapsed time and estimate, every ``every`` runs and at the last."""
+    t0 = time.monotonic()
+
+    def progress(i: int, n: int, note: str) -> None:
+        if i == n or i % every == 0:
+            el = time.monotonic() - t0
+            print(f"[{i}/{n}] {el:.0f}s, eta {el / i * (n - i):.0f}s  {note}", flush=True)
+
+    return progress
+
+
 def _sim_only(spec: LiveSpec, out: Path, args: argparse.Namespace) -> int:
     from scheduler_service.core import BatchLatencyPredictor, ValidationError
 
@@ -136,14 +148,7 @@ def _sim_only(spec: LiveSpec, out: Path, args: argparse.Namespace) -> int:
         print(f"live-bench: --sim-only {args.sim_only}: {e}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
-
-    def progress(i: int, n: int, note: str) -> None:
-        if i == n or i % 10 == 0:
-            el = time.monotonic() - t0
-            print(f"[{i}/{n}] {el:.0f}s, eta {el / i * (n - i):.0f}s  {note}", flush=True)
-
-    sim = simulate_sweep(spec, pred, args.sim_noise, progress=progress)
+    sim = simulate_sweep(spec, pred, args.sim_noise, progress=_progress(every=10))
     (out / "sim.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sim))
     text = (f"Simulated only (no live engine): the cost model {args.sim_only} with noise σ {args.sim_noise:g}, "
             f"budget {spec.engine.max_num_batched_tokens}, TTFT {spec.slo.ttft_ms:g} ms, TBT {spec.slo.tbt_ms:g} ms; "
@@ -197,14 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         model = out / "work" / "model"
         write_model(model, TINY_LLAMA)
         write_tokenizer(model, int(TINY_LLAMA["vocab_size"]))
-        t0 = time.monotonic()
-
-        def progress(i: int, n: int, note: str) -> None:
-            el = time.monotonic() - t0
-            print(f"[{i}/{n}] {el:.0f}s, eta {el / i * (n - i):.0f}s  {note}", flush=True)
-
         try:
-            run_sweep(spec, out, str(model), log=lambda m: print(m, flush=True), progress=progress)
+            run_sweep(spec, out, str(model), log=lambda m: print(m, flush=True), progress=_progress())
         except RuntimeError as e:
             print(f"live-bench: {e}", file=sys.stderr)
             return 1

@@ -12,6 +12,7 @@ folder; a run already there is not repeated, so an interrupted sweep resumes.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -27,6 +28,7 @@ from .procs import EngineArgs, ServiceProcess, VllmProcess, pin, scrape, worker_
 from .workload import LiveRequest, WorkloadSpec, make_requests
 
 if TYPE_CHECKING:
+    from scheduler_service.client import PredictorInfo
     from scheduler_service.core import BatchLatencyPredictor
 
 __all__ = ["Config", "LiveSpec", "check_resumable", "run_sweep"]
@@ -149,7 +151,7 @@ def _client_side(results: Sequence[RequestResult]) -> dict[str, float]:
     """The client's mean TTFT over every request of a run (warm-up ones included, as in
     vLLM's own histograms) and how late its event loop sent requests (mean, max; ms)."""
     ttfts = [1e3 * r.ttft_s for r in results if r.token_times]
-    late = [1e3 * (r.sent - r.due) for r in results if r.due == r.due]
+    late = [1e3 * (r.sent - r.due) for r in results if not math.isnan(r.due)]
     out = {"ttft_mean_ms": sum(ttfts) / len(ttfts)} if ttfts else {}
     if late:
         out |= {"send_late_mean_ms": sum(late) / len(late), "send_late_max_ms": max(late)}
@@ -206,8 +208,9 @@ class _Bench:
         tmp.write_text(json.dumps(c.settings(addr, self.spec.slo)))
         tmp.replace(self.settings)
 
-    def served_predictor(self) -> BatchLatencyPredictor | None:
-        """The service's current predictor of this engine (None before it reported)."""
+    def _predictor_info(self) -> PredictorInfo | None:
+        """The service's record of this engine's predictor (None without a service, or
+        before the engine reported)."""
         if self.service is None or self.adapter is None or self.service.proc is None:
             return None
         from scheduler_service.client import SchedulerClient
@@ -215,20 +218,19 @@ class _Bench:
         key = self.adapter.adapter_info().get("profile", "")
         with SchedulerClient(self.service.address) as client:
             info = client.get_predictor(profile=key or None, timeout_s=10)
-        return info.predictor if info.reports_accepted else None
+        return info if info.reports_accepted else None
+
+    def served_predictor(self) -> BatchLatencyPredictor | None:
+        """The service's current predictor of this engine."""
+        info = self._predictor_info()
+        return info.predictor if info is not None else None
 
     def save_predictor(self) -> None:
         """The service's predictor of this engine, fitted on the remote runs' iteration
         reports: ``engine_predictor.json`` (the engine's cost model; :mod:`.sim` replays
         the sweep on it)."""
-        if self.service is None or self.adapter is None or self.service.proc is None:
-            return
-        from scheduler_service.client import SchedulerClient
-
-        key = self.adapter.adapter_info().get("profile", "")
-        with SchedulerClient(self.service.address) as client:
-            info = client.get_predictor(profile=key or None, timeout_s=10)
-        if info.reports_accepted:
+        info = self._predictor_info()
+        if info is not None:
             (self.out / "engine_predictor.json").write_text(json.dumps(info.to_dict(), indent=2))
             self.log(f"wrote {self.out / 'engine_predictor.json'} (profile {info.profile_key}, "
                      f"{info.reports_accepted} reports, {info.published} of {info.refits} refits published)")

@@ -186,8 +186,8 @@ def decodes_needing_block(snap: Snapshot, computed: np.ndarray, running_rows: in
     return int(np.count_nonzero(one & (computed[:rr] % block_size == 0)))
 
 
-def execution_order(running: Sequence[Any], waiting: Sequence[Any], fit: Fit, *,
-                    holding: Collection[Any] = (), blocked: Sequence[Any] = ()) -> tuple[list[Any], list[Any]]:
+def execution_order(running: Sequence[Any], fit: Fit, *, holding: Collection[Any] = (),
+                    blocked: Sequence[Any] = ()) -> tuple[list[Any], list[Any]]:
     """The running and waiting queues ``schedule()`` executes a fitted plan on: planned
     running requests in plan order, then the unplanned ones in their order; only the planned
     waiting requests (plan order) that are not in ``holding`` (vLLM's KV-holding queue, which

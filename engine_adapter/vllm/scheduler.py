@@ -221,8 +221,6 @@ class SlidingServeMixin:
         check_vllm_version(vllm.__version__, self.slidingserve_env)  # raises VllmVersionError
         super().__init__(*args, **kwargs)
         self._plan: dict[str, int] | None = None
-        self._ss_run_order: list[Any] = []  # set by _fit: planned running requests, plan order
-        self._ss_admit: list[Any] = []  # set by _fit: planned waiting requests, plan order
         self._ss_hidden = 0
         self._ss_blocked: set[str] = set()
         # pipelining: the decision in flight and the arrivals since its snapshot
@@ -389,9 +387,7 @@ class SlidingServeMixin:
             slots=min(self.max_num_running_reqs, self.max_num_active_reqs) - len(self.running),
             watermark=int(getattr(self.kv_cache_manager, "watermark_blocks", 0)) if self.running else 0,
             full_isl=bool(getattr(self, "scheduler_reserve_full_isl", False)))
-        fit = fit_plan(view, plan, rules, self.finished_req_ids if stale else ())
-        self._ss_run_order, self._ss_admit = fit.run_order, fit.admit
-        return fit
+        return fit_plan(view, plan, rules, self.finished_req_ids if stale else ())
 
     # ----------------------------------------------------------------- decision
     def _fallback(self, reason: str, detail: str) -> None:
@@ -401,8 +397,8 @@ class SlidingServeMixin:
         if n == 1 or n % self._ss_settings.log_every == 0:
             log.warning("slidingserve: native scheduling (%s, %d so far): %s", reason, n, detail)
 
-    def _decide(self) -> dict[str, int] | None:
-        """The plan to execute this iteration, or None for native scheduling:
+    def _decide(self) -> Fit | None:
+        """The plan to execute this iteration, fitted to vLLM, or None for native scheduling:
         the one decided in the background when there is one, else decided now."""
         pending, self._ss_pending = self._ss_pending, None
         if self._ss_unsupported:
@@ -454,7 +450,7 @@ class SlidingServeMixin:
             return None
         return self._take(view, decision.plan, free_blocks, stale=pending is not None)
 
-    def _take(self, view: _View, decided: Plan, free_blocks: int, *, stale: bool) -> dict[str, int] | None:
+    def _take(self, view: _View, decided: Plan, free_blocks: int, *, stale: bool) -> Fit | None:
         """The plan's rejections and preemptions carried out now, and its allocations as
         vLLM can execute them (:meth:`_fit`); None for native scheduling."""
         if decided.rejections:
@@ -471,12 +467,11 @@ class SlidingServeMixin:
             return None
         if fit.trimmed:
             self._ss_counts["trimmed_admissions"] += fit.trimmed
-        plan = fit.plan
-        if not plan:  # finished meanwhile, or our estimate ignores prefix hits: vLLM decides
+        if not fit.plan:  # finished meanwhile, or our estimate ignores prefix hits: vLLM decides
             self._fallback("unallocatable", "no planned request fits vLLM's admission rules")
             return None
         self._ss_ahead_s = decided.predicted_latency_ms / 1e3
-        return plan
+        return fit
 
     def _reject(self, rejections: Sequence[Rejection]) -> None:
         """Finish the requests a plan rejects (overload control), now, before vLLM schedules:
@@ -645,18 +640,18 @@ class SlidingServeMixin:
         self._ss_counts["iterations"] += 1
         t0 = time.perf_counter()
         if self.running or self.waiting or self.kv_holding_waiting:
-            plan = self._decide()
+            fit = self._decide()
         else:
-            plan, self._ss_pending = None, None
+            fit, self._ss_pending = None, None
         t1 = time.perf_counter()
         self._ss_counts["decide_us"] += int((t1 - t0) * 1e6)
-        if plan is None:
+        if fit is None:
             self._ss_counts["native"] += 1
             self._ss_ahead_s = 0.0
             out = super().schedule(*args, **kwargs)  # type: ignore[misc]
             self._ss_inner = time.perf_counter() - t1
         else:
-            out = self._execute(plan, args, kwargs)
+            out = self._execute(fit, args, kwargs)
         t2 = time.perf_counter()
         self._decide_ahead()
         t3 = time.perf_counter()
@@ -666,12 +661,13 @@ class SlidingServeMixin:
         c["own_us"] += int((t3 - t0 - self._ss_inner) * 1e6)
         return out
 
-    def _execute(self, plan: dict[str, int], args: Any, kwargs: Any) -> Any:
-        """``super().schedule()`` with the queues ordered and the hooks capping by ``plan``."""
+    def _execute(self, fit: Fit, args: Any, kwargs: Any) -> Any:
+        """``super().schedule()`` with the queues ordered and the hooks capping by the fitted plan."""
+        plan = fit.plan
         running0 = list(self.running)
         waiting0 = list(self.waiting)
         order, planned_waiting = execution_order(
-            running0, waiting0, Fit(plan, self._ss_run_order, self._ss_admit), holding=self.kv_holding_waiting,
+            running0, fit, holding=self.kv_holding_waiting,
             blocked=[r for r in waiting0 if r.status not in _SCHEDULABLE] if self._ss_blocked else ())
         self.running[:] = order
         self.waiting.clear()
