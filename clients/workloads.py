@@ -18,6 +18,10 @@ SLOs (formula (1)).  Every request gets
 * a *protected* class (fraction ``protected_fraction``) flagged g_i = 1,
   with its TTFT SLO scaled by ``protected_ttft_scale`` (tighter).
 
+With ``SLOConfig(definition="tpot")`` every request is judged instead the way
+``vllm bench serve --goodput ttft:…,tpot:…`` judges it: TTFT within its TTFT SLO and the
+mean time per output token after the first within ``tbt_s`` (its ``tpot_slo``).
+
 How the defaults were chosen: on the default profile (A100 TP2 Llama-2-7B)
 an unloaded engine prefills ≈ 20k tokens/s (0.05 ms/token) and runs a decode
 iteration in ≈ 15–25 ms.  TTFT = 0.3 s + 0.15 ms/token gives a prompt three
@@ -53,7 +57,10 @@ from engine_adapter.data.traces import load_trace
 from engine_adapter.sim.engine import Workload
 from scheduler_service.core.snapshot import MAX_SECONDS
 
-__all__ = ["CLASS_MIXES", "MIXES", "Burst", "ClassMix", "SLOClass", "SLOConfig", "make_workload", "workload_names"]
+__all__ = ["CLASS_MIXES", "DEFINITIONS", "MIXES", "Burst", "ClassMix", "SLOClass", "SLOConfig", "make_workload", "workload_names"]
+
+#: The SLO definitions a workload's requests can be judged by (:class:`SLOConfig`).
+DEFINITIONS = ("formula1", "tpot")
 
 #: Named mixes: trace → weight.
 MIXES: dict[str, dict[str, float]] = {
@@ -97,10 +104,15 @@ class SLOConfig:
     tbt_s: float = 0.05
     protected_fraction: float = 0.1
     protected_ttft_scale: float = 0.5
+    #: How a request is judged: ``"formula1"`` (every token by its cumulative deadline) or
+    #: ``"tpot"`` (TTFT, then the mean time per output token: ``tbt_s`` is its TPOT objective).
+    definition: str = "formula1"
 
     def __post_init__(self) -> None:
         if self.ttft_base_s <= 0 or self.ttft_per_token_s < 0 or self.tbt_s <= 0:
             raise ValueError("SLOs must be positive")
+        if self.definition not in DEFINITIONS:
+            raise ValueError(f"unknown SLO definition {self.definition!r}; valid: {', '.join(DEFINITIONS)}")
         if not 0 <= self.protected_fraction <= 1 or not 0 < self.protected_ttft_scale:
             raise ValueError("protected_fraction must be in [0, 1] and protected_ttft_scale > 0")
 
@@ -254,4 +266,5 @@ def make_workload(
         priority=priority,
         sheddable=sheddable,
         e2e_slo=e2e,
+        tpot_slo=tbt.copy() if slo.definition == "tpot" else None,
     )

@@ -79,7 +79,10 @@ def _sample(c: Column) -> Snapshot:
     snap = busy_snapshot(2, 3, seed=11)
     if c.name in COUNTER_COLUMNS:
         return snap
-    return Snapshot.from_columns(ids=snap.ids, **_scalars(snap), **_with(snap, c.name, _in_bounds(c), 0))
+    cols = _with(snap, c.name, _in_bounds(c), 0)
+    if c.name == "tpot_slo":  # a paced decode's pace starts at its first token (the row rule)
+        cols["first_token_time"][0] = cols["arrival"][0]
+    return Snapshot.from_columns(ids=snap.ids, **_scalars(snap), **cols)
 
 
 # ------------------------------------------------------------------ one source

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from clients.errors import CliError
-from clients.workloads import MIXES, make_workload
+from clients.workloads import DEFINITIONS, MIXES, make_workload
 from engine_adapter.sim.groundtruth import DEFAULT_PROFILE, PROFILES
 from scheduler_service.core import registry
 
@@ -96,7 +96,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         workload=args.workload, profile=args.profile, policies=tuple(policies), transport=args.transport,
         n_requests=args.requests, seeds=args.seeds, first_seed=args.seed, tolerance=args.tolerance,
         experiments=tuple(exps), params=params, workers=args.jobs or os.cpu_count() or 1,
-        executor=args.executor, deadline_ms=args.deadline_ms,
+        executor=args.executor, deadline_ms=args.deadline_ms, slo_definition=args.slo_definition,
     )
 
 
@@ -161,6 +161,10 @@ def _common(s: argparse.ArgumentParser, requests: int, seeds: int) -> None:
     s.add_argument("--executor", default="process", help="process (default) or ray (RAY_ADDRESS for a cluster)")
     s.add_argument("--param", action="append", metavar="POLICY:KEY=VALUE",
                    help="policy parameter override (repeatable)")
+    s.add_argument("--slo-definition", default="formula1", choices=DEFINITIONS,
+                   help="how requests are judged and planned for: formula1 (every token by its cumulative "
+                        "deadline, the default) or tpot (TTFT, then the mean time per output token, as "
+                        "`vllm bench serve --goodput` counts)")
     s.add_argument("--quiet", action="store_true", help="no progress output")
 
 

@@ -114,6 +114,9 @@ class BenchConfig:
     burst_duration_s: float = 10.0
     #: Class mix of the ``classes`` experiment (:data:`~clients.workloads.CLASS_MIXES`).
     class_mix: str = "interactive-batch"
+    #: How requests are judged (and planned for): ``"formula1"`` or ``"tpot"`` (TTFT and
+    #: mean time per output token, as ``vllm bench serve --goodput`` counts).
+    slo_definition: str = "formula1"
 
     @property
     def seed_list(self) -> list[int]:
@@ -157,7 +160,7 @@ def plan_variants(cfg: BenchConfig) -> dict[str, list[Variant]]:
 def _base_spec(cfg: BenchConfig, v: Variant, seed: int, rate: float) -> RunSpec:
     return RunSpec(policy=v.policy, workload=cfg.workload, rate=rate, seed=seed, n_requests=cfg.n_requests,
                    profile=cfg.profile, transport=cfg.transport, params=v.params, label=v.label,
-                   deadline_ms=cfg.deadline_ms)
+                   deadline_ms=cfg.deadline_ms, slo=SLOConfig(definition=cfg.slo_definition))
 
 
 def _aggregate_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -220,7 +223,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str, int], Callable[[Job, di
         "search": (f"start {guess:.3f} rps, ×1.5 bracketing, bisection until (hi-lo)/lo <= {cfg.tolerance:g}; "
                    f"goodput = highest passing rate; probes stop early once >{TARGET_VIOLATION:.0%} violate"),
         "initial_guess_rps": guess,
-        "slo": dataclasses.asdict(SLOConfig()),
+        "slo": dataclasses.asdict(SLOConfig(definition=cfg.slo_definition)),
     }
     for exp, vs in by_exp.items():
         rows = []

@@ -63,6 +63,9 @@ class Workload:
     sheddable: np.ndarray | None = None
     #: End-to-end objective (seconds after arrival for the last token); None or 0 = none.
     e2e_slo: np.ndarray | None = None
+    #: Objective on the mean time per output token after the first (seconds); None or 0 =
+    #: none.  A request with one is judged by TTFT and mean TPOT instead of formula (1).
+    tpot_slo: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = len(self.arrival)
@@ -70,10 +73,11 @@ class Workload:
             object.__setattr__(self, "priority", np.zeros(n, np.int64))
         if self.sheddable is None:
             object.__setattr__(self, "sheddable", np.zeros(n, np.bool_))
-        if self.e2e_slo is None:
-            object.__setattr__(self, "e2e_slo", np.zeros(n, np.float64))
+        for f in ("e2e_slo", "tpot_slo"):
+            if getattr(self, f) is None:
+                object.__setattr__(self, f, np.zeros(n, np.float64))
         for f in ("prompt_tokens", "output_tokens", "ttft_slo", "tbt_slo", "protected", "priority", "sheddable",
-                  "e2e_slo"):
+                  "e2e_slo", "tpot_slo"):
             if len(getattr(self, f)) != n:
                 raise ValueError(f"workload column {f} has {len(getattr(self, f))} rows, expected {n}")
         if n and np.any(np.diff(self.arrival) < 0):
@@ -221,7 +225,8 @@ class SimulatedEngine:
         # the token counters are the engine's state; every other column of the schema is a
         # per-request constant of the workload (a column the workload does not carry: the
         # schema's default)
-        state = {"prompt_tokens": self.prompt_eff[act], "computed_tokens": self.computed[act], "output_tokens": out}
+        state = {"prompt_tokens": self.prompt_eff[act], "computed_tokens": self.computed[act], "output_tokens": out,
+                 "first_token_time": self._pace_origin(act)}
         return Snapshot.from_columns(
             now=self.clock,
             max_batch_tokens=self.cfg.max_batch_tokens,
@@ -232,6 +237,16 @@ class SimulatedEngine:
             profile=self.profile.key,
             **{c.name: state[c.name] if c.name in state else _workload_column(w, c, act) for c in COLUMNS},
         )
+
+    def _pace_origin(self, act: np.ndarray) -> np.ndarray | None:
+        """The snapshot's ``first_token_time``: the first token's time, plus one TPOT
+        objective per output token a recompute folded into the prompt (the snapshot counts
+        ``output_tokens`` from there); None when no request has a TPOT objective."""
+        tpot = self.w.tpot_slo[act]
+        if not tpot.any():
+            return None
+        first = self.first_token[act]
+        return np.where(np.isnan(first), self.w.arrival[act], first + self.gen_at_prefill[act] * tpot)
 
     def _headroom(self, n_active: int) -> int:
         n_sched = min(self.cfg.max_num_seqs, n_active)
@@ -261,6 +276,7 @@ class SimulatedEngine:
         whose next token is overdue."""
         w = self.w
         nxt = w.arrival[act] + w.ttft_slo[act] + self.generated[act] * w.tbt_slo[act]
+        nxt = np.where((w.tpot_slo[act] > 0) & (self.generated[act] > 0), np.inf, nxt)  # judged at the end
         e2e = w.e2e_slo[act]
         overdue = ((nxt < self.clock) | ((e2e > 0) & (w.arrival[act] + e2e < self.clock))) & ~self.violated[act]
         return int(self.violated.sum() + overdue.sum())
@@ -395,6 +411,8 @@ class SimulatedEngine:
         w = self.w
         k = self.generated[emit]  # tokens before this one
         due = w.arrival[emit] + w.ttft_slo[emit] + k * w.tbt_slo[emit]
+        # a request with a TPOT objective: its first token by TTFT, then its mean (at the end)
+        due = np.where((k > 0) & (w.tpot_slo[emit] > 0), np.inf, due)
         self.violated[emit] |= self.clock > due + 1e-9
         first = k == 0
         self.first_token[emit[first]] = self.clock
@@ -407,6 +425,9 @@ class SimulatedEngine:
         if len(fin):
             e2e = w.e2e_slo[fin]  # the last token against the end-to-end deadline, where set
             self.violated[fin] |= (e2e > 0) & (self.clock > w.arrival[fin] + e2e + 1e-9)
+            tpot, n_out = w.tpot_slo[fin], w.output_tokens[fin]
+            mean = (self.clock - self.first_token[fin]) / np.maximum(n_out - 1, 1)
+            self.violated[fin] |= (tpot > 0) & (n_out > 1) & (mean > tpot + 1e-9)
             self.done[fin] = True
             self.used_blocks -= int(self.blocks[fin].sum())
             self.blocks[fin] = 0

@@ -46,6 +46,8 @@ class ClassSlo:
     sheddable: bool = False
     #: End-to-end objective (the last token within this many seconds of arrival); 0 = none.
     e2e_s: float = 0.0
+    #: Objective on the mean time per output token; 0 = none (formula (1) judges).
+    tpot_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +70,7 @@ class RequestSlo:
     priority: int = 0
     sheddable: bool = False
     e2e_s: float = 0.0
+    tpot_s: float = 0.0
 
 
 def _positive(v: Any) -> float | None:
@@ -79,17 +82,18 @@ def _positive(v: Any) -> float | None:
 
 
 _TRUE = (True, 1, "1", "true", "True", "yes")
-_TTFT, _TBT, _E2E, _PRIORITY = (COLUMNS_BY_NAME[k] for k in ("ttft_slo", "tbt_slo", "e2e_slo", "priority"))
+_TTFT, _TBT, _E2E, _TPOT, _PRIORITY = (COLUMNS_BY_NAME[k] for k in ("ttft_slo", "tbt_slo", "e2e_slo", "tpot_slo",
+                                                                    "priority"))
 
 
 def request_slo(extra_args: Any, prompt_tokens: int, defaults: SloDefaults, priority: int = 0) -> RequestSlo:
     """SLOs from ``SamplingParams.extra_args`` (``slo_ttft_ms``, ``slo_tbt_ms``,
-    ``slo_protected``, ``slo_sheddable``, ``slo_e2e_ms``; a nested ``{"slo": {"ttft_ms",
-    "tbt_ms", "protected", "sheddable", "e2e_ms"}}`` works too), else the class table's
-    entry for the request's vLLM ``priority``, else the defaults (no end-to-end
-    objective).  Malformed values fall back: a client must not be able to break the
+    ``slo_protected``, ``slo_sheddable``, ``slo_e2e_ms``, ``slo_tpot_ms``; a nested
+    ``{"slo": {"ttft_ms", "tbt_ms", "protected", "sheddable", "e2e_ms", "tpot_ms"}}`` works
+    too), else the class table's entry for the request's vLLM ``priority``, else the
+    defaults (no end-to-end or TPOT objective).  Malformed values fall back: a client must not be able to break the
     engine's scheduling with a bad field."""
-    ttft = tbt = e2e = None
+    ttft = tbt = e2e = tpot = None
     protected: Any = False
     cls = defaults.classes.get(priority)
     sheddable: Any = cls.sheddable if cls is not None else False
@@ -102,6 +106,7 @@ def request_slo(extra_args: Any, prompt_tokens: int, defaults: SloDefaults, prio
         protected = src.get(pre + "protected", False)
         sheddable = src.get(pre + "sheddable", sheddable)
         e2e = _positive(src.get(pre + "e2e_ms"))
+        tpot = _positive(src.get(pre + "tpot_ms"))
     if ttft is not None:
         ttft_s = ttft / 1e3
     elif cls is not None and cls.ttft_s > 0:
@@ -113,10 +118,11 @@ def request_slo(extra_args: Any, prompt_tokens: int, defaults: SloDefaults, prio
     else:
         tbt_s = cls.tbt_s if cls is not None and cls.tbt_s > 0 else defaults.tbt_s
     e2e_s = e2e / 1e3 if e2e is not None else (cls.e2e_s if cls is not None else 0.0)
+    tpot_s = tpot / 1e3 if tpot is not None else (cls.tpot_s if cls is not None else 0.0)
     # into the schema's bounds (a huge objective is no objective), so that one request's
     # values cannot fail the snapshot's validation
     return RequestSlo(_TTFT.clip(ttft_s), _TBT.clip(tbt_s), protected in _TRUE, int(priority),
-                      sheddable in _TRUE, _E2E.clip(e2e_s))
+                      sheddable in _TRUE, _E2E.clip(e2e_s), _TPOT.clip(tpot_s))
 
 
 _ids_of = operator.attrgetter("request_id")
@@ -134,13 +140,14 @@ _chain = itertools.chain.from_iterable
 #: per-request constants), stored as float64 (exact for the int and bool columns' values).
 _POOL = tuple(c for c in COLUMNS if c.name not in COUNTER_COLUMNS)
 _POOL_COLUMNS = len(_POOL)
+_TPOT_AT, _FIRST_AT = (next(k for k, c in enumerate(_POOL) if c.name == n) for n in ("tpot_slo", "first_token_time"))
 
 
 def _row_values(r: Any, s: RequestSlo) -> dict[str, Any]:
     """A request's per-request constants by column name; a schema column not named here
     gets its default."""
     return {"arrival": float(r.arrival_time), "ttft_slo": s.ttft_s, "tbt_slo": s.tbt_s, "protected": s.protected,
-            "priority": s.priority, "sheddable": s.sheddable, "e2e_slo": s.e2e_s}
+            "priority": s.priority, "sheddable": s.sheddable, "e2e_slo": s.e2e_s, "tpot_slo": s.tpot_s}
 
 
 def _priority(r: Any) -> int:
@@ -166,6 +173,8 @@ class SnapshotBuilder:
         self._pool = np.zeros((1024, _POOL_COLUMNS), np.float64)
         self.last_computed = np.zeros(0, np.int64)
         self.last_running_rows = 0
+        #: some request had a TPOT objective: first tokens are timed (``first_token_time``)
+        self._paced = False
 
     def _slo_of(self, r: Any) -> RequestSlo:
         rid = r.request_id
@@ -175,6 +184,7 @@ class SnapshotBuilder:
             s = request_slo(getattr(sp, "extra_args", None) if sp is not None else None,
                             r.num_prompt_tokens, self.defaults, _priority(r))
             self._slo[rid] = s
+            self._paced |= s.tpot_s > 0
         return s
 
     def _add(self, r: Any) -> int:
@@ -226,13 +236,16 @@ class SnapshotBuilder:
         # The snapshot's columns are built typed and fresh, so the core's fast path checks
         # them (the schema's checks, a few reductions: every row should pass by
         # construction; one that does not raises ValidationError, a ValueError).
+        now = float(time.time() if now is None else now)
+        if self._paced and slots:
+            self._time_first_tokens(np.array(slots, np.int64), output, now)
         c = self._pool[np.array(slots, np.int64)].T.copy() if slots else np.zeros((_POOL_COLUMNS, 0), np.float64)
         columns = {"prompt_tokens": prompt, "computed_tokens": computed, "output_tokens": output}
         for k, col in enumerate(_POOL):
             columns[col.name] = c[k] if col.dtype == np.float64 else (
                 c[k] != 0 if col.dtype == np.bool_ else c[k].astype(col.dtype))
         snap = Snapshot.from_arrays(
-            now=float(time.time() if now is None else now),
+            now=now,
             # the scheduler's largest budget (a larger one would only cost memory and time)
             max_batch_tokens=min(int(max_batch_tokens), MAX_BATCH_TOKENS), max_num_seqs=int(max_num_seqs),
             ids=tuple(ids), columns=columns,
@@ -240,6 +253,17 @@ class SnapshotBuilder:
             max_requests=len(ids),  # the limit guards the service against clients, not the engine
         )
         return snap, reqs
+
+
+    def _time_first_tokens(self, slots: np.ndarray, output: np.ndarray, now: float) -> None:
+        """Record ``now`` as the first-token time of each request with a TPOT objective
+        seen decoding for the first time (its first token came out in the step just
+        ended, or, projected, comes out in the step running: a little early, so its pace
+        is counted from no later than the truth)."""
+        rows = self._pool[slots]
+        new = (output > 0) & (rows[:, _TPOT_AT] > 0) & (rows[:, _FIRST_AT] == 0)
+        if new.any():
+            self._pool[slots[new], _FIRST_AT] = now
 
 
 def _token_counts(run: list[Any], wait: list[Any], project: str) -> tuple[

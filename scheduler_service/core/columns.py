@@ -152,6 +152,13 @@ COLUMNS: tuple[Column, ...] = (
     Column("e2e_slo", np.float64, 0.0, "End-to-end objective: s after arrival by which the last token "
            "must be out; 0 = none.", optional=True, lo=0, hi=MAX_SECONDS,
            bounds_message=f"must be finite and >= 0 (0 = none), at most {MAX_SECONDS:g}"),
+    Column("tpot_slo", np.float64, 0.0, "Objective on the mean time per output token after the first "
+           "(s); 0 = none.  A request with one is judged by TTFT and mean TPOT (``vllm bench serve "
+           "--goodput``), not by formula (1)'s per-token deadlines.", optional=True, lo=0, hi=MAX_SECONDS,
+           bounds_message=f"must be finite and >= 0 (0 = none), at most {MAX_SECONDS:g}"),
+    Column("first_token_time", np.float64, 0.0, "When the first output token came out (s, engine clock); "
+           "read for a decoding request with a tpot_slo, whose pace is counted from it.", optional=True,
+           lo=-MAX_SECONDS, hi=MAX_SECONDS, bounds_message=f"must be finite, |first_token_time| <= {MAX_SECONDS:g}"),
 )
 COLUMNS_BY_NAME: dict[str, Column] = {c.name: c for c in COLUMNS}
 #: The columns an engine derives from its token counters each iteration (the rest are
@@ -168,6 +175,18 @@ class Rule:
     message: str
     #: Mask of the rows that break it, from the columns by name.
     bad: Callable[[Mapping[str, np.ndarray]], np.ndarray] = field(repr=False)
+    #: The optional columns it reads: it applies when any of them is there (the others
+    #: read as their defaults).  Empty: it applies when ``column`` is there.
+    reads: tuple[str, ...] = ()
+
+
+def _get(a: Mapping[str, np.ndarray], name: str) -> np.ndarray:
+    """Column ``name`` of ``a``, or its default for every row when left out."""
+    x = a.get(name)
+    if x is None:
+        c = COLUMNS_BY_NAME[name]
+        return np.full(len(a["prompt_tokens"]), c.default, c.dtype)
+    return x
 
 
 ROW_RULES: tuple[Rule, ...] = (
@@ -176,6 +195,9 @@ ROW_RULES: tuple[Rule, ...] = (
          lambda a: (a["computed_tokens"] < a["prompt_tokens"]) & (a["output_tokens"] > 0)),
     Rule("output_tokens", "must be >= 1 once the prompt is fully computed",
          lambda a: (a["computed_tokens"] == a["prompt_tokens"]) & (a["output_tokens"] < 1)),
+    Rule("first_token_time", "must be set (>= arrival) for a decoding request with a tpot_slo",
+         lambda a: (_get(a, "tpot_slo") > 0) & (a["output_tokens"] > 0) & (_get(a, "first_token_time") < a["arrival"]),
+         reads=("tpot_slo", "first_token_time")),
 )
 
 
@@ -204,6 +226,8 @@ class Check:
     def applies(self, a: Mapping[str, np.ndarray]) -> bool:
         """The columns it reads are there (an optional column left out has only defaults,
         all within bounds)."""
+        if self.rule is not None and self.rule.reads:
+            return any(k in a for k in self.rule.reads)
         return self.column in a
 
 
@@ -244,12 +268,12 @@ def checks_pass(a: Mapping[str, np.ndarray]) -> bool:
     if not len(a["prompt_tokens"]):
         return True
     for column, lo, lo_open, hi, rule in _FAST:
+        if rule is not None:
+            if (any(k in a for k in rule.reads) if rule.reads else column in a) and rule.bad(a).any():
+                return False
+            continue
         x = a.get(column)
         if x is None:
-            continue
-        if rule is not None:
-            if rule.bad(a).any():
-                return False
             continue
         if lo is not None:
             m = x.min()

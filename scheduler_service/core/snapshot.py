@@ -367,15 +367,29 @@ class Snapshot:
         return self._flag("any_e2e", lambda: self.e2e_slo.any())
 
     @property
+    def any_tpot(self) -> bool:
+        """Some request has an objective on its mean time per output token."""
+        return self._flag("any_tpot", lambda: self.tpot_slo.any())
+
+    @property
+    def paced(self) -> np.ndarray:
+        """Decodes whose next token is due by their TPOT objective, not formula (1)."""
+        return self._memo("paced", lambda: self.is_decoding & (self.tpot_slo > 0))
+
+    @property
     def slack(self) -> np.ndarray:
-        """s_i: TTFT slack for prefills (11), TBT slack for decodes (formula (1)); where the
-        request has an end-to-end objective, at most the time left to its deadline
-        (``e2e_deadline − now``)."""
+        """s_i: TTFT slack for prefills (11), TBT slack for decodes (formula (1)); a decode
+        with a TPOT objective counts from its first token instead,
+        ``first_token_time + k × tpot_slo − now`` (each token on that pace keeps the mean
+        within the objective whenever the stream ends); where the request has an
+        end-to-end objective, at most the time left to its deadline (``e2e_deadline − now``)."""
 
         def compute() -> np.ndarray:
             k = np.where(self.is_decoding, self.output_tokens, 0)
             s = self.arrival + self.ttft_slo + k * self.tbt_slo - self.now
-            if self.any_e2e:  # else exactly formula (1), bit for bit
+            if self.any_tpot:  # else exactly formula (1), bit for bit
+                s = np.where(self.paced, self.first_token_time + k * self.tpot_slo - self.now, s)
+            if self.any_e2e:
                 s = np.minimum(s, self.e2e_deadline - self.now)
             return s
 

@@ -110,6 +110,8 @@ class RequestColumns(_message.Message):
     PRIORITY_FIELD_NUMBER: _builtins.int
     SHEDDABLE_FIELD_NUMBER: _builtins.int
     E2E_SLO_FIELD_NUMBER: _builtins.int
+    TPOT_SLO_FIELD_NUMBER: _builtins.int
+    FIRST_TOKEN_TIME_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Unique, non-empty request ids (at most 256 characters each)."""
@@ -158,6 +160,20 @@ class RequestColumns(_message.Message):
         finite, >= 0; 0 = none). Empty = no request has one. Added after v1.0.
         """
 
+    @_builtins.property
+    def tpot_slo(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Objective on the mean time per output token after the first (seconds, finite, >= 0;
+        0 = none), as `vllm bench serve --goodput tpot:` counts it. A request with one is
+        judged by TTFT and mean TPOT, not by the per-token deadlines of ttft_slo/tbt_slo.
+        Empty = no request has one. Added after v1.3.
+        """
+
+    @_builtins.property
+    def first_token_time(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """When the request's first output token came out (seconds, engine clock); read only
+        for a decoding request with a tpot_slo (its pace is counted from it). Empty = all 0.
+        """
+
     def __init__(
         self,
         *,
@@ -172,10 +188,12 @@ class RequestColumns(_message.Message):
         priority: _abc.Iterable[_builtins.int] | None = ...,
         sheddable: _abc.Iterable[_builtins.bool] | None = ...,
         e2e_slo: _abc.Iterable[_builtins.float] | None = ...,
+        tpot_slo: _abc.Iterable[_builtins.float] | None = ...,
+        first_token_time: _abc.Iterable[_builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrival", b"arrival", "computed_tokens", b"computed_tokens", "e2e_slo", b"e2e_slo", "ids", b"ids", "output_tokens", b"output_tokens", "priority", b"priority", "prompt_tokens", b"prompt_tokens", "protected", b"protected", "sheddable", b"sheddable", "tbt_slo", b"tbt_slo", "ttft_slo", b"ttft_slo"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrival", b"arrival", "computed_tokens", b"computed_tokens", "e2e_slo", b"e2e_slo", "first_token_time", b"first_token_time", "ids", b"ids", "output_tokens", b"output_tokens", "priority", b"priority", "prompt_tokens", b"prompt_tokens", "protected", b"protected", "sheddable", b"sheddable", "tbt_slo", b"tbt_slo", "tpot_slo", b"tpot_slo", "ttft_slo", b"ttft_slo"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -198,6 +216,8 @@ class Request(_message.Message):
     PRIORITY_FIELD_NUMBER: _builtins.int
     SHEDDABLE_FIELD_NUMBER: _builtins.int
     E2E_SLO_FIELD_NUMBER: _builtins.int
+    TPOT_SLO_FIELD_NUMBER: _builtins.int
+    FIRST_TOKEN_TIME_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Unique, non-empty request id."""
     arrival: _builtins.float
@@ -220,6 +240,10 @@ class Request(_message.Message):
     """Sheddable flag."""
     e2e_slo: _builtins.float
     """End-to-end objective (seconds after arrival; 0 = none)."""
+    tpot_slo: _builtins.float
+    """Mean time-per-output-token objective (seconds; 0 = none)."""
+    first_token_time: _builtins.float
+    """First output token's time (seconds, engine clock; with a tpot_slo)."""
     def __init__(
         self,
         *,
@@ -234,10 +258,12 @@ class Request(_message.Message):
         priority: _builtins.int = ...,
         sheddable: _builtins.bool = ...,
         e2e_slo: _builtins.float = ...,
+        tpot_slo: _builtins.float = ...,
+        first_token_time: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrival", b"arrival", "computed_tokens", b"computed_tokens", "e2e_slo", b"e2e_slo", "id", b"id", "output_tokens", b"output_tokens", "priority", b"priority", "prompt_tokens", b"prompt_tokens", "protected", b"protected", "sheddable", b"sheddable", "tbt_slo", b"tbt_slo", "ttft_slo", b"ttft_slo"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrival", b"arrival", "computed_tokens", b"computed_tokens", "e2e_slo", b"e2e_slo", "first_token_time", b"first_token_time", "id", b"id", "output_tokens", b"output_tokens", "priority", b"priority", "prompt_tokens", b"prompt_tokens", "protected", b"protected", "sheddable", b"sheddable", "tbt_slo", b"tbt_slo", "tpot_slo", b"tpot_slo", "ttft_slo", b"ttft_slo"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
