@@ -115,6 +115,12 @@ def test_config_parse() -> None:
     for bad in ("gpu:slidingserve", "inproc", "inproc:nope", "inproc:slidingserve:window", "inproc:slidingserve:window=9"):
         with pytest.raises(ValueError):
             Config.parse(bad)
+    # the objective is the requests', not a policy parameter
+    t = Config.parse("inproc:slidingserve:objective=tpot,window=3")
+    assert (t.objective, dict(t.params)) == ("tpot", {"window": "3"}) and t.label.endswith("objective=tpot,window=3")
+    assert t.xargs(SLO) == {"slo_tpot_ms": SLO.tbt_ms} and c.xargs(SLO) is None and c.objective == "formula1"
+    with pytest.raises(ValueError, match="objective must be one of formula1, tpot, got 'p99'"):
+        Config.parse("inproc:slidingserve:objective=p99")
 
 
 def test_runs_interleave_configurations_seed_by_seed() -> None:
@@ -175,6 +181,7 @@ def test_simulated_replay_has_the_live_records_shape() -> None:
     assert len(rows) == 2 and not any("⚠" in x for x in rows)  # the same records: no gap
     off = [{**r, "attain_tpot": r["attain_tpot"] - 0.2} for r in sim]
     assert "⚠" in sim_table(off, sim).splitlines()[-1]
+
 
 
 def test_judge_table_sets_the_two_measurements_side_by_side() -> None:

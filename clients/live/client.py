@@ -21,14 +21,18 @@ from .workload import LiveRequest
 __all__ = ["run_requests"]
 
 
-async def _one(client: Any, model: str, req: LiveRequest, t0: float, timeout_s: float) -> RequestResult:
+async def _one(client: Any, model: str, req: LiveRequest, t0: float, timeout_s: float,
+               xargs: dict[str, Any] | None) -> RequestResult:
     await asyncio.sleep(max(0.0, t0 + req.at_s - time.monotonic()))
     res = RequestResult(req.index, time.monotonic(), req.output_len, due=t0 + req.at_s)
+    body: dict[str, Any] = {"ignore_eos": True, "min_tokens": req.output_len, "return_token_ids": True}
+    if xargs:
+        body["vllm_xargs"] = xargs
     try:
         stream = await client.completions.create(
             model=model, prompt=list(req.prompt), max_tokens=req.output_len, stream=True,
             temperature=0.0, timeout=timeout_s,
-            extra_body={"ignore_eos": True, "min_tokens": req.output_len, "return_token_ids": True},
+            extra_body=body,
         )
         async for chunk in stream:
             now = time.monotonic()
@@ -44,7 +48,7 @@ async def _one(client: Any, model: str, req: LiveRequest, t0: float, timeout_s: 
 
 
 async def _run(base_url: str, model: str, requests: Sequence[LiveRequest], timeout_s: float,
-               on_done: Callable[[int], None] | None) -> list[RequestResult]:
+               on_done: Callable[[int], None] | None, xargs: dict[str, Any] | None) -> list[RequestResult]:
     import httpx
     from openai import AsyncOpenAI
 
@@ -52,7 +56,7 @@ async def _run(base_url: str, model: str, requests: Sequence[LiveRequest], timeo
     async with httpx.AsyncClient(limits=limits, timeout=timeout_s) as http:
         client = AsyncOpenAI(base_url=base_url, api_key="live-bench", max_retries=0, http_client=http)
         t0 = time.monotonic() + 0.05
-        tasks = [asyncio.create_task(_one(client, model, r, t0, timeout_s)) for r in requests]
+        tasks = [asyncio.create_task(_one(client, model, r, t0, timeout_s, xargs)) for r in requests]
         out = []
         for fut in asyncio.as_completed(tasks):
             out.append(await fut)
@@ -62,7 +66,9 @@ async def _run(base_url: str, model: str, requests: Sequence[LiveRequest], timeo
 
 
 def run_requests(base_url: str, model: str, requests: Sequence[LiveRequest], *, timeout_s: float = 300.0,
-                 on_done: Callable[[int], None] | None = None) -> list[RequestResult]:
-    """Send ``requests`` at their arrival times to ``base_url`` (``http://host:port/v1``);
-    the results of every request, in request order."""
-    return asyncio.run(_run(base_url, model, requests, timeout_s, on_done))
+                 on_done: Callable[[int], None] | None = None,
+                 xargs: dict[str, Any] | None = None) -> list[RequestResult]:
+    """Send ``requests`` at their arrival times to ``base_url`` (``http://host:port/v1``),
+    each with ``xargs`` as its ``vllm_xargs`` (the adapter's per-request SLOs); the results
+    of every request, in request order."""
+    return asyncio.run(_run(base_url, model, requests, timeout_s, on_done, xargs))

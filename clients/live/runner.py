@@ -35,6 +35,11 @@ __all__ = ["Config", "LiveSpec", "check_resumable", "run_sweep"]
 
 NATIVE = "vllm"
 MODES = ("inproc", "remote")
+#: The objectives a configuration's requests can carry (``objective=`` in its text, not a
+#: policy parameter): ``formula1`` (the TTFT and TBT defaults, formula (1)) or ``tpot`` (each
+#: request also sends ``slo_tpot_ms`` = the TBT objective in ``vllm_xargs``: the scheduler
+#: plans for the mean time per output token, as ``vllm bench serve --goodput`` judges).
+OBJECTIVES = ("formula1", "tpot")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +48,7 @@ class Config:
     mode: str  # "native", "inproc" or "remote"
     policy: str = ""
     params: tuple[tuple[str, str], ...] = ()
+    objective: str = "formula1"
 
     @classmethod
     def parse(cls, text: str) -> Config:
@@ -60,10 +66,19 @@ class Config:
             if not sep or not k:
                 raise ValueError(f"configuration {text!r}: parameter {item!r} is not k=v")
             kv.append((k.strip(), v.strip()))
+        objective = dict(kv).get("objective", "formula1")
+        if objective not in OBJECTIVES:
+            raise ValueError(f"configuration {text!r}: objective must be one of {', '.join(OBJECTIVES)}, "
+                             f"got {objective!r}")
+        kv = [(k, v) for k, v in kv if k != "objective"]
         from scheduler_service.core import registry
 
         registry.create(policy, dict(kv))  # fails here, with the policy's own message, on a bad name or value
-        return cls(text, mode, policy, tuple(kv))
+        return cls(text, mode, policy, tuple(kv), objective)
+
+    def xargs(self, slo: Slo) -> dict[str, Any] | None:
+        """What each request of this configuration carries in ``vllm_xargs``."""
+        return {"slo_tpot_ms": slo.tbt_ms} if self.objective == "tpot" else None
 
     def settings(self, service_address: str, slo: Slo) -> dict[str, Any]:
         return {"address": service_address if self.mode == "remote" else "inproc", "policy": self.policy,
@@ -252,7 +267,7 @@ class _Bench:
         refits0 = self.service.refits() if self.service is not None else {}
         reqs = make_requests(self.spec.workload, rate, seed)
         timings0 = _vllm_timings(server)
-        results = run_requests(server.base_url, "live", reqs)
+        results = run_requests(server.base_url, "live", reqs, xargs=c.xargs(self.spec.slo))
         measured = [r for r in results if not reqs[r.index].warmup]
         summary = summarize(measured, self.spec.slo)
         rec: dict[str, Any] = {"config": c.label, "mode": c.mode, "policy": c.policy or NATIVE, "rate": rate,

@@ -206,6 +206,8 @@ class SimulatedEngine:
         #: finished by a plan's rejection (overload control): done, and violated
         self.rejected = np.zeros(n, dtype=bool)
         self.first_token = np.full(n, np.nan)
+        #: a token came after its formula (1) deadline (whatever the request is judged by)
+        self.late_f1 = np.zeros(n, dtype=bool)
         self.last_token = np.full(n, np.nan)
         self.clock = 0.0
         self.preemptions = 0
@@ -411,9 +413,10 @@ class SimulatedEngine:
         w = self.w
         k = self.generated[emit]  # tokens before this one
         due = w.arrival[emit] + w.ttft_slo[emit] + k * w.tbt_slo[emit]
+        late = self.clock > due + 1e-9
+        self.late_f1[emit] |= late
         # a request with a TPOT objective: its first token by TTFT, then its mean (at the end)
-        due = np.where((k > 0) & (w.tpot_slo[emit] > 0), np.inf, due)
-        self.violated[emit] |= self.clock > due + 1e-9
+        self.violated[emit] |= late & ((k == 0) | (w.tpot_slo[emit] <= 0))
         first = k == 0
         self.first_token[emit[first]] = self.clock
         gaps = self.clock - self.last_token[emit[~first]]
