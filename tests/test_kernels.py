@@ -187,14 +187,14 @@ def test_one_token_remainders_go_back_to_numpy_and_agree(decodes: bool) -> None:
     cq = queue_of(snap, pred)
     jit = kernels.jit()
     assert jit is not None
-    *_, n_minor = jit.fill_curve(*cq.kernel_args()[:6], cq._pmax, cq.n_dec, cq.dec_u, min(cq.iter_cap, cq.supply))
+    *_, n_minor = jit.fill_curve(cq.view, min(cq.iter_cap, cq.supply))
     assert n_minor > 8  # the case under test: the curve's minor entries come from numpy
     c_ref, c_got = both(lambda: cq.budget_curve())
     assert same(c_ref.times, c_got.times) and same(c_ref.suffix_min, c_got.suffix_min)
     W = np.array([40.0, 80.0, 120.0])
     curve = cq.budget_curve()
-    p = jit.sliding_chunk(*cq.kernel_args(), cq.first_cap, cq.iter_cap, W, 1, 1 << 30, curve.times,
-                          curve.suffix_min, 0.0, 17)
+    p = jit.sliding_chunk(cq.view, cq.first_cap, cq.iter_cap, W, 1, 1 << 30, curve.times,
+                          curve.suffix_min, 0.0)
     assert p == -1  # ... and the window search declines, so the reference decides
     ref, got = both(lambda: sliding_chunk(cq, W, 1, 1 << 30, None, 0.0))
     assert ref == got

@@ -37,21 +37,17 @@ from .features import (
     X6,
     X7,
     add_decodes,
-    add_piece,
-    decode_features,
     piece_features,
-    scenario_of,
     scenarios,
+    segment_ms_one,
 )
+from .kernels import QueueView
 from .predictor import BatchLatencyPredictor, LinearModel
+from .reference import SCALAR_MINOR
 from .snapshot import Snapshot
 from .sorter import ordered
 
 __all__ = ["BudgetCurve", "CandidateQueue", "fit_class_decodes", "select_decodes"]
-
-#: Up to this many minor entries in one call the reference predicts them one by one
-#: in plain Python, beyond it with numpy (``_fix_minor``); the kernels follow suit.
-_SCALAR_MINOR = 8
 
 
 def select_decodes(snap: Snapshot, dec_idx: np.ndarray, starve_tbts: float = 0.0) -> np.ndarray:
@@ -152,6 +148,8 @@ class CandidateQueue:
     _pw: np.ndarray
     #: The scenario row of that model in the predictor's coefficients (kernels).
     _fast: int
+    #: The queue as the compiled kernels take it (its layout: ``kernels.QueueView``).
+    view: QueueView
     _cache: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -173,13 +171,8 @@ class CandidateQueue:
         budget = snap.max_batch_tokens if budget is None else min(budget, snap.max_batch_tokens)
         n_dec = len(decodes)
         fast = MIXED if n_dec else PREFILL
-        jit = kernels.jit()
-        if jit is not None:
-            queue = np.asarray(queue, dtype=np.int64)
-            r, u0, R, pf, rbig, pmax, pw = jit.queue_arrays(
-                snap.remaining_prefill, snap.computed_tokens, queue, predictor.coef[fast])
-        else:
-            r, u0, R, pf, rbig, pmax, pw = _queue_arrays(snap, predictor.model(fast), queue)
+        queue = np.asarray(queue, dtype=np.int64)
+        r, u0, R, pf, rbig, pmax, pw = kernels.ops().queue_arrays(snap, predictor, fast, queue)
         seq_left = max(0, snap.max_num_seqs - n_dec)
         iter_cap = max(0, budget - n_dec)
         kv_cont = kv_prefill_cap(snap, n_dec, n_all_decodes, kv_decode_reserve)
@@ -191,6 +184,7 @@ class CandidateQueue:
             # prefills' headroom; past it, only up to the watermark.
             kv_first = min(kv_cont, max(kv_cap, int(R[new[0]]))) if len(new) else kv_cont
         first_cap = min(iter_cap, int(R[min(seq_left, len(queue))]), kv_first)
+        dec_u = float(snap.kv_tokens[decodes].sum())
         return cls(
             snap=snap,
             predictor=predictor,
@@ -199,7 +193,7 @@ class CandidateQueue:
             r=r,
             u0=u0,
             R=R,
-            dec_u=float(snap.kv_tokens[decodes].sum()),
+            dec_u=dec_u,
             first_cap=int(first_cap),
             iter_cap=int(iter_cap),
             kv_cap=int(kv_cap),
@@ -209,13 +203,9 @@ class CandidateQueue:
             _model=predictor.model(fast),
             _pw=pw,
             _fast=fast,
+            view=QueueView(coef=predictor.coef, fast=fast, R=R, u0=u0, pw=pw, pf=pf, rbig=rbig, pmax=pmax,
+                           n_dec=n_dec, dec_u=dec_u),
         )
-
-    def kernel_args(self) -> tuple[Any, ...]:
-        """The queue as the compiled kernels take it (coefficients, fast-path row,
-        R, u0, pw, pf, rbig, pmax, n_dec, dec_u)."""
-        return (self.predictor.coef, self._fast, self.R, self.u0, self._pw, self._pf, self._rbig,
-                self._pmax, len(self.decodes), self.dec_u)
 
     @property
     def n_dec(self) -> int:
@@ -298,7 +288,7 @@ class CandidateQueue:
             return 0.0
         return self.predictor.model(DECODE).base_ms(self.n_dec, self.dec_u + step * self.n_dec)
 
-    def _fix_minor(self, t: np.ndarray, X: np.ndarray, Y: np.ndarray, minor: np.ndarray,
+    def fix_minor(self, t: np.ndarray, X: np.ndarray, Y: np.ndarray, minor: np.ndarray,
                    step: int) -> None:
         """Entries outside the main scenario (formula (5)) — no chunk of more
         than one token (decode-only), or, without decodes, a one-token piece
@@ -307,7 +297,7 @@ class CandidateQueue:
         if not minor.any():
             return
         xs, ys = np.broadcast_to(X, t.shape)[minor], np.broadcast_to(Y, t.shape)[minor]
-        if len(xs) <= _SCALAR_MINOR:  # usually one entry (a one-token fill): numpy calls cost more
+        if len(xs) <= SCALAR_MINOR:  # usually one entry (a one-token fill): numpy calls cost more
             t[minor] = [self._segment_ms_scalar(int(x), int(y), step) for x, y in zip(xs, ys, strict=True)]
         else:
             f, sc = self.segment_features(xs, ys, step)
@@ -315,31 +305,15 @@ class CandidateQueue:
 
     def _segment_ms_scalar(self, x: int, y: int, step: int) -> float:
         """One segment's predicted time in plain Python (reference semantics)."""
-        du = self.dec_u + step * self.n_dec
-        f = decode_features(float(self.n_dec), du).tolist()
-        R, u0 = self.R, self.u0
-        j = int(np.searchsorted(R, x, side="right")) - 1
-        pos = x
-        while pos < y:
-            end = min(y, int(R[j + 1]))
-            add_piece(f, end - pos, int(u0[j]) + pos - int(R[j]))
-            pos = end
-            j += 1
-        if f[3] == 0 and f[5] == 0:
-            return 0.0
-        return self.predictor.model(scenario_of(f)).predict_one_ms(f)
+        return segment_ms_one(self.predictor.coef, self.R, self.u0, self.n_dec, self.dec_u, x, y, step)
 
     def prefix_time_ms(self, P: np.ndarray) -> np.ndarray:
         """Predicted time of decodes + the greedy fill of P tokens (fast path;
         equal to ``segment_time_ms(0, P)``)."""
-        P = np.asarray(P, dtype=np.int64)
-        jit = kernels.jit()
-        if jit is not None:
-            t, minor, n_minor = jit.prefix_times(self.predictor.coef, self._fast, self.R, self.u0, self._pw,
-                                                 self._pf, self._pmax, len(self.decodes), self.dec_u, P)
-            if n_minor > _SCALAR_MINOR:  # the reference predicts these with numpy: so do we
-                self._fix_minor(t, np.zeros_like(P), P, minor, 0)
-            return t
+        return kernels.ops().prefix_times(self, np.asarray(P, dtype=np.int64))
+
+    def reference_prefix_time_ms(self, P: np.ndarray) -> np.ndarray:
+        """:meth:`prefix_time_ms` in numpy (the reference; P: int64)."""
         nq = len(self.r)
         if nq == 0:
             return np.full(len(P), self.decode_only_ms(0))
@@ -358,7 +332,7 @@ class CandidateQueue:
         if self.n_dec == 0:
             minor |= (pf[j, X4] > 0) | (c == 1)  # a one-token piece: mixed
         minor &= P > 0
-        self._fix_minor(t, np.zeros_like(P), P, minor, 0)
+        self.fix_minor(t, np.zeros_like(P), P, minor, 0)
         t[P == 0] = self.decode_only_ms(0)
         return t
 
@@ -403,7 +377,7 @@ class CandidateQueue:
         if self.n_dec == 0:
             none = pf[jt, X4][None, :] - pf[jh + 1, X4][:, None]
             minor |= multi & ((none > 0) | (ch_full == 1)[:, None] | (ct == 1)[None, :])
-        self._fix_minor(t, Xc, Yr, minor, step)
+        self.fix_minor(t, Xc, Yr, minor, step)
         t[empty] = self.decode_only_ms(step)
         t[Yr < Xc] = np.inf
         return t
@@ -431,17 +405,8 @@ class CandidateQueue:
         """The :class:`BudgetCurve` of :meth:`fill_curve_ms` (same ``limit``)."""
         if limit is None:
             limit = min(self.iter_cap, self.supply)
-        jit = kernels.jit()
-        if jit is None:
-            P = np.arange(limit + 1, dtype=np.int64)
-            return BudgetCurve(self.segment_time_ms(np.zeros_like(P), P), len(self.decodes))
-        t, smin, minor, n_minor = jit.fill_curve(self.predictor.coef, self._fast, self.R, self.u0, self._pw,
-                                                 self._pf, self._pmax, len(self.decodes), self.dec_u, limit)
-        if n_minor <= _SCALAR_MINOR:
-            return BudgetCurve(t, len(self.decodes), smin)
-        P = np.arange(limit + 1, dtype=np.int64)
-        self._fix_minor(t, np.zeros_like(P), P, minor, 0)  # as the reference predicts them
-        return BudgetCurve(t, len(self.decodes))
+        t, smin = kernels.ops().fill_curve(self, limit)
+        return BudgetCurve(t, len(self.decodes), smin)
 
     def fill(self, prefill_tokens: int) -> list[tuple[int, int]]:
         """(snapshot index, tokens) of the greedy fill of ``prefill_tokens``: every
@@ -449,26 +414,6 @@ class CandidateQueue:
         n = min(len(self.queue), int(np.searchsorted(self.R, prefill_tokens, side="left")))
         takes = np.minimum(self.r[:n], prefill_tokens - self.R[:n])
         return list(zip(self.queue[:n].tolist(), takes.tolist(), strict=True))
-
-
-def _queue_arrays(snap: Snapshot, model: LinearModel, queue: np.ndarray) -> tuple[np.ndarray, ...]:
-    """r, u0, R, the prefix sums of the full requests' feature rows, their x7
-    column, its running max and the prefix sums of their times under ``model``
-    (the reference of ``kernels.queue_arrays``)."""
-    r = snap.remaining_prefill[queue].astype(np.int64)
-    u0 = snap.computed_tokens[queue].astype(np.int64)
-    R = np.zeros(len(queue) + 1, dtype=np.int64)
-    np.cumsum(r, out=R[1:])
-    rf = r.astype(np.float64)
-    uf = u0.astype(np.float64)
-    f = piece_features(rf, uf)  # every queued request has r ≥ 1
-    pf = np.zeros((len(r) + 1, f.shape[1]))
-    np.cumsum(f, axis=0, out=pf[1:])
-    rbig = np.ascontiguousarray(f[:, X7])
-    pmax = np.concatenate([[0.0], np.maximum.accumulate(rbig)]) if len(rbig) else np.zeros(1)
-    pw = np.zeros(len(r) + 1)
-    np.cumsum(model.piece_ms(rf, uf), out=pw[1:])
-    return r, u0, R, pf, rbig, pmax, pw
 
 
 class BudgetCurve:

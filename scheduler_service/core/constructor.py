@@ -55,6 +55,7 @@ from . import kernels
 from .batch import BudgetCurve
 from .features import combine_sets, decode_features, piece_features
 from .predictor import BatchLatencyPredictor
+from .reference import Key
 from .snapshot import Snapshot
 from .sorter import ordered
 
@@ -145,7 +146,7 @@ def construct_batch(
 
 
 #: A knapsack key (21): (|Y|, Σv, Σr).
-_Key = tuple[int, float, int]
+_Key = Key
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -197,40 +198,7 @@ def _knapsack_pass(pool: _Pool, cap_of: dict[int, int]) -> tuple[np.ndarray, lis
     """One knapsack pass over the pool: the choice bits, and for every anchor
     its key (21), its position in the pool and its capacity, read off the DP
     when the pass reaches it (its candidates are the items before it)."""
-    w, v, value = pool.w, pool.v, pool.value
-    cmax = max(cap_of.values())
-    jit = kernels.jit()
-    if jit is not None:
-        idx = pool.idx.tolist()
-        cap = np.array([cap_of.get(i, -1) for i in idx], dtype=np.int64)
-        take, adp, acw = jit.knapsack_pass(w, v, cap, int(cmax))
-        at = np.flatnonzero(cap >= 0).tolist()
-        return take, [(((packed >> 32) + 1, d + value[idx[p]], (packed & 0xFFFFFFFF) + wp), p, c)
-                      for p, d, packed, wp, c in zip(at, adp[at].tolist(), acw[at].tolist(), w[at].tolist(),
-                                                     cap[at].tolist(), strict=True)]
-    dp = np.zeros(cmax + 1)
-    # |Y| and Σr of each dp cell packed in one integer (count << 32 | weight):
-    # one array update per item instead of two.
-    cw = np.zeros(cmax + 1, dtype=np.int64)
-    take = np.zeros((len(pool.idx), cmax + 1), dtype=bool)
-    anchors: list[tuple[_Key, int, int]] = []  # (key (21), anchor pos, cap)
-    for p, i in enumerate(pool.idx.tolist()):
-        if i in cap_of:
-            c = cap_of[i]
-            packed = int(cw[c])
-            key = ((packed >> 32) + 1, float(dp[c]) + value[i], (packed & 0xFFFFFFFF) + int(w[p]))
-            anchors.append((key, p, c))
-        wp = int(w[p])
-        if wp > cmax:
-            continue
-        head = cmax + 1 - wp
-        cand = dp[:head] + v[p]
-        better = take[p, wp:]
-        np.greater(cand, dp[wp:], out=better)
-        np.copyto(dp[wp:], cand, where=better)
-        np.copyto(cw[wp:], cw[:head] + ((1 << 32) + wp), where=better)
-    assert anchors
-    return take, anchors
+    return kernels.ops().knapsack_pass(pool.idx, pool.w, pool.v, pool.value, cap_of)
 
 
 def _best_repaired(snap: Snapshot, pool: _Pool, take: np.ndarray, anchors: list[tuple[_Key, int, int]],
@@ -261,15 +229,7 @@ def _best_repaired(snap: Snapshot, pool: _Pool, take: np.ndarray, anchors: list[
 def _read_back(snap: Snapshot, pool: _Pool, take: np.ndarray, pa: int, c: int, seq_cap: int) -> list[int]:
     """The selection of the anchor at pool position ``pa`` with capacity ``c``
     (anchor first), cut to ``seq_cap`` requests."""
-    jit = kernels.jit()
-    if jit is not None:
-        chosen = [int(pool.idx[pa]), *pool.idx[jit.read_back(take, pool.w, pa, c)].tolist()]
-    else:
-        chosen = [int(pool.idx[pa])]
-        for p in range(pa - 1, -1, -1):
-            if take[p, c]:
-                chosen.append(int(pool.idx[p]))
-                c -= int(pool.w[p])
+    chosen = kernels.ops().read_back(take, pool.idx, pool.w, pa, c)
     if len(chosen) > seq_cap:
         # Rare: more prefills than sequence slots.  Keep the anchor and the
         # most valuable others.

@@ -19,6 +19,12 @@ features are the column sums of its pieces' rows, except x7, the column max
 (:func:`combine`, :func:`combine_sets`).  Every feature of a batch of integer
 pieces is an integer, so sums of rows are exact in any order.  How the linear
 model weighs them lives in :mod:`.predictor`.
+
+The scalar formulas at the end (:func:`piece_ms_one`, :func:`base_ms_one`,
+:func:`segment_ms_one`) price one piece or one segment under a coefficient row of the
+predictor's ``coef`` in plain Python that numba also compiles: the reference's scalar
+path calls them as they are, the compiled kernels wrap them with ``numba.njit``, so
+each formula is written once (module-level constants are compile-time constants).
 """
 
 from __future__ import annotations
@@ -36,14 +42,17 @@ __all__ = [
     "X7",
     "add_decodes",
     "add_piece",
+    "base_ms_one",
     "batch_features",
     "combine",
     "combine_sets",
     "decode_features",
     "piece_features",
+    "piece_ms_one",
     "scenario_codes",
     "scenario_of",
     "scenarios",
+    "segment_ms_one",
 ]
 
 N_FEATURES = 7
@@ -135,3 +144,52 @@ def batch_features(c: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, int]:
     """Features (x1..x7) and scenario code of one batch given per-piece c, u."""
     x = combine(piece_features(c, u))
     return x, scenario_of(x)
+
+
+# ------------------------------------------------------- scalar formulas (numba-compilable)
+def piece_ms_one(w: np.ndarray, c: float, u: float) -> float:
+    """``LinearModel.piece_ms`` of one piece under the coefficient row ``w``
+    (intercept, x1..x7): the terms x1..x6 of c tokens on u cached ones."""
+    a = c * (w[1] * (u + c) + w[2] * c + w[6]) if c > 1 else 0.0
+    b = w[3] * u if c > 0 else 0.0
+    d = w[4] + w[5] * u if c == 1 else 0.0
+    return a + b + d
+
+
+def base_ms_one(w: np.ndarray, n: float, du: float) -> float:
+    """``LinearModel.base_ms`` under the row ``w``: intercept plus n decodes of total context du."""
+    return w[0] + w[3] * du + w[4] * n + w[5] * du
+
+
+def segment_ms_one(coef: np.ndarray, R: np.ndarray, u0: np.ndarray, n_dec: int, dec_u: float,
+                   x: int, y: int, step: int) -> float:
+    """Predicted time of "n_dec decodes + stream segment [x, y)" (look-ahead ``step``):
+    its features summed piece by piece (:func:`add_piece`), weighed under the scenario's
+    row of ``coef`` left to right as ``LinearModel.predict_one_ms`` does; 0 when empty.
+    R: the stream boundaries, u0: each request's computed tokens."""
+    du = dec_u + step * n_dec
+    f = np.array([0.0, 0.0, du, float(n_dec), du, 0.0, 0.0])
+    j = np.searchsorted(R, x, side="right") - 1
+    pos = x
+    while pos < y:
+        end = min(y, R[j + 1])
+        c = end - pos
+        u = u0[j] + pos - R[j]
+        if c > 1:
+            f[0] += c * (u + c)
+            f[1] += c * c
+            f[5] += c
+            f[6] = max(f[6], float(c))
+        else:
+            f[3] += 1
+            f[4] += u
+        f[2] += u
+        pos = end
+        j += 1
+    if f[3] == 0 and f[5] == 0:
+        return 0.0
+    s = DECODE if f[5] == 0 else (PREFILL if f[3] == 0 else MIXED)
+    acc = 0.0
+    for i in range(N_FEATURES):
+        acc += coef[s, 1 + i] * f[i]
+    return float(coef[s, 0] + acc)

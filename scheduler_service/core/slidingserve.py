@@ -26,14 +26,14 @@ import numpy as np
 from . import kernels
 from .assemble import assemble_plan, in_queue_order
 from .batch import CandidateQueue, fit_class_decodes, select_decodes
-from .chunker import sliding_chunk, window_limits_ms
+from .chunker import sliding_chunk
 from .constructor import construct_batch
 from .features import DECODE
 from .params import param
 from .plan import Plan, Rejection
 from .predictor import BatchLatencyPredictor
 from .snapshot import Snapshot
-from .sorter import class_late_set, edf_order, late_set, mlps_order, ordered, prefill_indices
+from .sorter import edf_order, late_set, mlps_order, ordered, prefill_indices
 
 __all__ = ["SlidingServeParams", "SlidingServePolicy"]
 
@@ -205,22 +205,8 @@ class SlidingServePolicy:
         deadline (deadlines are cumulative, formula (1)), and those already late but by
         less than ``starve_after`` TBTs (a decode later than that is starving and runs)."""
         p = self.params
-        jit = kernels.jit()
-        if jit is not None:
-            return jit.sit_out(dec_all, pre, snap.slack, snap.tbt_slo, lost, float(p.decode_skip_tbts),
-                               bool(p.skip_late_decodes), float(p.starve_after))
-        live = pre[(snap.slack[pre] > 0) & ~lost]
-        out = np.zeros(len(dec_all), dtype=bool)
-        if len(dec_all) and len(live):
-            s = snap.slack[dec_all]
-            if p.decode_skip_tbts > 0:
-                out |= s > p.decode_skip_tbts * snap.tbt_slo[dec_all]
-            if p.skip_late_decodes:
-                late = s <= 0
-                if p.starve_after > 0:
-                    late &= s > -p.starve_after * snap.tbt_slo[dec_all]
-                out |= late
-        return live, out
+        return kernels.ops().sit_out(snap, dec_all, pre, lost, p.decode_skip_tbts, p.skip_late_decodes,
+                                     p.starve_after)
 
     def _starving(self, snap: Snapshot, pre: np.ndarray) -> np.ndarray:
         """Mask over ``pre`` of the starving prefills: waiting for their first token for at
@@ -243,31 +229,15 @@ class SlidingServePolicy:
         lost = np.zeros(len(pre), dtype=bool)
         if len(pre) == 0:
             return lost
-        jit = kernels.jit()
         classes = not snap.one_class and bool(snap.priority[pre].min() != snap.priority[pre].max())
-        if jit is not None and len(pre) < jit.MAX_LATE_SET and not classes:
-            rho_max = predictor.prefill_throughput(snap.max_batch_tokens) if p.hopeless_factor > 0 else 0.0
-            return jit.lost_mask(pre, snap.remaining_prefill, snap.slack, snap.protected, float(rho),
-                                 float(rho_max), float(p.hopeless_factor), p.lost_rule == "moore")
-        if p.hopeless_factor > 0:
-            # Optimistic: the request alone with the whole budget, at the predictor's rate.
-            rho_max = predictor.prefill_throughput(snap.max_batch_tokens)
-            lost |= snap.remaining_prefill[pre] > rho_max * snap.slack[pre] * p.hopeless_factor
-        if p.lost_rule == "moore":
-            lost |= class_late_set(snap, pre, rho) if classes else late_set(snap, pre, rho)
-        return lost & (snap.slack[pre] > 0)
+        # Optimistic: the request alone with the whole budget, at the predictor's rate.
+        rho_max = predictor.prefill_throughput(snap.max_batch_tokens) if p.hopeless_factor > 0 else 0.0
+        return kernels.ops().lost_mask(snap, pre, rho, rho_max, p.hopeless_factor, p.lost_rule == "moore", classes)
 
     def _windows(self, snap: Snapshot, decodes: np.ndarray) -> np.ndarray | None:
         """W_1..W_k over the decodes, divided by the margin; None without a safe decode."""
         p = self.params
-        jit = kernels.jit()
-        if jit is not None:
-            W = jit.window_limits(snap.slack, snap.tbt_slo, decodes, p.window, p.margin)
-            return W if len(W) else None
-        W = window_limits_ms(snap, decodes, p.window)
-        if W is not None and p.margin != 1.0:
-            W = W / p.margin
-        return W
+        return kernels.ops().window_limits(snap, decodes, p.window, p.margin)
 
     def _queue(self, snap: Snapshot, pre: np.ndarray, lost: np.ndarray, rho: float) -> tuple[np.ndarray, np.ndarray]:
         """The prefill queue (MLPS or EDF) and which of ``pre`` starve: those head it,

@@ -1,10 +1,14 @@
 """Which implementation of the policy hot path runs: compiled kernels or plain numpy.
 
-The numpy code in :mod:`..batch`, :mod:`..chunker`, :mod:`..constructor` and
-:mod:`..sorter` is the reference.  :mod:`._compiled` holds numba kernels that compute
-the same plans bit for bit (same operations in the same order wherever a rounding
-could flip a comparison; ``tests/test_kernels.py`` holds the two equal), in a few
-calls per decision instead of a few hundred numpy calls.
+The policy modules reach the hot path through one facade, :func:`ops`: an object with
+the same methods on both backends (:mod:`._ops`).  On numpy each method runs the
+reference (:mod:`..reference`); on numba it calls a kernel of :mod:`._compiled`, which
+computes the same result bit for bit (same operations in the same order wherever a
+rounding could flip a comparison; ``tests/test_kernels.py`` holds the two equal) in a few
+calls per decision instead of a few hundred numpy calls.  A kernel can decline a rare
+input whose reference result it cannot reproduce exactly; the facade then runs the
+reference itself.  Every such escape rule lives in :mod:`._ops`, and the policy modules
+never ask which backend runs.
 
 ``SLIDINGSERVE_KERNELS=numba|numpy`` selects one (default numba).  numba is imported
 on first use, not with the package: the client and the CLI stand on the core and
@@ -15,10 +19,6 @@ compiler: the service and the in-process engine backend call it at start-up.  Wh
 runs (every registered policy on tiny snapshots, :mod:`._warm`) is handed to it by the
 policy registry (:func:`set_warm_up`): this package stands below the policies and imports
 none of them.
-
-A kernel can decline a rare input whose reference result it cannot reproduce
-exactly (it then returns a sentinel and the caller runs the numpy path): see
-:mod:`._compiled`.
 """
 
 from __future__ import annotations
@@ -30,16 +30,20 @@ import time
 from collections.abc import Callable, Iterator
 from types import ModuleType
 
-__all__ = ["BACKENDS", "ENV", "backend", "jit", "set_warm_up", "use", "using", "warm_up"]
+from ._ops import NumbaOps, NumpyOps, QueueView
+
+__all__ = ["BACKENDS", "ENV", "NumpyOps", "QueueView", "backend", "jit", "ops", "set_warm_up", "use", "using",
+           "warm_up"]
 
 ENV = "SLIDINGSERVE_KERNELS"
 BACKENDS = ("numba", "numpy")
 
 _log = logging.getLogger(__name__)
 _UNSET = object()
-#: The compiled-kernel module while the numba backend is active, None for numpy,
-#: _UNSET until the first call decides.
+#: The facade of the active backend (a NumbaOps or a NumpyOps), _UNSET until the first
+#: call decides.
 _active: object = _UNSET
+_NUMPY = NumpyOps()
 _requested: str | None = None
 _warmed: dict[str, float] = {}
 #: What :func:`warm_up` runs; set by :mod:`..registry` when it is imported (with the core).
@@ -54,31 +58,39 @@ def _wanted() -> str:
     return name
 
 
-def _resolve() -> ModuleType | None:
+def _resolve() -> NumpyOps:
     global _active
-    mod: ModuleType | None = None
+    facade = _NUMPY
     if _wanted() == "numba":
         try:
-            from . import _compiled as mod
+            from . import _compiled
         except ImportError as e:  # numba missing or broken: the reference path still works
             _log.warning("numba kernels unavailable (%s); the policy core runs on numpy", e)
-            mod = None
-    _active = mod
-    return mod
+        else:
+            facade = NumbaOps(_compiled)
+    _active = facade
+    return facade
+
+
+def ops() -> NumpyOps:
+    """The hot path's operations on the active backend (the one dispatch).  Called on
+    every hot-path step, so it is one global read once decided."""
+    f = _active
+    if f is _UNSET:
+        return _resolve()
+    return f  # type: ignore[return-value]
 
 
 def jit() -> ModuleType | None:
-    """The compiled kernels when the numba backend is active, else None (run numpy).
-    Called on every hot-path step, so it is one global read once decided."""
-    m = _active
-    if m is _UNSET:
-        return _resolve()
-    return m  # type: ignore[return-value]
+    """The compiled-kernel module when the numba backend is active, else None (tests
+    and tools; the policy modules call :func:`ops`)."""
+    f = ops()
+    return f.k if isinstance(f, NumbaOps) else None  # type: ignore[no-any-return]
 
 
 def backend() -> str:
     """The implementation in use: ``"numba"`` or ``"numpy"``."""
-    return "numpy" if jit() is None else "numba"
+    return ops().name
 
 
 def use(name: str | None) -> str:

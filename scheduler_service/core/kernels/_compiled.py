@@ -15,13 +15,25 @@ numpy code (the fill curve) or return -1 so that the caller runs the reference (
 window search).  Both are rare: they need queues of one-token remainders.
 
 Model coefficients come as the predictor's ``_coef`` (3, 8): per scenario (decode,
-prefill, mixed) the intercept and the weights of x1..x7.
+prefill, mixed) the intercept and the weights of x1..x7.  A candidate queue comes as one
+:class:`._ops.QueueView` (a NamedTuple of its arrays), read by field name.
+
+Nothing here is defined twice: the scalar formulas (a piece, the decode base, one
+segment) are :mod:`..features`' plain-Python definitions compiled with ``numba.njit``,
+and the constants (scenario rows, the scalar-minor limit, the grid's request boundaries,
+the heap key's bits) are imported; numba treats module-level ints as compile-time
+constants.  Which inputs a kernel declines, and what runs then, is :mod:`._ops`' business.
 """
 
 from __future__ import annotations
 
 import numba as nb
 import numpy as np
+
+from ..features import DECODE as _DECODE
+from ..features import base_ms_one, piece_ms_one, segment_ms_one
+from ..reference import MAX_BOUNDARIES, SCALAR_MINOR
+from ._ops import CLASS_BITS, POS_BITS
 
 __all__ = [
     "fill_curve",
@@ -39,29 +51,18 @@ __all__ = [
 ]
 
 _jit = nb.njit(cache=True, nogil=True)
-#: Scenario rows of the coefficient matrix (``features.DECODE`` ...).
-_DECODE, _PREFILL, _MIXED = 0, 1, 2
-#: More minor entries than this in one reference call go through ``np.einsum``.
-_SCALAR_MINOR = 8
 #: Targets of the last window tried one at a time from the top before the rest of a
 #: block is evaluated in one pass (the top one is usually feasible).
 _TOP_COLUMNS = 4
 
 
 # --------------------------------------------------------------------- the model
-@_jit
-def _piece(w: np.ndarray, c: float, u: float) -> float:
-    """``LinearModel.piece_ms`` of one piece (w: a coefficient row)."""
-    a = c * (w[1] * (u + c) + w[2] * c + w[6]) if c > 1 else 0.0
-    b = w[3] * u if c > 0 else 0.0
-    d = w[4] + w[5] * u if c == 1 else 0.0
-    return a + b + d
-
-
-@_jit
-def _base(w: np.ndarray, n: int, du: float) -> float:
-    """``LinearModel.base_ms``: intercept plus n decodes of total context du."""
-    return w[0] + w[3] * du + w[4] * n + w[5] * du
+#: ``LinearModel.piece_ms`` of one piece (w: a coefficient row).
+_piece = _jit(piece_ms_one)
+#: ``LinearModel.base_ms``: intercept plus n decodes of total context du.
+_base = _jit(base_ms_one)
+#: ``CandidateQueue._segment_ms_scalar``: decodes + stream segment [x, y).
+_scalar_segment = _jit(segment_ms_one)
 
 
 @_jit
@@ -70,39 +71,6 @@ def _decode_only(coef: np.ndarray, n_dec: int, dec_u: float, step: int) -> float
     if n_dec == 0:
         return 0.0
     return _base(coef[_DECODE], n_dec, dec_u + step * n_dec)
-
-
-@_jit
-def _scalar_segment(coef: np.ndarray, R: np.ndarray, u0: np.ndarray, n_dec: int, dec_u: float,
-                    x: int, y: int, step: int) -> float:
-    """``CandidateQueue._segment_ms_scalar``: decodes + stream segment [x, y), its
-    features summed piece by piece and weighed as ``predict_one_ms`` does."""
-    du = dec_u + step * n_dec
-    f = np.array([0.0, 0.0, du, float(n_dec), du, 0.0, 0.0])
-    j = np.searchsorted(R, x, side="right") - 1
-    pos = x
-    while pos < y:
-        end = min(y, R[j + 1])
-        c = end - pos
-        u = u0[j] + pos - R[j]
-        if c > 1:
-            f[0] += c * (u + c)
-            f[1] += c * c
-            f[5] += c
-            f[6] = max(f[6], float(c))
-        else:
-            f[3] += 1
-            f[4] += u
-        f[2] += u
-        pos = end
-        j += 1
-    if f[3] == 0 and f[5] == 0:
-        return 0.0
-    s = _DECODE if f[5] == 0 else (_PREFILL if f[3] == 0 else _MIXED)
-    acc = 0.0
-    for i in range(7):
-        acc += coef[s, 1 + i] * f[i]
-    return coef[s, 0] + acc
 
 
 # ------------------------------------------------------------- candidate queue
@@ -153,11 +121,17 @@ def _prefix_one(w: np.ndarray, R: np.ndarray, u0: np.ndarray, pw: np.ndarray, pf
 
 
 @_jit
-def prefix_times(coef: np.ndarray, fast: int, R: np.ndarray, u0: np.ndarray, pw: np.ndarray,  # type: ignore[no-untyped-def]
-                 pf: np.ndarray, pmax: np.ndarray, n_dec: int, dec_u: float, P: np.ndarray):
-    """``CandidateQueue.prefix_time_ms`` of the budgets P: (times, minor mask,
-    minor count).  Minor entries hold the scalar reference value; past
-    ``_SCALAR_MINOR`` of them the caller recomputes them the reference's way."""
+def prefix_times(q, P: np.ndarray):  # type: ignore[no-untyped-def]
+    """``CandidateQueue.prefix_time_ms`` of the budgets P on the queue q (a QueueView):
+    (times, minor mask, minor count).  Minor entries hold the scalar reference value;
+    past ``SCALAR_MINOR`` of them the caller recomputes them the reference's way."""
+    return _prefix_times(q.coef, q.fast, q.R, q.u0, q.pw, q.pf, q.pmax, q.n_dec, q.dec_u, P)
+
+
+@_jit
+def _prefix_times(coef: np.ndarray, fast: int, R: np.ndarray, u0: np.ndarray, pw: np.ndarray,  # type: ignore[no-untyped-def]
+                  pf: np.ndarray, pmax: np.ndarray, n_dec: int, dec_u: float, P: np.ndarray):
+    """:func:`prefix_times` on the queue's fields."""
     nq = len(R) - 1
     t = np.empty(len(P))
     minor = np.zeros(len(P), dtype=np.bool_)
@@ -212,11 +186,12 @@ def _fill_times(w: np.ndarray, R: np.ndarray, u0: np.ndarray, pw: np.ndarray, pf
 
 
 @_jit
-def fill_curve(coef: np.ndarray, fast: int, R: np.ndarray, u0: np.ndarray, pw: np.ndarray,  # type: ignore[no-untyped-def]
-               pf: np.ndarray, pmax: np.ndarray, n_dec: int, dec_u: float, limit: int):
-    """``prefix_times`` of P = 0..limit, with the suffix minimum of ``BudgetCurve``."""
+def fill_curve(q, limit: int):  # type: ignore[no-untyped-def]
+    """``prefix_times`` of P = 0..limit on the queue q, with the suffix minimum of
+    ``BudgetCurve``."""
+    coef, fast, R, u0, pw, pf, pmax, n_dec, dec_u = q.coef, q.fast, q.R, q.u0, q.pw, q.pf, q.pmax, q.n_dec, q.dec_u
     if len(R) == 1:
-        t, minor, n_minor = prefix_times(coef, fast, R, u0, pw, pf, pmax, n_dec, dec_u, np.arange(limit + 1))
+        t, minor, n_minor = _prefix_times(coef, fast, R, u0, pw, pf, pmax, n_dec, dec_u, np.arange(limit + 1))
     else:
         w = coef[fast]
         t, minor = _fill_times(w, R, u0, pw, pf, pmax, n_dec, _base(w, n_dec, dec_u), limit)
@@ -298,9 +273,10 @@ def lex_order(idx: np.ndarray, k0: np.ndarray, k1: np.ndarray, arrival: np.ndarr
 @_jit
 def mlps_order(idx: np.ndarray, remaining: np.ndarray, slack: np.ndarray, protected: np.ndarray,  # type: ignore[no-untyped-def]
                arrival: np.ndarray, throughput: float, alpha: float, eps: float,
-               expired_last: bool, lost: np.ndarray):
-    """``sorter.mlps_order``: the key (expired, 1 − g, 1 − e, r) packed in one integer
-    (r < 2^41), then arrival.  ``lost`` is a mask over idx (empty = none)."""
+               expired_last: bool, lost: np.ndarray, cls: np.ndarray):
+    """``sorter.mlps_order``: the key (expired, class, 1 − g, 1 − e, r) packed in one
+    integer (r < 2^41, the class rank below 2^CLASS_BITS), then arrival.  ``lost`` is a
+    mask over idx, ``cls`` the class rank of each (both empty = none, one class)."""
     n = len(idx)
     k0 = np.empty(n, dtype=np.int64)
     k2 = np.empty(n)
@@ -310,7 +286,9 @@ def mlps_order(idx: np.ndarray, remaining: np.ndarray, slack: np.ndarray, protec
         s = slack[q]
         u = r / (throughput * max(s, eps))
         late = (expired_last and s <= 0) or (len(lost) > 0 and lost[i])
-        k0[i] = (int(late) << 43) | (int(not protected[q]) << 42) | (int(not u > alpha) << 41) | r
+        c = cls[i] if len(cls) else 0
+        k0[i] = ((int(late) << (43 + CLASS_BITS)) | (c << 43) | (int(not protected[q]) << 42)
+                 | (int(not u > alpha) << 41) | r)
         k2[i] = arrival[q]
     return _ordered(idx, k0, np.zeros(n), k2)
 
@@ -338,9 +316,7 @@ def _argsort_by_pos(key: np.ndarray) -> np.ndarray:
 #: first, then the most remaining tokens, then the first position).  Remaining tokens
 #: order as remaining / rate does (a division by one positive rate of integers below
 #: 2^41 keeps them apart); positions below 2^20 (the caller checks).
-_POS_BITS = 20
-#: The most requests ``late_set`` and ``lost_mask`` take (the glue checks).
-MAX_LATE_SET = 1 << _POS_BITS
+_POS_BITS = POS_BITS
 
 
 @_jit
@@ -627,7 +603,7 @@ def _drain(coef: np.ndarray, fast: int, R: np.ndarray, u0: np.ndarray, pw: np.nd
     supply = R[-1]
     if supply == 0 or supply > first_cap:
         return False
-    t, _, _ = prefix_times(coef, fast, R, u0, pw, pf, pmax, n_dec, dec_u, np.array([supply]))
+    t, _, _ = _prefix_times(coef, fast, R, u0, pw, pf, pmax, n_dec, dec_u, np.array([supply]))
     total = t[0]
     if total > W[0]:
         return False
@@ -678,7 +654,7 @@ def _last_window(best: np.ndarray, first: np.ndarray, W: np.ndarray, tol: float,
             for a in src:
                 n_minor += _pair_row(a, cols, cols, grid, R, u0, rbig, coef, fast, n_dec, dec_u, k - 1, ends,
                                      True)
-        if n_minor > _SCALAR_MINOR:
+        if n_minor > SCALAR_MINOR:
             return -1
         rest = max(0, len(cols) - _TOP_COLUMNS)
         for part in (cols[rest:], cols[:rest]):
@@ -694,12 +670,13 @@ def _last_window(best: np.ndarray, first: np.ndarray, W: np.ndarray, tol: float,
 
 
 @_jit
-def sliding_chunk(coef: np.ndarray, fast: int, R: np.ndarray, u0: np.ndarray, pw: np.ndarray,
-                  pf: np.ndarray, rbig: np.ndarray, pmax: np.ndarray, n_dec: int, dec_u: float,
-                  first_cap: int, iter_cap: int, W: np.ndarray, granularity: int, max_points: int,
-                  times: np.ndarray, smin: np.ndarray, tol: float, n_bounds: int) -> int:
-    """``chunker.sliding_chunk`` from the queue's arrays and its fill curve; -1 when
-    the reference must decide (more than eight minor entries in one of its calls)."""
+def sliding_chunk(q, first_cap: int, iter_cap: int, W: np.ndarray, granularity: int,  # type: ignore[no-untyped-def]
+                  max_points: int, times: np.ndarray, smin: np.ndarray, tol: float) -> int:
+    """``chunker.sliding_chunk`` from the queue q (a QueueView) and its fill curve; -1
+    when the reference must decide (more than eight minor entries in one of its calls)."""
+    coef, fast, R, u0, pw, pf, pmax, n_dec, dec_u = q.coef, q.fast, q.R, q.u0, q.pw, q.pf, q.pmax, q.n_dec, q.dec_u
+    rbig = q.rbig
+    n_bounds = MAX_BOUNDARIES + 1
     k = len(W)
     if R[-1] == 0 or first_cap == 0:
         return 0
@@ -713,8 +690,8 @@ def sliding_chunk(coef: np.ndarray, fast: int, R: np.ndarray, u0: np.ndarray, pw
     n_in = 0
     while n_in < len(grid) and grid[n_in] <= first_cap:
         n_in += 1
-    t1, _, n_minor = prefix_times(coef, fast, R, u0, pw, pf, pmax, n_dec, dec_u, grid[:n_in])
-    if n_minor > _SCALAR_MINOR:
+    t1, _, n_minor = _prefix_times(coef, fast, R, u0, pw, pf, pmax, n_dec, dec_u, grid[:n_in])
+    if n_minor > SCALAR_MINOR:
         return -1
     best = np.full(len(grid), np.inf)
     for i in range(n_in):
@@ -727,7 +704,7 @@ def sliding_chunk(coef: np.ndarray, fast: int, R: np.ndarray, u0: np.ndarray, pw
     for m in range(1, k - 1):
         best, par, n_minor = _step(best, first, every, W[m], 0.0, m, grid, R, u0, rbig, coef, fast,
                                    n_dec, dec_u, iter_cap, ends)
-        if n_minor > _SCALAR_MINOR:
+        if n_minor > SCALAR_MINOR:
             return -1
         first = first[par]
         if not np.isfinite(best).any():
