@@ -124,6 +124,39 @@ def test_orders_and_lost_set_agree(snap: Snapshot, rho: float, alpha: float, exp
 
 
 @KERNELS
+@given(snap=snapshots(max_n=20), rho=st.floats(50.0, 1e5), alpha=st.sampled_from([0.5, 1.0, 4.0]),
+       expired_last=st.booleans(), levels=st.integers(1, 4), data=st.data())
+def test_multi_class_orders_agree(snap: Snapshot, rho: float, alpha: float, expired_last: bool, levels: int,
+                                  data: st.DataObject) -> None:
+    """Request classes reach the compiled MLPS sort (the class rank packed in its key)."""
+    d = snap.to_dict()
+    for r in d["requests"]:
+        r["priority"] = data.draw(st.integers(-levels, levels))
+    snap = Snapshot.from_json(d)
+    pre = prefill_indices(snap)
+    lost = np.array(data.draw(st.lists(st.booleans(), min_size=len(pre), max_size=len(pre))), dtype=bool)
+    for mask in (None, lost):
+        ref, got = both(lambda m=mask: mlps_order(snap, pre, rho, alpha, 1e-3, expired_last, m))  # type: ignore[misc]
+        assert same(ref, got)
+
+
+@pytest.mark.parametrize("name", ["slidingserve", "sarathi-edf+sc+mlps"])
+def test_multi_class_plans_are_identical_on_both_backends(name: str) -> None:
+    pol = registry.create(name)
+    for seed in range(40):
+        base = seeded_snapshot(seed)
+        rng = np.random.default_rng(seed + 991)
+        d = base.to_dict()
+        for r in d["requests"]:
+            r["priority"] = int(rng.integers(-2, 3))
+        snap = Snapshot.from_json(d)
+        for pred in (default_predictor(), random_predictor(seed)):
+            ref, got = both(lambda s=snap, p=pred: pol.plan(s, p))  # type: ignore[misc]
+            assert ref.decision_key() == got.decision_key(), (name, seed)
+            assert repr(ref.predicted_latency_ms) == repr(got.predicted_latency_ms)
+
+
+@KERNELS
 @given(snap=snapshots(max_n=20), skip=st.sampled_from([0.0, 1.0, 6.0]), late=st.booleans(),
        starve=st.sampled_from([0.0, 0.5, 3.0]), shift=st.sampled_from([0.0, 0.1, 1.0]), data=st.data())
 def test_sit_out_agrees(snap: Snapshot, skip: float, late: bool, starve: float, shift: float,
