@@ -248,3 +248,64 @@ def test_ratio_counts_the_seeds_where_the_baseline_has_no_goodput() -> None:
     # seed 1: 3 / 2.2 (vLLM's attainment crosses 90% at 2.2 rps); seed 2: vLLM 0 (under 90% at
     # 2 rps), ours 2.2
     assert "| remote:slidingserve | 2.60 (2.20–3.00) | 1.36× (1.36–1.36), ∞ on 1 |" in text, text
+
+
+# ---------------------------------------------------------------- the client's own delays
+def test_loop_lag_sees_a_blocked_event_loop() -> None:
+    import asyncio
+    import time
+
+    from clients.live.client import LoopLag
+
+    lag = LoopLag()
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        t0 = time.monotonic()
+        watch = asyncio.create_task(lag.watch(t0, stop))
+        await asyncio.sleep(0.05)
+        time.sleep(0.2)  # what a busy client does to its loop
+        await asyncio.sleep(0.05)
+        stop.set()
+        await watch
+
+    asyncio.run(main())
+    s = lag.summary()
+    assert 150 <= s["loop_lag_max_ms"] < 1000 and s["loop_stalled_s"] >= 0.15
+    at, worst = max(lag.samples, key=lambda x: x[1])
+    assert 0.03 <= at <= 0.1  # the stall began about 50 ms in
+
+
+def test_frontend_reads_tokens_at_the_end_of_a_stall() -> None:
+    from clients.live.sim import Frontend
+
+    fe = Frontend(late_s=np.zeros(3), lag_at=np.array([1.0, 5.0]), lag_s=np.array([0.5, 0.01]), frontend_s=0.2)
+    t = np.array([0.5, 1.0, 1.2, 1.49, 1.6, 5.005, 9.0])
+    assert fe.read_at(t).tolist() == pytest.approx([0.5, 1.5, 1.5, 1.5, 1.6, 5.01, 9.0])
+    # the constant part: the TTFT excess less what the stalls explain on these first tokens
+    assert fe.base_s(np.array([1.2, 9.0])) == pytest.approx(0.2 - 0.15)
+    assert fe.base_s(np.array([1.0])) == 0.0  # explained by the stall already
+    assert Frontend(np.zeros(1), np.zeros(0), np.zeros(0), None).base_s(np.array([1.0])) == 0.0
+
+
+def test_the_replay_with_the_clients_delays_sees_what_they_cost(tmp_path: Path) -> None:
+    """Stalls recorded in a run's frontend file make the replay's tokens late: formula (1)
+    drops, and the record says it is the +client replay."""
+    from clients.live.runner import frontend_path
+    from clients.live.sim import simulate_sweep
+    from scheduler_service.core import default_predictor
+
+    cfg = Config.parse("vllm")
+    spec = LiveSpec((cfg,), rates=(2.0,), seeds=(1,), workload=WorkloadSpec(requests=30, warmup=5),
+                    slo=Slo(1000.0, 50.0))
+    n = 35
+    stalls = [(float(t), 1.5) for t in np.arange(1.0, 20.0, 2.0)]  # 1.5 s of every 2 s
+    path = frontend_path(tmp_path, cfg.label, 2.0, 1)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"late_s": [0.0] * n, "lag": stalls, "frontend_ms": 100.0}))
+    bare, client = simulate_sweep(spec, default_predictor(), 0.1, live_dir=tmp_path)
+    assert (bare["source"], client["source"]) == ("sim", "sim+client")
+    assert client["attain_f1"] < bare["attain_f1"] - 0.3
+    assert client["ttft_p50_ms"] > bare["ttft_p50_ms"]
+    text = sim_table([{**bare, "source": "live"}], [bare, client])
+    assert "+client" in text and "⚠" in text.splitlines()[-1]

@@ -6,6 +6,12 @@ that each request produces exactly its trace's output length; ``return_token_ids
 the number of tokens in each chunk.  One connection per request: a kept-alive connection
 that the server closes while the pool reuses it would fail a request for a reason that has
 nothing to do with scheduling.
+
+The client shares a core with vLLM's API server (and, remote, the scheduling service), so
+its event loop is sometimes late: a token read late is timestamped late, and a request due
+while the loop is busy is sent late.  :class:`LoopLag` measures that lag all through the
+run, so that the report can tell the client's delays from the engine's, and the simulated
+replay can add them back (:mod:`.sim`).
 """
 
 from __future__ import annotations
@@ -18,7 +24,40 @@ from typing import Any
 from .measure import RequestResult
 from .workload import LiveRequest
 
-__all__ = ["run_requests"]
+__all__ = ["LoopLag", "run_requests"]
+
+#: How often the lag monitor wakes (s), and the least lag it records (s).
+_TICK_S = 0.005
+_MIN_LAG_S = 0.002
+
+
+class LoopLag:
+    """How late the client's event loop ran, sampled every few milliseconds: ``samples``
+    holds ``(seconds since the run's start, lag in seconds)`` for every wake-up at least
+    2 ms late (the rest are on time)."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float]] = []
+        self.ticks = 0
+
+    async def watch(self, t0: float, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            due = time.monotonic() + _TICK_S
+            await asyncio.sleep(_TICK_S)
+            lag = time.monotonic() - due
+            self.ticks += 1
+            if lag >= _MIN_LAG_S:
+                self.samples.append((due - t0, lag))
+
+    def summary(self) -> dict[str, float]:
+        """p99 and maximum lag (ms) over every wake-up, and the seconds spent over 50 ms late."""
+        import numpy as np
+
+        lags = np.array([x for _, x in self.samples])
+        every = np.concatenate([np.zeros(max(self.ticks - len(lags), 0)), lags])  # on time = 0
+        return {"loop_lag_p99_ms": 1e3 * float(np.percentile(every, 99)) if len(every) else 0.0,
+                "loop_lag_max_ms": 1e3 * float(lags.max()) if len(lags) else 0.0,
+                "loop_stalled_s": float(lags[lags > 0.05].sum())}
 
 
 async def _one(client: Any, model: str, req: LiveRequest, t0: float, timeout_s: float,
@@ -48,7 +87,8 @@ async def _one(client: Any, model: str, req: LiveRequest, t0: float, timeout_s: 
 
 
 async def _run(base_url: str, model: str, requests: Sequence[LiveRequest], timeout_s: float,
-               on_done: Callable[[int], None] | None, xargs: dict[str, Any] | None) -> list[RequestResult]:
+               on_done: Callable[[int], None] | None, xargs: dict[str, Any] | None,
+               lag: LoopLag | None) -> list[RequestResult]:
     import httpx
     from openai import AsyncOpenAI
 
@@ -56,19 +96,24 @@ async def _run(base_url: str, model: str, requests: Sequence[LiveRequest], timeo
     async with httpx.AsyncClient(limits=limits, timeout=timeout_s) as http:
         client = AsyncOpenAI(base_url=base_url, api_key="live-bench", max_retries=0, http_client=http)
         t0 = time.monotonic() + 0.05
+        stop = asyncio.Event()
+        watch = asyncio.create_task(lag.watch(t0, stop)) if lag is not None else None
         tasks = [asyncio.create_task(_one(client, model, r, t0, timeout_s, xargs)) for r in requests]
         out = []
         for fut in asyncio.as_completed(tasks):
             out.append(await fut)
             if on_done is not None:
                 on_done(len(out))
+        stop.set()
+        if watch is not None:
+            await watch
     return sorted(out, key=lambda r: r.index)
 
 
 def run_requests(base_url: str, model: str, requests: Sequence[LiveRequest], *, timeout_s: float = 300.0,
                  on_done: Callable[[int], None] | None = None,
-                 xargs: dict[str, Any] | None = None) -> list[RequestResult]:
+                 xargs: dict[str, Any] | None = None, lag: LoopLag | None = None) -> list[RequestResult]:
     """Send ``requests`` at their arrival times to ``base_url`` (``http://host:port/v1``),
     each with ``xargs`` as its ``vllm_xargs`` (the adapter's per-request SLOs); the results
-    of every request, in request order."""
-    return asyncio.run(_run(base_url, model, requests, timeout_s, on_done, xargs))
+    of every request, in request order.  ``lag`` records the event loop's lag meanwhile."""
+    return asyncio.run(_run(base_url, model, requests, timeout_s, on_done, xargs, lag))

@@ -118,8 +118,9 @@ def _simulate(spec: LiveSpec, out: Path, noise: float) -> list[dict[str, Any]]:
     if not path.exists():
         raise ValueError(f"--sim needs {path}: run a sweep with a remote configuration first")
     pred = BatchLatencyPredictor.from_dict(json.loads(path.read_text())["predictor"])
-    print(f"simulating {len(spec.order())} runs on the engine's fitted cost model", flush=True)
-    sim = simulate_sweep(spec, pred, noise)
+    print(f"simulating {len(spec.order())} runs on the engine's fitted cost model (twice where the client's "
+          "delays were recorded)", flush=True)
+    sim = simulate_sweep(spec, pred, noise, live_dir=out)
     (out / "sim.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sim))
     return sim
 

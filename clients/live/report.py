@@ -193,9 +193,11 @@ def write_plot(runs: Sequence[dict[str, Any]], path: Path, threshold: float,
                 hi.append(max(xs) if xs else math.nan)
             (line,) = ax.plot(rates, m, marker="o", label=c)
             ax.fill_between(rates, lo, hi, color=line.get_color(), alpha=0.15)
-            if sim:
-                ax.plot(rates, [_mean_at(sim, c, rate, key) for rate in rates], ls="--", lw=1,
-                        color=line.get_color(), label=f"{c} (sim)")
+            for src, ls in (("sim", "--"), ("sim+client", ":")):
+                mine = [r for r in sim if r.get("source", "sim") == src and r["config"] == c]
+                if mine:
+                    ax.plot(rates, [_mean_at(mine, c, rate, key) for rate in rates], ls=ls, lw=1,
+                            color=line.get_color(), label=f"{c} ({src})")
             ax.set_title(f"SLO attainment, {title}")
         tmax = [max((v["ttft_max_ms"] / 1e3 for (cc, rr, _), v in by.items() if cc == c and rr == rate),
                     default=math.nan) for rate in rates]
@@ -243,21 +245,31 @@ def _mean_at(runs: Sequence[dict[str, Any]], c: str, rate: float, key: str) -> f
 
 
 def sim_table(live: Sequence[dict[str, Any]], sim: Sequence[dict[str, Any]]) -> str:
-    """Attainment live vs simulated on the live engine's fitted cost model, same requests;
+    """Attainment live vs simulated on the live engine's fitted cost model, same requests,
+    and (where the sweep recorded the client's delays) simulated with those added back;
     gaps over 10 points marked."""
     if not sim:
         return ""
     rates = sorted({float(r["rate"]) for r in live})
-    lines = ["Live vs simulated (the same requests on the live engine's fitted cost model), mean over seeds, "
-             "formula (1) / TTFT+TPOT; ⚠ marks a gap over 10 points:", "",
-             "| configuration | " + " | ".join(f"{r:g} rps live | sim" for r in rates) + " |",
-             "|---|" + "---|---|" * len(rates)]
+    bare = [r for r in sim if r.get("source", "sim") == "sim"]
+    client = [r for r in sim if r.get("source") == "sim+client"]
+    lines = ["Live vs simulated (the same requests on the live engine's fitted cost model; \"+client\": with the "
+             "client's recorded delays added back), mean over seeds, formula (1) / TTFT+TPOT; ⚠ marks a gap over "
+             "10 points from live:", "",
+             "| configuration | " + " | ".join(f"{r:g} rps live | sim" + (" | +client" if client else "")
+                                             for r in rates) + " |",
+             "|---|" + ("---|---|---|" if client else "---|---|") * len(rates)]
     for c in _configs(live):
         cells = []
         for rate in rates:
             lv = [_mean_at(live, c, rate, k) for k, _ in DEFS]
-            sv = [_mean_at(sim, c, rate, k) for k, _ in DEFS]
-            warn = " ⚠" if any(abs(a - b) > 10 for a, b in zip(lv, sv, strict=True)) else ""
-            cells.append(f"{lv[0]:.0f} / {lv[1]:.0f} | {sv[0]:.0f} / {sv[1]:.0f}{warn}")
+            cells.append(f"{lv[0]:.0f} / {lv[1]:.0f}")
+            for src in (bare, client) if client else (bare,):
+                sv = [_mean_at(src, c, rate, k) for k, _ in DEFS]
+                if any(math.isnan(x) for x in sv):
+                    cells.append("—")
+                    continue
+                warn = " ⚠" if any(abs(a - b) > 10 for a, b in zip(lv, sv, strict=True)) else ""
+                cells.append(f"{sv[0]:.0f} / {sv[1]:.0f}{warn}")
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .client import run_requests
+from .client import LoopLag, run_requests
 from .judge import run_judge, write_dataset
 from .measure import RequestResult, Slo, summarize
 from .procs import EngineArgs, ServiceProcess, VllmProcess, pin, scrape, worker_cores
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from scheduler_service.client import PredictorInfo
     from scheduler_service.core import BatchLatencyPredictor
 
-__all__ = ["Config", "LiveSpec", "check_resumable", "run_sweep"]
+__all__ = ["Config", "LiveSpec", "check_resumable", "frontend_path", "run_sweep"]
 
 NATIVE = "vllm"
 MODES = ("inproc", "remote")
@@ -267,7 +267,8 @@ class _Bench:
         refits0 = self.service.refits() if self.service is not None else {}
         reqs = make_requests(self.spec.workload, rate, seed)
         timings0 = _vllm_timings(server)
-        results = run_requests(server.base_url, "live", reqs, xargs=c.xargs(self.spec.slo))
+        lag = LoopLag()
+        results = run_requests(server.base_url, "live", reqs, xargs=c.xargs(self.spec.slo), lag=lag)
         measured = [r for r in results if not reqs[r.index].warmup]
         summary = summarize(measured, self.spec.slo)
         rec: dict[str, Any] = {"config": c.label, "mode": c.mode, "policy": c.policy or NATIVE, "rate": rate,
@@ -276,7 +277,8 @@ class _Bench:
                                "loadavg": os.getloadavg()[0],
                                # what vLLM's server saw of the same requests (warm-up ones included)
                                "vllm_timings": _timing_means(timings0, _vllm_timings(server)),
-                               "client": _client_side(results)}
+                               "client": _client_side(results) | lag.summary()}
+        self._save_frontend(c, rate, seed, results, lag, rec)
         if c.mode != "native":
             info = server.adapter_info()
             if info.get("policy") != c.policy or (info.get("address") == "inproc") != (c.mode == "inproc"):
@@ -301,6 +303,19 @@ class _Bench:
             rec["judge"] = self.judge(server, [r for r in reqs if not r.warmup], c, rate, seed)
         return rec
 
+    def _save_frontend(self, c: Config, rate: float, seed: int, results: Sequence[RequestResult], lag: LoopLag,
+                       rec: dict[str, Any]) -> None:
+        """What the client added to this run's timings, for the simulated replay
+        (:func:`.sim.Frontend.load`): when each request was sent relative to when it was
+        due, the event loop's lag over the run, and the client's TTFT minus vLLM's (means)."""
+        t = rec["client"].get("ttft_mean_ms"), rec["vllm_timings"].get("ttft_mean_ms")
+        doc = {"late_s": [round(r.sent - r.due, 5) if not math.isnan(r.due) else 0.0 for r in results],
+               "lag": [(round(a, 4), round(b, 4)) for a, b in lag.samples],
+               "frontend_ms": t[0] - t[1] if None not in t else None}
+        path = frontend_path(self.out, c.label, rate, seed)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc))
+
     def judge(self, server: VllmProcess, reqs: Sequence[LiveRequest], c: Config, rate: float,
               seed: int) -> dict[str, Any]:
         """The same measured requests, at the same arrival times, replayed by vLLM's own
@@ -312,6 +327,12 @@ class _Bench:
         res = run_judge(sys.executable, server.base_url, "live", data, None, len(reqs), seed, self.spec.slo.ttft_ms,
                         self.spec.slo.tbt_ms, self.work / "judge", f"{name}.json", tokenizer=self.model_dir)
         return dict(res)
+
+
+def frontend_path(out: Path, label: str, rate: float, seed: int) -> Path:
+    """Where a run's client-side delays are kept (``out/frontend/``)."""
+    name = "".join(ch if ch.isalnum() or ch in "-_=." else "_" for ch in label)
+    return out / "frontend" / f"{name}-{rate:g}-{seed}.json"
 
 
 def run_sweep(spec: LiveSpec, out: Path, model_dir: str, *, log: Callable[[str], None] = print,

@@ -8,13 +8,23 @@ configuration's policy replays the same requests at the same arrival times (vLLM
 scheduler as ``vllm-fcfs``, the project's model of it), starting, like the live engine,
 from the bundled default predictor and refitting online.  The records have the live runs'
 keys, so the report puts the two curves side by side.
+
+The client is part of what a live run measures: it shares a core with vLLM's API server,
+sends some requests late, reads some tokens late (its event loop is busy) and adds the
+HTTP, tokenizing and streaming path to every TTFT.  :class:`Frontend` replays what a live
+run recorded of that (``frontend/`` beside the runs): each request arrives as late as it was
+sent, and each token is seen when the client's loop could have read it, plus the mean
+difference between the client's TTFT and vLLM's own (what is left once the loop's lag is
+counted).  Records with ``source: "sim+client"`` are that replay.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,10 +36,10 @@ from engine_adapter.sim.groundtruth import DEFAULT_PROFILE, PROFILES
 from scheduler_service.core import BatchLatencyPredictor, default_predictor
 
 from .measure import RequestResult, summarize
-from .runner import Config, LiveSpec
+from .runner import Config, LiveSpec, frontend_path
 from .workload import make_requests
 
-__all__ = ["FittedTruth", "cost_structure", "simulate_sweep"]
+__all__ = ["FittedTruth", "Frontend", "cost_structure", "simulate_sweep"]
 
 
 class FittedTruth:
@@ -65,59 +75,113 @@ def cost_structure(p: BatchLatencyPredictor) -> dict[str, float]:
             "prefill_512_ms": p512}
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Frontend:
+    """What the client added to one live run's timings (see the module)."""
+
+    #: per request (by index): how late it was sent (s)
+    late_s: np.ndarray
+    #: the event loop's late wake-ups: when each was due (s since the run's start), how late
+    lag_at: np.ndarray
+    lag_s: np.ndarray
+    #: the client's mean TTFT minus vLLM's (s), None when not measured
+    frontend_s: float | None
+
+    @classmethod
+    def load(cls, path: Path) -> Frontend | None:
+        if not path.exists():
+            return None
+        doc = json.loads(path.read_text())
+        lag = np.asarray(doc.get("lag") or np.zeros((0, 2)), dtype=np.float64).reshape(-1, 2)
+        f = doc.get("frontend_ms")
+        return cls(np.asarray(doc["late_s"], dtype=np.float64), lag[:, 0], lag[:, 1],
+                   None if f is None else float(f) / 1e3)
+
+    def read_at(self, t: np.ndarray) -> np.ndarray:
+        """When the client's loop could read a token the server sent at ``t``: the end of
+        the stall covering ``t``, if one does, else ``t``."""
+        t = np.asarray(t, dtype=np.float64)
+        k = np.searchsorted(self.lag_at, t, side="right") - 1
+        ok = k >= 0
+        end = np.where(ok, self.lag_at[np.maximum(k, 0)] + self.lag_s[np.maximum(k, 0)], -np.inf)
+        return np.maximum(t, end)
+
+    def base_s(self, first_tokens: np.ndarray) -> float:
+        """The constant part of the client's delay: its measured TTFT excess over vLLM's,
+        less what the loop's lag already explains on these first tokens (at least 0)."""
+        if self.frontend_s is None or not len(first_tokens):
+            return 0.0
+        explained = float(np.mean(self.read_at(first_tokens) - first_tokens))
+        return max(0.0, self.frontend_s - explained)
+
+
 def _policy(c: Config) -> tuple[str, dict[str, str]]:
     return ("vllm-fcfs", {}) if c.mode == "native" else (c.policy, dict(c.params))
 
 
-def simulate_run(spec: LiveSpec, c: Config, rate: float, seed: int, truth: FittedTruth) -> dict[str, Any]:
+def simulate_run(spec: LiveSpec, c: Config, rate: float, seed: int, truth: FittedTruth,
+                 frontend: Frontend | None = None) -> dict[str, Any]:
+    """One live run replayed in the simulator (with ``frontend``: the client's recorded
+    delays added back)."""
     reqs = make_requests(spec.workload, rate, seed)
     n = len(reqs)
     slo = spec.slo
-    w = Workload(arrival=np.array([r.at_s for r in reqs]),
-                 prompt_tokens=np.array([len(r.prompt) for r in reqs], np.int64),
-                 output_tokens=np.array([r.output_len for r in reqs], np.int64),
+    late = np.zeros(n)
+    if frontend is not None and len(frontend.late_s) == n:
+        late = np.maximum(frontend.late_s, 0.0)
+    at = np.array([r.at_s for r in reqs]) + late
+    order = np.argsort(at, kind="stable")  # the engine takes requests in the order they came
+    row = np.empty(n, np.int64)
+    row[order] = np.arange(n)  # request index -> the engine's row
+    w = Workload(arrival=at[order],
+                 prompt_tokens=np.array([len(reqs[i].prompt) for i in order], np.int64),
+                 output_tokens=np.array([reqs[i].output_len for i in order], np.int64),
                  ttft_slo=np.full(n, slo.ttft_ms / 1e3), tbt_slo=np.full(n, slo.tbt_ms / 1e3),
                  protected=np.zeros(n, bool), name=f"live-{rate:g}-{seed}",
                  tpot_slo=np.full(n, slo.tbt_ms / 1e3) if c.objective == "tpot" else None)
+    eng = _replay(spec, c, w, truth, seed)
+    assert eng.token_times is not None
+    measured = [r for r in reqs if not r.warmup]
+    firsts = np.array([eng.token_times[row[r.index]][0] for r in measured if eng.token_times[row[r.index]]])
+    base = frontend.base_s(firsts) if frontend is not None else 0.0
+    results = []
+    for r in measured:
+        j = int(row[r.index])
+        res = RequestResult(r.index, float(w.arrival[j]), r.output_len)
+        times = np.asarray(eng.token_times[j])
+        if eng.done[j] and not eng.rejected[j] and len(times):
+            res.token_times = (frontend.read_at(times) + base if frontend is not None else times).tolist()
+        else:
+            res.error = "not finished in the simulation"
+        results.append(res)
+    return {"config": c.label, "mode": c.mode, "policy": _policy(c)[0], "rate": rate, "seed": seed,
+            **summarize(results, slo).to_dict(), "source": "sim" if frontend is None else "sim+client"}
+
+
+def _replay(spec: LiveSpec, c: Config, w: Workload, truth: FittedTruth, seed: int) -> SimulatedEngine:
+    """``w`` through the simulated engine under ``c``'s policy, from the bundled predictor."""
     policy, params = _policy(c)
     settings = AdapterSettings(policy=policy, params=params, profile=DEFAULT_PROFILE, report_inline=True)
     pred = default_predictor()
     adapter = AdapterCore(InProcessBackend(settings, pred), settings, pred)
     profile = dataclasses.replace(PROFILES[DEFAULT_PROFILE], key="live-sim")
     cfg = EngineConfig(max_batch_tokens=spec.engine.max_num_batched_tokens, max_num_seqs=spec.engine.max_num_seqs,
-                       noise_seed=seed)
+                       noise_seed=seed, keep_token_times=True)
     try:
         eng = SimulatedEngine(w, truth, profile, adapter, cfg)  # type: ignore[arg-type]
         eng.run()
     finally:
         adapter.close()
-    results = []
-    for r in reqs:
-        if r.warmup:
-            continue
-        i = r.index
-        res = RequestResult(i, float(w.arrival[i]), r.output_len)
-        if eng.done[i] and not eng.rejected[i] and not math.isnan(eng.first_token[i]):
-            res.token_times = _token_times(float(eng.first_token[i]), float(eng.last_token[i]), r.output_len)
-        else:
-            res.error = "not finished in the simulation"
-        results.append(res)
-    s = summarize(results, slo)
-    # formula (1) from the engine's own per-token check (token times in between are not kept)
-    f1 = sum(1 for r in reqs if not r.warmup and eng.done[r.index] and not eng.rejected[r.index]
-             and not eng.late_f1[r.index]) / len(results)
-    return {"config": c.label, "mode": c.mode, "policy": policy, "rate": rate, "seed": seed,
-            **{**s.to_dict(), "attain_f1": f1}, "source": "sim"}
-
-
-def _token_times(first: float, last: float, n: int) -> list[float]:
-    """The first and last token exact, evenly spread between: enough for TTFT and TPOT."""
-    return list(np.linspace(first, last, n)) if n > 1 else [first]
+    return eng
 
 
 def simulate_sweep(spec: LiveSpec, predictor: BatchLatencyPredictor, noise_sigma: float,
                    configs: Sequence[Config] | None = None,
-                   progress: Callable[[int, int, str], None] | None = None) -> list[dict[str, Any]]:
+                   progress: Callable[[int, int, str], None] | None = None,
+                   live_dir: Path | None = None) -> list[dict[str, Any]]:
+    """Every run of ``spec`` replayed (``configs``: only those); with ``live_dir``, each run
+    whose client delays were recorded there is replayed a second time with them added
+    (``source: "sim+client"``)."""
     from clients.bench.runner import quiet_logs
 
     quiet_logs()  # one refit log line per few hundred iterations otherwise
@@ -126,6 +190,9 @@ def simulate_sweep(spec: LiveSpec, predictor: BatchLatencyPredictor, noise_sigma
     out = []
     for i, (rate, seed, c) in enumerate(todo, 1):
         out.append(simulate_run(spec, c, rate, seed, truth))
+        fe = Frontend.load(frontend_path(live_dir, c.label, rate, seed)) if live_dir is not None else None
+        if fe is not None:
+            out.append(simulate_run(spec, c, rate, seed, truth, fe))
         if progress is not None:
             progress(i, len(todo), f"{c.label} at {rate:g} req/s, seed {seed} (simulated)")
     return out

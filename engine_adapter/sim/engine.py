@@ -107,6 +107,9 @@ class EngineConfig:
     max_sim_time_s: float = 3600.0
     #: Seed of the ground truth's latency noise.
     noise_seed: int = 0
+    #: Keep every token's time per request (``SimulatedEngine.token_times``), for judges
+    #: that need more than the first and last token.
+    keep_token_times: bool = False
 
 
 @dataclass(slots=True)
@@ -208,6 +211,8 @@ class SimulatedEngine:
         self.first_token = np.full(n, np.nan)
         #: a token came after its formula (1) deadline (whatever the request is judged by)
         self.late_f1 = np.zeros(n, dtype=bool)
+        #: every output token's time per request (``EngineConfig.keep_token_times``), else None
+        self.token_times: list[list[float]] | None = [[] for _ in range(n)] if self.cfg.keep_token_times else None
         self.last_token = np.full(n, np.nan)
         self.clock = 0.0
         self.preemptions = 0
@@ -419,6 +424,9 @@ class SimulatedEngine:
         self.violated[emit] |= late & ((k == 0) | (w.tpot_slo[emit] <= 0))
         first = k == 0
         self.first_token[emit[first]] = self.clock
+        if self.token_times is not None:
+            for i in emit.tolist():
+                self.token_times[i].append(self.clock)
         gaps = self.clock - self.last_token[emit[~first]]
         tally.tbt.append(gaps)
         self.last_token[emit] = self.clock
