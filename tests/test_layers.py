@@ -80,6 +80,50 @@ def test_in_process_adapter_loads_no_server(module: str) -> None:
     assert _loaded_after(module, *SERVER_STACK) == []
 
 
+#: The vLLM adapter's modules that import nothing of vLLM (vLLM itself loads prometheus_client).
+ADAPTER_PLAIN = ("engine_adapter.vllm", "engine_adapter.vllm.settings", "engine_adapter.vllm.observe",
+                 "engine_adapter.vllm.fit", "engine_adapter.vllm.pipeline", "engine_adapter.vllm.stats",
+                 "engine_adapter.vllm.effects", "engine_adapter.vllm.live", "engine_adapter.vllm.snapshot")
+
+
+def test_prometheus_loads_only_when_the_adapters_metrics_endpoint_is_on() -> None:
+    """In a fresh process: the adapter's modules, a core built and a decision collected load
+    no prometheus_client (nor vLLM); the metrics endpoint starting does.  In the scheduler
+    module (which needs vLLM) prometheus_client is imported only inside observe.py's functions."""
+    code = """if True:
+        import sys
+        import {mods}
+        from engine_adapter.vllm.live import LiveCore
+        from engine_adapter.vllm.settings import SettingsWatcher, VllmAdapterSettings
+        from engine_adapter.vllm.snapshot import SloDefaults, SnapshotBuilder
+        from engine_adapter.vllm.stats import AdapterStats
+        live = LiveCore(SettingsWatcher(VllmAdapterSettings(policy="vllm-fcfs")), "m|h|tp1",
+                        SnapshotBuilder(SloDefaults(), "m|h|tp1"))
+        live.get()
+        stats = AdapterStats()
+        core, fields = live.stats()
+        stats.as_dict(core, live.retired, **fields)
+        loaded = lambda: sorted(m for m in sys.modules if m.split(".")[0] in ("prometheus_client", "vllm"))
+        before = loaded()
+        from engine_adapter.vllm.observe import MetricsEndpoint
+        ep = MetricsEndpoint(lambda: stats.as_dict({{}}), dict, "127.0.0.1", 0)
+        ep.close()
+        live.close()
+        print(before, "prometheus_client" in loaded())
+    """.format(mods=", ".join(ADAPTER_PLAIN))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["[]", "True"], out.stdout + out.stderr
+    adapter = Path(__file__).resolve().parents[1] / "engine_adapter" / "vllm"
+    for path in sorted(adapter.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        top = {id(n) for n in tree.body}
+        for node in ast.walk(tree):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n.split(".")[0] == "prometheus_client" for n in names):
+                assert path.name == "observe.py" and id(node) not in top, f"{path.name}:{node.lineno}"
+
+
 def test_the_predictor_registry_stands_apart_from_the_grpc_server() -> None:
     """The in-process planner refits with the service's registry: building one loads that
     module and its (empty) package, never the server, gRPC or prometheus."""

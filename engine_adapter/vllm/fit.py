@@ -8,7 +8,10 @@ decides about a plan lives here, where tests run without vLLM (tests/test_vllm_f
 * :func:`decodes_needing_block`: how many running decodes need a new KV block for their
   next token (when there are more than free blocks only vLLM's preemption can help);
 * :func:`execution_order`: the running and waiting queues ``schedule()`` sees to execute
-  a fitted plan.
+  a fitted plan, and :func:`restored_order`: vLLM's own queue order again afterwards;
+* :func:`kv_headroom`, :func:`decodes_at_block_boundary`, :func:`kv_short`: the KV room a
+  snapshot reports and whether only vLLM's preemption can let every decode advance;
+* :func:`split_blocked`: the waiting requests a plan may name, and the blocked ones.
 
 A request is anything with vLLM's ``request_id``, ``num_computed_tokens`` and
 ``num_tokens`` attributes.
@@ -16,6 +19,7 @@ A request is anything with vLLM's ``request_id``, ``num_computed_tokens`` and
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +28,10 @@ import numpy as np
 
 from scheduler_service.core import Snapshot
 
-__all__ = ["Fit", "KvRules", "View", "decodes_needing_block", "execution_order", "fit_plan"]
+__all__ = [
+    "Fit", "KvRules", "View", "decodes_at_block_boundary", "decodes_needing_block", "execution_order", "fit_plan",
+    "kv_headroom", "kv_short", "restored_order", "split_blocked",
+]
 
 
 @dataclass(slots=True)
@@ -203,3 +210,65 @@ def execution_order(running: Sequence[Any], fit: Fit, *, holding: Collection[Any
     else:
         admit = list(fit.admit)
     return order, admit + list(blocked)
+
+
+def restored_order(running0: Sequence[Any], waiting0: Sequence[Any], running: Sequence[Any], waiting: Sequence[Any],
+                   holding: Collection[Any], shown: Sequence[Any] | None = None) -> tuple[list[Any], list[Any]]:
+    """vLLM's own queue order again after a planned ``schedule()`` (``running0``/``waiting0``:
+    the queues before it, ``running``/``waiting``: after it, ``holding``: vLLM's KV-holding
+    queue now): survivors in their old order, newcomers where vLLM put them (admitted
+    requests at the end of running, preempted or promoted ones at the front of waiting).
+    ``shown``: the part of ``waiting0`` vLLM saw (default all)."""
+    was_running = set(running0)
+    now_running = set(running)
+    newcomers = [r for r in running if r not in was_running]
+    if len(now_running) - len(newcomers) == len(running0):  # nothing left running
+        survivors = list(running0)
+    else:
+        survivors = [r for r in running0 if r in now_running]
+    seen = set(waiting0 if shown is None else shown)
+    # preempted (from running) or promoted (from kv_holding_waiting) in this step
+    front = [r for r in waiting if r not in seen]
+    gone = set(newcomers)  # admitted from waiting0 (nothing in waiting0 ran before)
+    gone.update(holding)
+    rest = [r for r in waiting0 if r not in gone] if gone else list(waiting0)
+    return survivors + newcomers, front + rest
+
+
+def kv_headroom(running: Sequence[Any], block_size: int, free_blocks: int) -> int:
+    """Free KV room in tokens: the free blocks plus the unused tail of every running
+    request's last block."""
+    tail = 0
+    for r in running:
+        tail += -r.num_computed_tokens % block_size
+    return free_blocks * block_size + tail
+
+
+def decodes_at_block_boundary(running: Sequence[Any], block_size: int) -> int:
+    """Running requests (vLLM's, now) whose next token needs a new KV block: at most one
+    token left to compute (counting async scheduling's in-flight placeholders) at a block
+    boundary."""
+    need = 0
+    for r in running:
+        comp = r.num_computed_tokens
+        if comp % block_size == 0 and r.num_tokens + r.num_output_placeholders - comp <= 1:
+            need += 1
+    return need
+
+
+def kv_short(need: int, free_blocks: int) -> str:
+    """Non-empty when ``need`` decodes need a new KV block and fewer are free: then only
+    vLLM's preemption can make progress (the simulator's rule, docs/simulator.md)."""
+    return f"{need} decodes need a new KV block, {free_blocks} free" if need > free_blocks else ""
+
+
+_status_of = operator.attrgetter("status")
+
+
+def split_blocked(waiting: list[Any], schedulable: frozenset[Any]) -> tuple[list[Any], set[str]]:
+    """The waiting requests whose status is in ``schedulable``, and the ids of the others
+    (blocked: remote KV load, grammar, streaming input), which a plan cannot know about."""
+    if schedulable.issuperset(map(_status_of, waiting)):
+        return waiting, set()
+    return ([r for r in waiting if r.status in schedulable],
+            {r.request_id for r in waiting if r.status not in schedulable})

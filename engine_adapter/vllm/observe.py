@@ -26,7 +26,9 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["MetricsEndpoint", "attach_log_handler", "collect_families"]
+from .settings import SettingsError, VllmAdapterSettings
+
+__all__ = ["MetricsEndpoint", "attach_log_handler", "collect_families", "serve_metrics"]
 
 _LOGGER = "engine_adapter"
 _FALLBACK_FORMAT = "%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s"
@@ -150,3 +152,16 @@ class MetricsEndpoint:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+def serve_metrics(s: VllmAdapterSettings, rank: int, stats: Callable[[], dict[str, Any]],
+                  info: Callable[[], dict[str, str]]) -> MetricsEndpoint:
+    """The endpoint on ``metrics_port`` + the engine's data-parallel ``rank`` (several engine
+    cores of one ``vllm serve`` each get their own port); :class:`SettingsError` when that
+    port is taken."""
+    port = s.metrics_port + rank
+    try:
+        return MetricsEndpoint(stats, info, s.metrics_host, port)
+    except OSError as e:
+        raise SettingsError(f"SLIDINGSERVE_METRICS_PORT: cannot listen on {s.metrics_host}:{port}: "
+                            f"{e.strerror or e}") from None

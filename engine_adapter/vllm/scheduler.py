@@ -43,27 +43,27 @@ scheduling vLLM already calls ``schedule()`` for step k+1 while step k runs, so
 even the synchronous path overlaps GPU work; pipelining also takes the
 decision off that call.  When there is no plan in flight (first iteration,
 after idling, pipelining off) the decision is taken synchronously.
+
+The class keeps vLLM's hooks and the glue to vLLM's objects; what it decides lives in
+modules that import nothing of vLLM (tested without it): :mod:`.fit` (the plan vLLM can
+execute, queue order), :mod:`.pipeline` (the decision in flight, staleness),
+:mod:`.stats` (counters, deviations, iteration samples), :mod:`.effects` (rejections and
+preemptions that still apply), :mod:`.live` (the core and its hot reload), and
+:mod:`.observe` (logs, the metrics endpoint).
 """
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import logging
-import operator
 import os
-import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import grpc
-import numpy as np
 import vllm
 
 from .compat import check_vllm_version
-from .observe import MetricsEndpoint, attach_log_handler
+from .observe import MetricsEndpoint, attach_log_handler, serve_metrics
 
 # Before vLLM's internals are imported: on a version the adapter does not support they
 # may not import, or import and break later; fail here with one line naming the versions.
@@ -76,94 +76,39 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from engine_adapter.core import AdapterCore, AdapterSettings, Decision, IterationSample  # noqa: E402
-from engine_adapter.inprocess import InProcessBackend  # noqa: E402
-from engine_adapter.remote import GrpcBackend  # noqa: E402
-from scheduler_service.core import Plan, Rejection, Snapshot, default_predictor  # noqa: E402
-from scheduler_service.server.predictors import PredictorRegistry, RefitSettings  # noqa: E402
+from engine_adapter.core import AdapterCore  # noqa: E402
+from scheduler_service.core import Plan, Rejection, Snapshot  # noqa: E402
 
-from .fit import Fit, KvRules, decodes_needing_block, execution_order, fit_plan  # noqa: E402
-from .fit import View as _View  # noqa: E402
-from .settings import (  # noqa: E402
-    FOLLOW_DEFAULT,
-    SettingsError,
-    SettingsWatcher,
-    VllmAdapterSettings,
-    default_engine_id,
-    parse_slo_classes,
+from .effects import live_rejections, preemptible  # noqa: E402
+from .fit import (  # noqa: E402
+    Fit,
+    KvRules,
+    decodes_at_block_boundary,
+    decodes_needing_block,
+    execution_order,
+    fit_plan,
+    kv_headroom,
+    kv_short,
+    restored_order,
+    split_blocked,
 )
-from .snapshot import SloDefaults, SnapshotBuilder  # noqa: E402
+from .fit import View as _View  # noqa: E402
+from .live import LiveCore, build_core  # noqa: E402
+from .pipeline import Pipeline, Statuses  # noqa: E402
+from .settings import SettingsWatcher, VllmAdapterSettings, default_engine_id, slo_defaults  # noqa: E402
+from .snapshot import SnapshotBuilder  # noqa: E402
+from .stats import LOCAL_REASONS, AdapterStats, deviations, iteration_sample  # noqa: E402
 
-__all__ = ["RemoteScheduler", "RemoteSyncScheduler", "SlidingServeMixin", "build_core"]
+__all__ = ["LOCAL_REASONS", "RemoteScheduler", "RemoteSyncScheduler", "SlidingServeMixin", "build_core"]
 
 log = logging.getLogger("engine_adapter.vllm")
 
 #: Request states a plan may name; the others (waiting for remote KV, a grammar,
 #: streaming input) are vLLM's to promote.
 _SCHEDULABLE = frozenset((RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.RUNNING))
-
-_status_of = operator.attrgetter("status")
-_WAITING = frozenset((RequestStatus.WAITING, RequestStatus.PREEMPTED))
-
-
-@dataclass(slots=True)
-class _Pending:
-    """A decision for the next iteration, taken in the background."""
-
-    #: the snapshot and the decision on it; None when no snapshot could be taken
-    future: concurrent.futures.Future[tuple[_View, Decision] | None]
-    core: AdapterCore
-    #: set once the job has read vLLM's queues: until then they must not change
-    #: (``update_from_output`` waits for it; with a synchronous engine the job
-    #: reads them in the background while the GPU step runs)
-    snapped: threading.Event
-
-#: Reasons counted besides AdapterCore's (deadline, error, invalid_plan, circuit_open).
-LOCAL_REASONS = ("kv_pressure", "empty_plan", "unallocatable", "snapshot_error", "unsupported")
-
-
-def _channel_factory(s: VllmAdapterSettings) -> Any:
-    options = [
-        ("grpc.max_receive_message_length", 64 << 20),
-        ("grpc.max_send_message_length", 64 << 20),
-        # find a restarted service within about a second, not gRPC's default 120 s
-        ("grpc.initial_reconnect_backoff_ms", min(100, s.reconnect_max_ms)),
-        ("grpc.min_reconnect_backoff_ms", min(100, s.reconnect_max_ms)),
-        ("grpc.max_reconnect_backoff_ms", s.reconnect_max_ms),
-        # several replicas behind one name: streams spread over them (see scheduler_service/client.py)
-        ("grpc.lb_policy_name", "round_robin"),
-    ]
-
-    def make() -> Any:
-        if not s.tls:
-            return grpc.insecure_channel(s.address, options=options)
-
-        def read(p: str) -> bytes | None:
-            if not p:
-                return None
-            with open(p, "rb") as fh:
-                return fh.read()
-
-        creds = grpc.ssl_channel_credentials(read(s.tls_ca), read(s.tls_key), read(s.tls_cert))
-        return grpc.secure_channel(s.address, creds, options=options)
-
-    return make
-
-
-def build_core(s: VllmAdapterSettings, profile: str, predictors: PredictorRegistry | None = None) -> AdapterCore:
-    """An :class:`AdapterCore` whose fallback is "no plan" (vLLM's native scheduling);
-    in process, learning into ``predictors`` when given (it outlives the core)."""
-    a = AdapterSettings(
-        policy="" if s.policy == FOLLOW_DEFAULT else s.policy, params=dict(s.params), deadline_ms=s.deadline_ms, fallback_policy="",
-        profile=profile, engine_id=s.engine_id or default_engine_id(), report_batch=s.report_batch,
-        max_backoff_decisions=s.max_backoff_decisions,
-    )
-    backend: Any
-    if s.address == "inproc":
-        backend = InProcessBackend(a, predictors=predictors)
-    else:
-        backend = GrpcBackend(s.address, a, channel_factory=_channel_factory(s), security=s.client_security())
-    return AdapterCore(backend, a)
+_STATUSES = Statuses(running=RequestStatus.RUNNING,
+                     waiting=frozenset((RequestStatus.WAITING, RequestStatus.PREEMPTED)),
+                     is_finished=RequestStatus.is_finished)
 
 
 def detect_profile(vllm_config: Any, s: VllmAdapterSettings) -> str:
@@ -192,8 +137,19 @@ def detect_profile(vllm_config: Any, s: VllmAdapterSettings) -> str:
     return f"{clean[0]}|{clean[1]}|tp{tp}"
 
 
+def _unsupported(policy: Any, waiting: Any) -> str:
+    """Why vLLM's configuration rules plans out ("" when it does not)."""
+    if policy != SchedulingPolicy.FCFS:
+        return f"scheduling policy {policy.name} (only fcfs)"
+    if not isinstance(waiting, FCFSRequestQueue):
+        return "waiting queue is not FCFS"
+    return ""
+
+
 class SlidingServeMixin:
-    """The shared implementation; mixed into vLLM's ``Scheduler``/``AsyncScheduler``."""
+    """vLLM's hooks, mixed into vLLM's ``Scheduler``/``AsyncScheduler``; the decisions are
+    the plain objects' it holds: ``_ss_live`` (:class:`.live.LiveCore`), ``_ss_pipe``
+    (:class:`.pipeline.Pipeline`), ``_ss_stats`` (:class:`.stats.AdapterStats`)."""
 
     # vLLM attributes this mixin uses (set by Scheduler.__init__)
     running: list[Any]
@@ -223,137 +179,57 @@ class SlidingServeMixin:
         self._plan: dict[str, int] | None = None
         self._ss_hidden = 0
         self._ss_blocked: set[str] = set()
-        # pipelining: the decision in flight and the arrivals since its snapshot
-        self._ss_pending: _Pending | None = None
-        self._ss_arrivals: list[Any] = []
-        self._ss_executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._ss_ahead_s = 0.0
         self._ss_inner = 0.0  # seconds in vLLM's own schedule() during the last call
         self._ss_async = isinstance(self, AsyncScheduler)
-        base = VllmAdapterSettings.from_env(self.slidingserve_env, apply_file=False)
-        self._ss_watcher = SettingsWatcher(base)  # raises SettingsError on a bad file at start
-        self._ss_settings = self._ss_watcher.current
-        self._ss_profile = detect_profile(self.vllm_config, self._ss_settings)
-        self._ss_builder = SnapshotBuilder(self._slo_defaults(self._ss_settings), self._ss_profile)
-        self._ss_core: AdapterCore | None = None  # created on first schedule(): after vLLM forks
-        self._ss_predictors: PredictorRegistry | None = None  # likewise (its refit thread)
-        self._ss_unsupported = ""
-        if self.policy != SchedulingPolicy.FCFS:
-            self._ss_unsupported = f"scheduling policy {self.policy.name} (only fcfs)"
-        elif not isinstance(self.waiting, FCFSRequestQueue):
-            self._ss_unsupported = "waiting queue is not FCFS"
+        watcher = SettingsWatcher(VllmAdapterSettings.from_env(self.slidingserve_env, apply_file=False))
+        s = watcher.current  # raised SettingsError on a bad file at start
+        profile = detect_profile(self.vllm_config, s)
+        self._ss_builder = SnapshotBuilder(slo_defaults(s), profile)
+        self._ss_live = LiveCore(watcher, profile, self._ss_builder)
+        self._ss_stats = AdapterStats()
+        self._ss_counts = self._ss_stats.counts  # read by benchmarks/vllm_adapter_overhead.py
+        self._ss_pipe = Pipeline(self._ss_stats, _STATUSES, self.max_num_scheduled_tokens, self.max_num_running_reqs)
+        self._ss_unsupported = _unsupported(self.policy, self.waiting)
         if self._ss_unsupported:
             log.warning("slidingserve: %s; vLLM schedules natively", self._ss_unsupported)
-        # counters
-        self._ss_counts: collections.Counter[str] = collections.Counter()
-        self._ss_fallbacks: collections.Counter[str] = collections.Counter()
-        self._ss_last_reason = ""
-        self._ss_deviated_requests = 0
-        self._ss_retired: list[dict[str, Any]] = []
         #: requests a plan rejected, finished in schedule(): their outputs go out with the step's
         self._ss_rejected_out: list[tuple[Any, str]] = []
-        self._ss_rejects: collections.Counter[str] = collections.Counter()
-        # reporting
         self._ss_last_update: float | None = None
         self._ss_metrics: MetricsEndpoint | None = None
-        if self._ss_settings.metrics_port:
-            self._ss_metrics = self._serve_metrics(self._ss_settings)
+        if s.metrics_port:
+            static = {"scheduler": type(self).__name__, "vllm_version": str(vllm.__version__),
+                      "engine_id": s.engine_id or default_engine_id()}
+            rank = int(getattr(self.vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+            self._ss_metrics = serve_metrics(s, rank, self.slidingserve_stats,
+                                             lambda: {**static, **self._ss_live.labels()})
         log.info("slidingserve: scheduler %s (vLLM %s), address=%s policy=%s deadline_ms=%g profile=%s%s",
-                 type(self).__name__, vllm.__version__, self._ss_settings.address, self._ss_settings.policy,
-                 self._ss_settings.deadline_ms, self._ss_profile,
-                 f" metrics=http://{self._ss_settings.metrics_host}:{self._ss_metrics.port}/metrics"
+                 type(self).__name__, vllm.__version__, s.address, s.policy, s.deadline_ms, profile,
+                 f" metrics=http://{s.metrics_host}:{self._ss_metrics.port}/metrics"
                  if self._ss_metrics is not None else "")
 
-    def _serve_metrics(self, s: VllmAdapterSettings) -> MetricsEndpoint:
-        """The Prometheus endpoint on ``metrics_port`` + this engine's data-parallel rank
-        (several engine cores of one ``vllm serve`` each get their own port)."""
-        rank = int(getattr(self.vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
-        port = s.metrics_port + rank
-        engine_id = s.engine_id or default_engine_id()
-        cls, version = type(self).__name__, str(vllm.__version__)
-
-        def info() -> dict[str, str]:
-            cur = self._ss_settings
-            return {"scheduler": cls, "vllm_version": version, "engine_id": engine_id,
-                    "address": cur.address, "policy": cur.policy, "profile": self._ss_profile}
-
-        try:
-            return MetricsEndpoint(self.slidingserve_stats, info, s.metrics_host, port)
-        except OSError as e:
-            raise SettingsError(f"SLIDINGSERVE_METRICS_PORT: cannot listen on {s.metrics_host}:{port}: "
-                                f"{e.strerror or e}") from None
-
-    @staticmethod
-    def _slo_defaults(s: VllmAdapterSettings) -> SloDefaults:
-        return SloDefaults(ttft_s=s.default_ttft_ms / 1e3, tbt_s=s.default_tbt_ms / 1e3,
-                           classes=parse_slo_classes(s.slo_classes))
-
-    # ------------------------------------------------------------ core/settings
+    # --------------------------------------------------------- glue to vLLM
     def _core(self) -> AdapterCore:
-        core = self._ss_core
-        if core is None:
-            core = self._ss_core = build_core(self._ss_settings, self._ss_profile, self._predictors())
-        new = self._ss_watcher.poll()
-        if new is not None:
-            self._swap(new)
-            core = self._ss_core
-            assert core is not None
-        return core
+        return self._ss_live.get()
 
-    def _predictors(self) -> PredictorRegistry:
-        """The in-process predictor registry, one per engine: a settings reload (another
-        policy, in process again after a remote spell) keeps what it learned of this engine."""
-        if self._ss_predictors is None:
-            self._ss_predictors = PredictorRegistry(default_predictor(), RefitSettings())
-        return self._ss_predictors
-
-    def _swap(self, new: VllmAdapterSettings) -> None:
-        """Hot reload: a new core (backend, policy, deadline); the old one is closed in
-        the background so its queued reports are still delivered."""
-        old = self._ss_core
-        try:
-            core = build_core(new, self._ss_profile, self._predictors())
-        except Exception as e:
-            log.error("slidingserve: cannot apply the new settings, keeping the old ones: %s", e)
-            return
-        self._ss_settings = new
-        self._ss_builder.defaults = self._slo_defaults(new)
-        self._ss_core = core
-        if old is not None:
-            self._ss_retired.append(old.stats())
-            threading.Thread(target=old.close, name="slidingserve-close", daemon=True).start()
-
-    # ----------------------------------------------------------------- snapshot
-    def _free_kv_tokens(self) -> tuple[int, int]:
-        """(free blocks, headroom in tokens): free blocks plus the unused tail of
-        every running request's last block."""
-        free_blocks = int(self.kv_cache_manager.block_pool.get_num_free_blocks())
-        b = self.block_size
-        tail = 0
-        for r in self.running:
-            tail += -r.num_computed_tokens % b
-        return free_blocks, free_blocks * b + tail
+    def _ss_free_blocks(self) -> int:
+        return int(self.kv_cache_manager.block_pool.get_num_free_blocks())
 
     def _view(self, *, project: str = "", ahead_s: float = 0.0) -> _View:
         """The snapshot of the queues (``project``: "sync"/"async", as the next
         ``schedule()`` will find them, see :meth:`SnapshotBuilder.build`;
         ``ahead_s``: when that will be)."""
-        _, free_tokens = self._free_kv_tokens()
+        free_tokens = kv_headroom(self.running, self.block_size, self._ss_free_blocks())
         # Blocked requests (remote KV load, grammar, streaming input) are left out: the
         # plan cannot know whether they become ready.  vLLM promotes them inside
         # schedule() and schedules them uncapped from the budget the plan left (_cap).
-        waiting: list[Any] = [*self.kv_holding_waiting, *self.waiting]
-        blocked: set[str] = set()
-        if not _SCHEDULABLE.issuperset(map(_status_of, waiting)):
-            blocked = {r.request_id for r in waiting if r.status not in _SCHEDULABLE}
-            waiting = [r for r in waiting if r.status in _SCHEDULABLE]
+        waiting, blocked = split_blocked([*self.kv_holding_waiting, *self.waiting], _SCHEDULABLE)
         builder = self._ss_builder
         snap, rows = builder.build(
             self.running, waiting, max_batch_tokens=self.max_num_scheduled_tokens,
             max_num_seqs=self.max_num_running_reqs, free_kv_tokens=free_tokens,
             now=time.time() + ahead_s, project=project)
         rr = builder.last_running_rows
-        # a view taken now is checked with _kv_short instead, before it is taken
+        # a view taken now is checked with kv_short instead, before it is taken
         kv_need = decodes_needing_block(snap, builder.last_computed, rr, self.block_size) if project else 0
         return _View(snap, rows, builder.last_computed, rr, blocked, kv_need)
 
@@ -361,22 +237,7 @@ class SlidingServeMixin:
         """(snapshot, request objects per row, free KV blocks) of the queues now."""
         v = self._view()
         self._ss_blocked = v.blocked
-        return v.snap, v.rows, int(self.kv_cache_manager.block_pool.get_num_free_blocks())
-
-    def _kv_short(self) -> str:
-        """Non-empty when the free KV blocks cannot give every running decode its next
-        token (the simulator's preemption rule, docs/simulator.md): then only vLLM's
-        preemption can make progress, and the iteration is scheduled natively."""
-        b = self.block_size
-        need = 0
-        for r in self.running:
-            comp = r.num_computed_tokens
-            if comp % b == 0 and r.num_tokens + r.num_output_placeholders - comp <= 1:
-                need += 1
-        if need == 0:
-            return ""
-        free = int(self.kv_cache_manager.block_pool.get_num_free_blocks())
-        return f"{need} decodes need a new KV block, {free} free" if need > free else ""
+        return v.snap, v.rows, self._ss_free_blocks()
 
     def _fit(self, view: _View, plan: dict[str, int], free_blocks: int, *, stale: bool = False) -> Fit:
         """:func:`fit_plan` with this engine's KV and admission state; ``stale``: the view
@@ -389,53 +250,35 @@ class SlidingServeMixin:
             full_isl=bool(getattr(self, "scheduler_reserve_full_isl", False)))
         return fit_plan(view, plan, rules, self.finished_req_ids if stale else ())
 
-    # ----------------------------------------------------------------- decision
     def _fallback(self, reason: str, detail: str) -> None:
-        self._ss_fallbacks[reason] += 1
-        self._ss_last_reason = f"{reason}: {detail}"
-        n = self._ss_fallbacks[reason]
-        if n == 1 or n % self._ss_settings.log_every == 0:
-            log.warning("slidingserve: native scheduling (%s, %d so far): %s", reason, n, detail)
+        self._ss_stats.fallback(reason, detail, self._ss_live.settings.log_every)
 
+    # ----------------------------------------------------------------- decision
     def _decide(self) -> Fit | None:
         """The plan to execute this iteration, fitted to vLLM, or None for native scheduling:
-        the one decided in the background when there is one, else decided now."""
-        pending, self._ss_pending = self._ss_pending, None
+        the one decided in the background when there is one (and it stands), else decided now."""
+        pending = self._ss_pipe.take()
         if self._ss_unsupported:
             self._fallback("unsupported", self._ss_unsupported)
             return None
         core = pending.core if pending is not None else self._core()
-        view: _View | None = None
+        done = None
         if pending is not None:
-            t = time.perf_counter()
             try:
-                done = pending.future.result()  # bounded: the backend has the deadline
+                done = self._ss_pipe.collect(pending, finished_since=bool(self.finished_req_ids))
             except Exception as e:  # a bug in the job must not break vLLM
                 self._fallback("error", f"background decision: {type(e).__name__}: {e}")
                 return None
-            self._ss_counts["wait_us"] += int((time.perf_counter() - t) * 1e6)
-            if done is None:
-                pending = None
-            else:
-                view, decision = done
-                if decision.plan is not None and self._stale(view, decision.plan):
-                    self._ss_counts["resyncs"] += 1
-                    pending = None  # decide again, on the queues as they are now
-                else:
-                    self._ss_counts["pipelined"] += 1
-        free_blocks = int(self.kv_cache_manager.block_pool.get_num_free_blocks())
-        if pending is not None and view is not None:
-            # counted on the snapshot, in the background (finished requests only free blocks)
-            short = f"{view.kv_need} decodes need a new KV block, {free_blocks} free" \
-                if view.kv_need > free_blocks else ""
-        else:
-            short = self._kv_short()
+        free_blocks = self._ss_free_blocks()
+        # counted on the snapshot, in the background, for a pipelined view (finished requests only free blocks)
+        need = done[0].kv_need if done is not None else decodes_at_block_boundary(self.running, self.block_size)
+        short = kv_short(need, free_blocks)
         if short:
             # vLLM must preempt to let every decode advance; a plan cannot preempt
             self._fallback("kv_pressure", short)
             return None
-        self._ss_arrivals = []
-        if pending is None:
+        self._ss_pipe.arrivals = []
+        if done is None:
             try:
                 view = self._view()
             except Exception as e:  # a request state we cannot express: never break vLLM
@@ -444,11 +287,13 @@ class SlidingServeMixin:
             if len(view.snap) == 0:
                 return None
             decision = core.decide(view.snap)
+        else:
+            view, decision = done
         self._ss_blocked = view.blocked
         if decision.plan is None:
             self._fallback(decision.reason, core.last_error)
             return None
-        return self._take(view, decision.plan, free_blocks, stale=pending is not None)
+        return self._take(view, decision.plan, free_blocks, stale=done is not None)
 
     def _take(self, view: _View, decided: Plan, free_blocks: int, *, stale: bool) -> Fit | None:
         """The plan's rejections and preemptions carried out now, and its allocations as
@@ -456,7 +301,7 @@ class SlidingServeMixin:
         if decided.rejections:
             self._reject(decided.rejections)
         if decided.preemptions and self._preempt(decided.preemptions):
-            free_blocks = int(self.kv_cache_manager.block_pool.get_num_free_blocks())
+            free_blocks = self._ss_free_blocks()
         plan = decided.tokens_by_id()
         if not plan:
             self._fallback("empty_plan", f"policy path {decided.path!r} schedules nothing")
@@ -470,7 +315,7 @@ class SlidingServeMixin:
         if not fit.plan:  # finished meanwhile, or our estimate ignores prefix hits: vLLM decides
             self._fallback("unallocatable", "no planned request fits vLLM's admission rules")
             return None
-        self._ss_ahead_s = decided.predicted_latency_ms / 1e3
+        self._ss_pipe.ahead_s = decided.predicted_latency_ms / 1e3
         return fit
 
     def _reject(self, rejections: Sequence[Rejection]) -> None:
@@ -479,14 +324,13 @@ class SlidingServeMixin:
         stop reason ``slidingserve:<reason>``) with this step's outputs.  The plan check
         let through only sheddable requests; those finished since the plan's view was
         taken are skipped."""
-        reason = {r.id: r.reason for r in rejections}
-        live = [rid for rid in reason if (q := self.requests.get(rid)) is not None and not q.is_finished()]
-        if not live:
+        reason = live_rejections(rejections, self.requests)
+        if not reason:
             return
-        for req in self.finish_requests(live, RequestStatus.FINISHED_ABORTED):
+        for req in self.finish_requests(list(reason), RequestStatus.FINISHED_ABORTED):
             why = reason[req.request_id]
             self._ss_rejected_out.append((req, why))
-            self._ss_rejects[why] += 1
+            self._ss_stats.rejects[why] += 1
 
     def _preempt(self, ids: Sequence[str]) -> int:
         """Preempt the requests a plan lists (to free KV for a higher class), now, before
@@ -496,14 +340,11 @@ class SlidingServeMixin:
         plan's view was taken) are skipped.  Returns how many were preempted."""
         now = time.monotonic()
         done = 0
-        for rid in ids:
-            req = self.requests.get(rid)
-            if req is None or req.status != RequestStatus.RUNNING or req not in self.running:
-                continue
-            if not self._request_blocks_can_be_freed(req):
+        for req in preemptible(ids, self.requests, self.running, RequestStatus.RUNNING):
+            if not self._request_blocks_can_be_freed(req):  # type: ignore[attr-defined]
                 continue  # a KV connector still reads them
             self.running.remove(req)
-            self._preempt_request(req, now)
+            self._preempt_request(req, now)  # type: ignore[attr-defined]
             done += 1
         self._ss_counts["plan_preemptions"] += done
         return done
@@ -520,33 +361,6 @@ class SlidingServeMixin:
                 trace_headers=req.trace_headers))
         self._ss_rejected_out = []
 
-    def _stale(self, view: _View, plan: Plan) -> bool:
-        """Whether what happened since the view was taken could change the plan enough
-        to decide again: the projection broke (a running request changed state outside
-        ``schedule()``, e.g. a KV-connector failure or a test preempting by hand), KV
-        was tight and finished requests freed some, or arrivals could use room the plan
-        left.  Otherwise the plan stands (finished requests are dropped from it)."""
-        rr = view.running_rows
-        statuses = list(map(_status_of, view.rows[:rr]))
-        running = statuses.count(RequestStatus.RUNNING)
-        if running != rr and running + sum(map(RequestStatus.is_finished, statuses)) != rr:
-            return True
-        free = view.snap.free_kv_tokens
-        if self.finished_req_ids and free is not None and free < self.max_num_scheduled_tokens:
-            return True
-        return bool(self._ss_arrivals) and self._room_for_arrivals(plan, view.snap)
-
-    def _room_for_arrivals(self, plan: Plan, snap: Snapshot) -> bool:
-        """Whether requests that arrived after the plan's snapshot could have been
-        given something: the plan serves every request it knew of and leaves tokens
-        and sequence slots unused.  (A plan that leaves known requests waiting
-        chose its budget — e.g. for the TBT of running decodes — and would leave
-        the arrivals waiting too; they are in the next plan.)"""
-        return (len(plan.allocations) == len(snap)
-                and plan.token_budget < self.max_num_scheduled_tokens
-                and len(plan.allocations) < self.max_num_running_reqs
-                and any(r.status in _WAITING for r in self._ss_arrivals))
-
     def _decide_ahead(self) -> None:
         """Start the next iteration's decision in the background (called at the end
         of ``schedule()``) on the queues as the next ``schedule()`` will find them.
@@ -558,51 +372,30 @@ class SlidingServeMixin:
         the background job reads them itself and ``update_from_output`` waits for
         that read (about a millisecond, far shorter than a step) before changing
         them: the engine thread pays only for the hand-over."""
-        self._ss_arrivals = []
+        pipe = self._ss_pipe
+        pipe.arrivals = []
         if self._ss_unsupported or not (self.running or self.waiting or self.kv_holding_waiting):
             return
         core = self._core()  # nothing is in flight: a settings swap is safe here
-        if not self._ss_settings.pipeline:
+        if not self._ss_live.settings.pipeline:
             return
-        view: _View | None = None
-        if self._ss_async:
-            try:
-                view = self._view(project="async", ahead_s=self._ss_ahead_s)
-            except Exception:
-                return  # the next schedule() decides synchronously and counts the error
-            if len(view.snap) == 0:
-                return
-        ex = self._ss_executor
-        if ex is None:  # created on first use: after vLLM forks the engine process
-            ex = self._ss_executor = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="slidingserve-decide")
-        snapped = threading.Event()
-        ahead_s = self._ss_ahead_s
+        ahead_s = pipe.ahead_s
+        if not self._ss_async:
+            pipe.start(core, take_view=lambda: self._view(project="sync", ahead_s=ahead_s))
+            return
+        try:
+            view = self._view(project="async", ahead_s=ahead_s)
+        except Exception:
+            return  # the next schedule() decides synchronously and counts the error
+        if len(view.snap):
+            pipe.start(core, view=view)
 
-        def job() -> tuple[_View, Decision] | None:
-            v = view
-            try:
-                if v is None:
-                    v = self._view(project="sync", ahead_s=ahead_s)
-            except Exception:
-                v = None  # the next schedule() decides synchronously and counts the error
-            finally:
-                snapped.set()
-            if v is None or len(v.snap) == 0:
-                return None
-            return v, core.decide(v.snap)  # its plan check builds v.snap.index_of, here
-
-        if view is not None:
-            snapped.set()
-        self._ss_pending = _Pending(ex.submit(job), core, snapped)
-
+    # ------------------------------------------------------------ vLLM's hooks
     def add_request(self, request: Any) -> None:
-        self._quiesce()
+        self._ss_pipe.quiesce()
         super().add_request(request)  # type: ignore[misc]
-        if self._ss_pending is not None:
-            self._ss_arrivals.append(request)
+        self._ss_pipe.arrived(request)
 
-    # ------------------------------------------------------------------- hooks
     def _cap(self, request: Any, n: int, computed: int) -> int:
         plan = self._plan
         if plan is None:
@@ -635,19 +428,19 @@ class SlidingServeMixin:
         return super()._reserve_prefill_lookahead(  # type: ignore[misc]
             request, num_computed_tokens, num_new_tokens)
 
-    # ---------------------------------------------------------------- schedule
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        self._ss_counts["iterations"] += 1
+        c = self._ss_counts
+        c["iterations"] += 1
         t0 = time.perf_counter()
         if self.running or self.waiting or self.kv_holding_waiting:
             fit = self._decide()
         else:
-            fit, self._ss_pending = None, None
+            fit, self._ss_pipe.pending = None, None
         t1 = time.perf_counter()
-        self._ss_counts["decide_us"] += int((t1 - t0) * 1e6)
+        c["decide_us"] += int((t1 - t0) * 1e6)
         if fit is None:
-            self._ss_counts["native"] += 1
-            self._ss_ahead_s = 0.0
+            c["native"] += 1
+            self._ss_pipe.ahead_s = 0.0
             out = super().schedule(*args, **kwargs)  # type: ignore[misc]
             self._ss_inner = time.perf_counter() - t1
         else:
@@ -655,7 +448,6 @@ class SlidingServeMixin:
         t2 = time.perf_counter()
         self._decide_ahead()
         t3 = time.perf_counter()
-        c = self._ss_counts
         c["ahead_us"] += int((t3 - t2) * 1e6)
         # the adapter's own time in this call: all of it but vLLM's schedule()
         c["own_us"] += int((t3 - t0 - self._ss_inner) * 1e6)
@@ -683,8 +475,16 @@ class SlidingServeMixin:
             self._ss_hidden = 0
             self._restore(running0, waiting0, planned_waiting)
         self._ss_counts["planned"] += 1
-        self._count_deviations(plan, out)
+        self._ss_stats.deviated(deviations(plan, out.num_scheduled_tokens, self.requests))
         return out
+
+    def _restore(self, running0: list[Any], waiting0: list[Any], shown: list[Any] | None = None) -> None:
+        """vLLM's own queue order again (:func:`restored_order`)."""
+        running, waiting = restored_order(running0, waiting0, self.running, self.waiting,
+                                          self.kv_holding_waiting, shown)
+        self.running[:] = running
+        self.waiting.clear()
+        self.waiting.extend(waiting)
 
     def get_request_counts(self) -> tuple[int, int]:
         """vLLM's counts, including the waiting requests hidden during a planned
@@ -693,73 +493,23 @@ class SlidingServeMixin:
         n_run, n_wait = super().get_request_counts()  # type: ignore[misc]
         return n_run, n_wait + self._ss_hidden
 
-    def _restore(self, running0: list[Any], waiting0: list[Any], shown: list[Any] | None = None) -> None:
-        """vLLM's own queue order again: survivors in their old order, newcomers where
-        vLLM put them (admitted requests at the end of running, preempted ones at the
-        front of waiting).  ``shown``: the part of ``waiting0`` vLLM saw (default all)."""
-        was_running = set(running0)
-        now_running = set(self.running)
-        newcomers = [r for r in self.running if r not in was_running]
-        if len(now_running) - len(newcomers) == len(running0):  # nothing left running
-            survivors = running0
-        else:
-            survivors = [r for r in running0 if r in now_running]
-        self.running[:] = survivors + newcomers
-        seen = set(waiting0 if shown is None else shown)
-        # preempted (from running) or promoted (from kv_holding_waiting) in this step
-        front = [r for r in self.waiting if r not in seen]
-        gone = set(newcomers)  # admitted from waiting0 (nothing in waiting0 ran before)
-        gone.update(self.kv_holding_waiting)
-        rest = [r for r in waiting0 if r not in gone] if gone else waiting0
-        self.waiting.clear()
-        self.waiting.extend(front + rest)
-
-    def _count_deviations(self, plan: dict[str, int], out: Any) -> None:
-        got = out.num_scheduled_tokens
-        differ = [rid for rid, n in plan.items() if got.get(rid, 0) != n]
-        if not differ:
-            return
-        bad = 0
-        for rid in differ:
-            n, g = plan[rid], got.get(rid, 0)
-            r = self.requests.get(rid)
-            if r is not None and g > 0:
-                # decode with spec tokens, or a prefill shortened by a prefix-cache hit
-                if g > n and n == 1 and not r.is_prefill_chunk:
-                    continue
-                if g < n and r.num_computed_tokens >= r.num_tokens:
-                    continue
-            bad += 1
-        if bad:
-            self._ss_counts["deviating_iterations"] += 1
-            self._ss_deviated_requests += bad
-
-    # --------------------------------------------------------------- reporting
-    def _quiesce(self) -> None:
-        """Wait until a background job has finished reading vLLM's queues; called
-        before anything changes them (output, aborts, arrivals)."""
-        pending = self._ss_pending
-        if pending is not None and not pending.snapped.is_set():
-            t0 = time.perf_counter()
-            pending.snapped.wait()
-            self._ss_counts["snap_wait_us"] += int((time.perf_counter() - t0) * 1e6)
-
     def finish_requests(self, *args: Any, **kwargs: Any) -> Any:
-        self._quiesce()
+        self._ss_pipe.quiesce()
         return super().finish_requests(*args, **kwargs)  # type: ignore[misc]
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         t_in = time.perf_counter()
-        self._quiesce()
+        self._ss_pipe.quiesce()
         t = self.slidingserve_clock()
         prev = self._ss_last_update
         self._ss_last_update = t
-        if prev is not None and scheduler_output.total_num_scheduled_tokens > 0 and self._ss_core is not None:
+        core = self._ss_live.core
+        if prev is not None and scheduler_output.total_num_scheduled_tokens > 0 and core is not None:
             try:
-                self._report(scheduler_output, (t - prev) * 1e3)
+                core.report(iteration_sample(scheduler_output, (t - prev) * 1e3))
+                self._ss_counts["reports"] += 1
             except Exception as e:  # reporting must never break the engine loop
-                self._ss_counts["report_errors"] += 1
-                self._ss_last_reason = f"report: {type(e).__name__}: {e}"
+                self._ss_stats.report_failed(e)
         t_v = time.perf_counter()
         result = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
         if self._ss_rejected_out:
@@ -771,89 +521,18 @@ class SlidingServeMixin:
         self._ss_counts["own_us"] += int((time.perf_counter() - t_v2 + t_v - t_in) * 1e6)
         return result
 
-    def _report(self, so: Any, latency_ms: float) -> None:
-        """c = tokens each request got, u = its tokens in KV before the step."""
-        # Only the multiset of (c, u) pairs matters: walk the cached and new request lists,
-        # which carry u, and look c up (no per-request dict to build).
-        nst = so.num_scheduled_tokens
-        cached = so.scheduled_cached_reqs
-        ids: list[str] = cached.req_ids
-        u_list: list[int] = cached.num_computed_tokens
-        new = so.scheduled_new_reqs
-        if new:
-            ids = [*ids, *(nr.req_id for nr in new)]
-            u_list = [*u_list, *(nr.num_computed_tokens for nr in new)]
-        n = len(nst)
-        if len(ids) == n:
-            c = np.fromiter(map(nst.__getitem__, ids), np.int64, n)
-            u = np.array(u_list, np.int64)
-        else:  # not expected: fall back to the general mapping (unknown u = 0)
-            computed = dict(zip(ids, u_list, strict=False))
-            c = np.fromiter(nst.values(), np.int64, n)
-            u = np.fromiter((computed.get(rid, 0) for rid in nst), np.int64, n)
-        assert self._ss_core is not None
-        self._ss_core.report(IterationSample(c, u, latency_ms))
-        self._ss_counts["reports"] += 1
-
     # ------------------------------------------------------------------ public
     def slidingserve_stats(self) -> dict[str, Any]:
         """Counters for operators and tests (cheap; safe to call from any thread)."""
-        core = self._ss_core.stats() if self._ss_core is not None else {}
-        # the counters of cores retired by settings reloads plus the current one's
-        totals: dict[str, int] = {}
-        for st in [*self._ss_retired, core]:
-            for k in ("remote_decisions", "reports_sent", "reports_dropped", "report_errors"):
-                totals[k] = totals.get(k, 0) + int(st.get(k, 0))
-        c = self._ss_counts
-        return {
-            "iterations": c["iterations"],
-            "planned": c["planned"],
-            "native": c["native"],
-            "fallbacks": dict(self._ss_fallbacks),
-            "fallback_total": sum(self._ss_fallbacks.values()),
-            "deviating_iterations": c["deviating_iterations"],
-            "deviated_requests": self._ss_deviated_requests,
-            "trimmed_admissions": c["trimmed_admissions"],
-            "rejected": dict(self._ss_rejects),
-            "rejected_total": sum(self._ss_rejects.values()),
-            "plan_preemptions": c["plan_preemptions"],
-            "reports": c["reports"],
-            "report_errors": c["report_errors"],
-            "mean_decide_us": c["decide_us"] / max(1, c["iterations"]),
-            "pipelined": c["pipelined"],
-            "mean_wait_us": c["wait_us"] / max(1, c["pipelined"]),
-            "mean_ahead_us": c["ahead_us"] / max(1, c["iterations"]),
-            #: the adapter's own engine-thread time per iteration (schedule() and
-            #: update_from_output() minus vLLM's own work in them)
-            "mean_own_us": c["own_us"] / max(1, c["iterations"]),
-            "own_us": c["own_us"],
-            "decide_us": c["decide_us"],
-            "snap_waits_us": c["snap_wait_us"],
-            "resyncs": c["resyncs"],
-            "last_reason": self._ss_last_reason,
-            "settings_reloads": self._ss_watcher.reloads,
-            "settings_errors": self._ss_watcher.errors,
-            "policy": self._ss_settings.policy,
-            "address": self._ss_settings.address,
-            "profile": self._ss_profile,
-            "core": core,
-            "core_totals": totals,
-        }
+        core, live = self._ss_live.stats()
+        return self._ss_stats.as_dict(core, self._ss_live.retired, **live)
 
     def slidingserve_close(self) -> None:
-        self._ss_pending = None
+        self._ss_pipe.close()
         if self._ss_metrics is not None:
             self._ss_metrics.close()
             self._ss_metrics = None
-        if self._ss_executor is not None:
-            self._ss_executor.shutdown(wait=True, cancel_futures=True)
-            self._ss_executor = None
-        if self._ss_core is not None:
-            self._ss_core.close()
-            self._ss_core = None
-        if self._ss_predictors is not None:
-            self._ss_predictors.close()
-            self._ss_predictors = None
+        self._ss_live.close()
 
     def shutdown(self) -> None:
         try:
@@ -868,4 +547,3 @@ class RemoteScheduler(SlidingServeMixin, AsyncScheduler):
 
 class RemoteSyncScheduler(SlidingServeMixin, Scheduler):
     """``--scheduler-cls engine_adapter.vllm.RemoteSyncScheduler`` (sync scheduling)."""
-

@@ -44,11 +44,11 @@ from scheduler_service.settings import (
     unknown_keys,
 )
 
-from .snapshot import ClassSlo
+from .snapshot import ClassSlo, SloDefaults
 
 __all__ = [
     "ENV_PREFIX", "FOLLOW_DEFAULT", "SettingsError", "SettingsWatcher", "VllmAdapterSettings", "parse_params",
-    "parse_slo_classes",
+    "parse_slo_classes", "slo_defaults",
 ]
 
 log = logging.getLogger(__name__)
@@ -293,6 +293,12 @@ def _read_file(path: str) -> dict[str, Any]:
     if set(data) == {"slidingserve"} and isinstance(data["slidingserve"], dict):
         data = data["slidingserve"]
     return {str(k).lower(): v for k, v in data.items()}
+
+
+def slo_defaults(s: VllmAdapterSettings) -> SloDefaults:
+    """The objectives of requests that name none (and of their priority's class)."""
+    return SloDefaults(ttft_s=s.default_ttft_ms / 1e3, tbt_s=s.default_tbt_ms / 1e3,
+                       classes=parse_slo_classes(s.slo_classes))
 
 
 def default_engine_id() -> str:

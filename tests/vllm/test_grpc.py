@@ -135,7 +135,7 @@ def test_engines_follow_the_default_version_or_pin_one(mdir: str, tmp_path: Any)
     with make_server(policy_config=str(conf)) as srv:
         s, d, free0 = _engine(RemoteSyncScheduler, False, mdir, srv.target, 60, deadline_ms=2000,
                               SLIDINGSERVE_CONFIG=str(settings))
-        s._ss_watcher.period_s = 0
+        s._ss_live.watcher.period_s = 0
 
         def by_version(v: str) -> float:
             return srv.metrics.registry.get_sample_value("slidingserve_version_decisions_total", {"version": v}) or 0

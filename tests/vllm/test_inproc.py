@@ -30,7 +30,7 @@ def _run(base: type, async_: bool, mdir: str, policy: str, *, n: int = 80, num_b
 
     def hook(k: int, so: Any) -> None:
         if k == 0:  # the core exists after the first schedule(); record what it is given
-            core = s._ss_core
+            core = s._ss_live.core
             orig = core.report
             core.report = lambda smp: (samples.append(smp), orig(smp))
     res = d.run(on_step=hook)
@@ -93,7 +93,6 @@ def test_unplanned_requests_wait_and_native_order_is_restored(base: type, async_
     for r in reqs:
         s.add_request(r)
     order = [r.request_id for r in s.waiting]
-    s._ss_core = None
     core = s._core()
     from scheduler_service.core import Allocation, Plan
 
@@ -150,7 +149,7 @@ def test_pipelined_snapshot_matches_the_queues_it_predicts(base: type, async_: b
     orig = s._decide
 
     def checking_decide() -> Any:
-        pending = s._ss_pending
+        pending = s._ss_pipe.pending
         if pending is not None:
             done = pending.future.result()
             assert done is not None
@@ -165,7 +164,7 @@ def test_pipelined_snapshot_matches_the_queues_it_predicts(base: type, async_: b
                 row_new = (fresh.prompt_tokens[j], fresh.computed_tokens[j], fresh.output_tokens[j])
                 assert row_old == row_new, (rid, row_old, row_new)
                 checked["rows"] += 1
-            arrived = {r.request_id for r in s._ss_arrivals}
+            arrived = {r.request_id for r in s._ss_pipe.arrivals}
             assert set(fresh.ids) - set(old.ids) <= arrived
             checked["steps"] += 1
         return orig()

@@ -82,16 +82,16 @@ def test_scheduler_hot_swaps_policy_without_restart(tmp_path: Path, mdir: str) -
     p.write_text("policy: vllm-fcfs\n")
     s: Any = build_scheduler(scheduler_class(RemoteSyncScheduler, {"SLIDINGSERVE_CONFIG": str(p)}), mdir,
                              async_scheduling=False)
-    s._ss_watcher.period_s = 0
+    s._ss_live.watcher.period_s = 0
     for _ in range(3):
         s.add_request(make_request(40, 50))
     s.schedule()
     assert s.slidingserve_stats()["policy"] == "vllm-fcfs"
-    first_core = s._ss_core
+    first_core = s._ss_live.core
     _touch(p, "policy: sarathi\nparams: {chunk_size: 64}\n")
     so = s.schedule()
     st = s.slidingserve_stats()
-    assert st["policy"] == "sarathi" and st["settings_reloads"] == 1 and s._ss_core is not first_core
+    assert st["policy"] == "sarathi" and st["settings_reloads"] == 1 and s._ss_live.core is not first_core
     assert so.total_num_scheduled_tokens <= 64
     _touch(p, "policy: [broken\n")
     s.schedule()
@@ -107,21 +107,21 @@ def test_hot_swap_keeps_what_the_in_process_predictor_learned(tmp_path: Path, md
     p.write_text("policy: slidingserve\n")
     s: Any = build_scheduler(scheduler_class(RemoteSyncScheduler, {"SLIDINGSERVE_CONFIG": str(p)}), mdir,
                              async_scheduling=False)
-    s._ss_watcher.period_s = 0
+    s._ss_live.watcher.period_s = 0
     for _ in range(3):
         s.add_request(make_request(40, 50))
     s.schedule()
-    reg = s._ss_predictors
-    assert reg is not None and s._ss_core.backend._registry is reg
-    first_core = s._ss_core
+    reg = s._ss_live.predictors
+    assert reg is not None and s._ss_live.core.backend._registry is reg
+    first_core = s._ss_live.core
     _touch(p, "policy: sarathi-edf\n")
     s.schedule()
-    assert s._ss_core is not first_core and s.slidingserve_stats()["policy"] == "sarathi-edf"
-    assert s._ss_predictors is reg and s._ss_core.backend._registry is reg
+    assert s._ss_live.core is not first_core and s.slidingserve_stats()["policy"] == "sarathi-edf"
+    assert s._ss_live.predictors is reg and s._ss_live.core.backend._registry is reg
     first_core.close()  # the retired core closes (in the background too): the registry stays open
     assert not reg._closed
     s.slidingserve_close()
-    assert reg._closed and s._ss_predictors is None
+    assert reg._closed and s._ss_live.predictors is None
 
 
 def test_bad_file_at_start_fails_fast(tmp_path: Path, mdir: str) -> None:
