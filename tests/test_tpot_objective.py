@@ -141,3 +141,68 @@ def test_vllm_requests_carry_a_tpot_objective_from_extra_args_or_their_class() -
     for bad in ("fast", -5, float("nan"), None, [1]):
         assert request_slo({"slo_tpot_ms": bad}, 100, d).tpot_s == 0.0  # malformed: no objective, no error
     assert request_slo({"slo_tpot_ms": 1e300}, 100, d).tpot_s == 1e12  # within the snapshot's bound
+
+
+# ---------------------------------------------------------------- the policies plan for it
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from scheduler_service.core import BatchLatencyPredictor, default_predictor, plan_violations, registry  # noqa: E402
+from tests.reach import Reached  # noqa: E402
+from tests.strategies import NOW, predictors, snapshots  # noqa: E402
+
+SITTING = [registry.create("slidingserve", {}), registry.create("slidingserve", {"sit_out_when": "waiting"}),
+           registry.create("slidingserve", {"decode_skip_tbts": 2}),
+           registry.create("slidingserve", {"decode_skip_tbts": 2, "sit_out_when": "waiting"}),
+           registry.create("sarathi-edf+sc+mlps", {})]
+REACHED = Reached()
+
+
+@st.composite
+def paced_crowds(draw: st.DrawFn) -> Snapshot:
+    """Random snapshots a little later, with fresh prompts waiting, room for every decode
+    (no KV, sequence or budget limit), and a TPOT objective on some decodes whose first token came
+    at random times: paced decodes ahead of and behind their pace beside live prefills."""
+    snap = draw(snapshots(max_n=12, max_prompt=160, max_bmax=256))
+    d = snap.to_dict()
+    d["now"] = NOW + draw(st.sampled_from([0.0, 0.3, 1.0]))
+    d["max_num_seqs"], d["free_kv_tokens"] = 1000, None
+    d["max_batch_tokens"] = max(d["max_batch_tokens"], len(d["requests"]) + 3)  # every decode fits the budget
+    for i in range(draw(st.integers(1, 3))):
+        d["requests"].append({"id": f"fresh{i}", "arrival": d["now"] - 0.01 * i,
+                              "prompt_tokens": draw(st.integers(16, 400)), "computed_tokens": 0,
+                              "output_tokens": 0, "ttft_slo": draw(st.sampled_from([0.05, 0.3, 2.0])),
+                              "tbt_slo": 0.05})
+    for r in d["requests"]:
+        if r["output_tokens"] > 0 and draw(st.booleans()):
+            r["tpot_slo"] = draw(st.sampled_from([0.005, 0.02, 0.05, 0.2]))
+            at = draw(st.one_of(st.floats(0, 1), st.sampled_from([0.0, 0.9, 1.0])))  # 1: first token just now
+            r["first_token_time"] = r["arrival"] + at * max(d["now"] - r["arrival"], 0.0)
+    return Snapshot.from_json(d)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(paced_crowds(), st.sampled_from(range(len(SITTING))),
+       st.one_of(st.just(default_predictor()), predictors(), predictors(negative=True)))
+def _paced_decodes_sit_out_only_ahead_of_their_pace(snap: Snapshot, k: int, pred: BatchLatencyPredictor) -> None:
+    policy = SITTING[k]
+    plan = policy.plan(snap, pred)
+    assert not plan_violations(snap, plan)
+    got = plan.tokens_by_id()
+    skip = float(policy.params.decode_skip_tbts)
+    paced = np.flatnonzero(snap.paced)
+    if not len(paced):
+        return
+    REACHED()
+    for i in paced:
+        if got.get(snap.ids[i], 0) == 0:  # sat out: only far ahead of its pace
+            REACHED("sat out")
+            assert snap.slack[i] > skip * snap.tpot_slo[i], (snap.ids[i], snap.slack[i], snap.tpot_slo[i])
+        elif snap.slack[i] <= 0:
+            REACHED("behind its pace, served")
+
+
+def test_paced_decodes_sit_out_only_ahead_of_their_pace() -> None:
+    REACHED.floor(_paced_decodes_sit_out_only_ahead_of_their_pace, checked=80, **{"sat out": 20,
+                  "behind its pace, served": 20})

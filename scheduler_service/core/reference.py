@@ -182,11 +182,11 @@ def sit_out(snap: Snapshot, dec_all: np.ndarray, pre: np.ndarray, lost: np.ndarr
     if len(dec_all) and len(live):
         s = snap.slack[dec_all]
         if skip_tbts > 0:
-            out |= s > skip_tbts * snap.tbt_slo[dec_all]
+            out |= s > skip_tbts * snap.step[dec_all]
         if skip_late:
             late = s <= 0
             if starve > 0:
-                late &= s > -starve * snap.tbt_slo[dec_all]
+                late &= s > -starve * snap.step[dec_all]
             out |= late
     return live, out
 
@@ -200,7 +200,7 @@ def window_limits_ms(snap: Snapshot, decodes: np.ndarray, k: int) -> np.ndarray 
     safe = s > 0
     if not safe.any():
         return None
-    s, tbt = s[safe], snap.tbt_slo[decodes][safe]
+    s, tbt = s[safe], snap.step[decodes][safe]
     steps = np.arange(k)[:, None]
     return (s[None, :] + steps * tbt[None, :]).min(axis=1) * 1e3
 

@@ -203,10 +203,17 @@ class SlidingServePolicy:
         While prefills that can still make it wait, decodes whose token is not needed now
         sit out, and their time goes to the prefills: those far ahead of their next
         deadline (deadlines are cumulative, formula (1)), and those already late but by
-        less than ``starve_after`` TBTs (a decode later than that is starving and runs)."""
+        less than ``starve_after`` TBTs (a decode later than that is starving and runs).
+
+        A paced decode (TPOT objective) sits out only ahead of its pace, by more than
+        ``decode_skip_tbts`` times its ``tpot_slo``: behind it, its mean can still be made
+        by running, never by waiting."""
         p = self.params
-        return kernels.ops().sit_out(snap, dec_all, pre, lost, p.decode_skip_tbts, p.skip_late_decodes,
-                                     p.starve_after)
+        live, out = kernels.ops().sit_out(snap, dec_all, pre, lost, p.decode_skip_tbts, p.skip_late_decodes,
+                                          p.starve_after)
+        if snap.any_tpot and out.any():
+            out &= ~(snap.paced[dec_all] & (snap.slack[dec_all] <= 0))
+        return live, out
 
     def _starving(self, snap: Snapshot, pre: np.ndarray) -> np.ndarray:
         """Mask over ``pre`` of the starving prefills: waiting for their first token for at

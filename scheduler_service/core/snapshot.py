@@ -377,6 +377,15 @@ class Snapshot:
         return self._memo("paced", lambda: self.is_decoding & (self.tpot_slo > 0))
 
     @property
+    def step(self) -> np.ndarray:
+        """How much later each further token of a decode is due: ``tbt_slo`` (formula (1)),
+        or ``tpot_slo`` for a paced decode (the ``tbt_slo`` array itself when no request
+        has a TPOT objective)."""
+        if not self.any_tpot:
+            return self.tbt_slo
+        return self._memo("step", lambda: np.where(self.paced, self.tpot_slo, self.tbt_slo))
+
+    @property
     def slack(self) -> np.ndarray:
         """s_i: TTFT slack for prefills (11), TBT slack for decodes (formula (1)); a decode
         with a TPOT objective counts from its first token instead,

@@ -177,11 +177,11 @@ class NumbaOps(NumpyOps):
 
     def sit_out(self, snap: Snapshot, dec_all: np.ndarray, pre: np.ndarray, lost: np.ndarray, skip_tbts: float,
                 skip_late: bool, starve: float) -> tuple[np.ndarray, np.ndarray]:
-        return self.k.sit_out(dec_all, pre, snap.slack, snap.tbt_slo, lost, float(skip_tbts), bool(skip_late),
+        return self.k.sit_out(dec_all, pre, snap.slack, snap.step, lost, float(skip_tbts), bool(skip_late),
                               float(starve))
 
     def window_limits(self, snap: Snapshot, decodes: np.ndarray, k: int, margin: float) -> np.ndarray | None:
-        W = self.k.window_limits(snap.slack, snap.tbt_slo, decodes, k, margin)
+        W = self.k.window_limits(snap.slack, snap.step, decodes, k, margin)
         return W if len(W) else None
 
     def queue_arrays(self, snap: Snapshot, predictor: BatchLatencyPredictor, fast: int,
