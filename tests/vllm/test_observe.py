@@ -122,3 +122,49 @@ def test_log_handler_without_vllms(monkeypatch: pytest.MonkeyPatch) -> None:
     finally:
         logger.handlers.clear()
         logger.setLevel(logging.NOTSET)
+
+
+_BLOCKED_PROMETHEUS = """if True:
+    import importlib.abc, sys
+    # vLLM loads prometheus_client itself: its modules first, then every later import fails
+    import vllm.v1.core.sched.async_scheduler, vllm.v1.core.sched.scheduler, vllm.v1.engine, vllm.v1.request
+    from engine_adapter.vllm.testbed import build_scheduler, fake_output, make_request, scheduler_class
+    for m in [m for m in sys.modules if m.split(".")[0] == "prometheus_client"]:
+        del sys.modules[m]
+
+    class Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name.split(".")[0] == "prometheus_client":
+                raise ImportError("blocked: " + name)
+
+    sys.meta_path.insert(0, Block())
+    assert "engine_adapter.vllm.scheduler" not in sys.modules
+    from engine_adapter.vllm import RemoteSyncScheduler
+    env = {{"SLIDINGSERVE_POLICY": "slidingserve", "SLIDINGSERVE_METRICS_PORT": sys.argv[1],
+           "SLIDINGSERVE_METRICS_HOST": "127.0.0.1"}}
+    s = build_scheduler(scheduler_class(RemoteSyncScheduler, env), {mdir!r}, async_scheduling=False)
+    for _ in range(3):
+        s.add_request(make_request(40, 3))
+    for _ in range(5):
+        so = s.schedule()
+        s.update_from_output(so, fake_output(s, so))
+    st = s.slidingserve_stats()
+    s.slidingserve_close()
+    print("planned", st["planned"])
+"""
+
+
+def test_without_the_endpoint_the_scheduler_never_imports_prometheus(mdir: str) -> None:
+    """vLLM loads prometheus_client itself, so a fresh process first imports vLLM's modules,
+    then makes every later import of prometheus_client fail: the adapter imports, and a
+    scheduler with the metrics endpoint off builds, plans and reports; with it on it needs
+    the import."""
+    import subprocess
+
+    code = _BLOCKED_PROMETHEUS.format(mdir=mdir)
+    off = subprocess.run([sys.executable, "-c", code, "0"], capture_output=True, text=True, timeout=300)
+    tail = off.stdout.split()[-2:]
+    assert off.returncode == 0 and tail[0] == "planned" and int(tail[1]) > 0, off.stdout + off.stderr[-3000:]
+    on = subprocess.run([sys.executable, "-c", code, str(_free_port())], capture_output=True, text=True,
+                        timeout=300)
+    assert on.returncode != 0 and "blocked: prometheus_client" in on.stderr, on.stderr[-3000:]
