@@ -170,6 +170,35 @@ class QoServePolicy:
                                    p.chunk_step), max_batch_tokens]
         return np.unique(np.minimum(np.array(pts, dtype=np.int64), max_batch_tokens))
 
+    def total_budget(self, snap: Snapshot, cq: CandidateQueue) -> int:
+        """The iteration's total token budget: the largest entry of the search space whose
+        predicted time x the safety factor fits the smallest decode slack."""
+        p = self.params
+        n_dec = len(cq.decodes)
+        space = self.search_space(snap.max_batch_tokens)
+        if n_dec == 0:
+            return int(space[-1])
+        prefill = np.clip(space - n_dec, 0, cq.first_cap)
+        min_slack_ms = float(snap.slack[cq.decodes].min()) * 1e3
+        t = cq.segment_time_ms(np.zeros(len(prefill), dtype=np.int64), prefill) * p.safety_factor
+        ok = np.flatnonzero(t <= min_slack_ms) if min_slack_ms > 0 else np.array([], dtype=np.int64)
+        return int(space[ok[-1]]) if len(ok) else int(space[0])
+
+    def candidate_queue(self, snap: Snapshot, predictor: BatchLatencyPredictor) -> CandidateQueue:
+        """The decodes and prefill queue :meth:`plan` builds (for explaining a plan)."""
+        dec_all = np.flatnonzero(snap.is_decoding)
+        pre = prefill_indices(snap)
+        key = snap.ttft_deadline[pre] + self.params.hybrid_coef_s * snap.remaining_prefill[pre]
+        queue = ordered(snap, pre, self.relegated(snap, predictor, pre), key)
+        return CandidateQueue.build(snap, predictor, select_decodes(snap, dec_all), queue,
+                                    n_all_decodes=len(dec_all), kv_decode_reserve=self.params.kv_decode_reserve)
+
+    def relegated(self, snap: Snapshot, predictor: BatchLatencyPredictor, pre: np.ndarray) -> np.ndarray:
+        """Mask over ``pre``: not started, and now + remaining / rho passes the TTFT deadline."""
+        rho = snap.prefill_throughput or predictor.prefill_throughput(snap.max_batch_tokens)
+        return (snap.computed_tokens[pre] == 0) & (snap.now + snap.remaining_prefill[pre] / rho
+                                                   > snap.ttft_deadline[pre])
+
     def plan(self, snapshot: Snapshot, predictor: BatchLatencyPredictor) -> Plan:
         p = self.params
         snap = snapshot
@@ -177,11 +206,9 @@ class QoServePolicy:
         dec_all = np.flatnonzero(snap.is_decoding)
         decodes = select_decodes(snap, dec_all)
         pre = prefill_indices(snap)
-        rho = snap.prefill_throughput or predictor.prefill_throughput(snap.max_batch_tokens)
         r = snap.remaining_prefill[pre]
-        deadline = snap.ttft_deadline[pre]
-        relegated = (snap.computed_tokens[pre] == 0) & (snap.now + r / rho > deadline)
-        key = deadline + p.hybrid_coef_s * r
+        relegated = self.relegated(snap, predictor, pre)
+        key = snap.ttft_deadline[pre] + p.hybrid_coef_s * r
         queue = ordered(snap, pre, relegated, key)
         t1 = time.perf_counter_ns()
         cq = CandidateQueue.build(
@@ -189,15 +216,7 @@ class QoServePolicy:
             kv_decode_reserve=p.kv_decode_reserve,
         )
         n_dec = len(decodes)
-        space = self.search_space(snap.max_batch_tokens)
-        prefill = np.clip(space - n_dec, 0, cq.first_cap)
-        if n_dec == 0:
-            total = int(space[-1])
-        else:
-            min_slack_ms = float(snap.slack[decodes].min()) * 1e3
-            t = cq.segment_time_ms(np.zeros(len(prefill), dtype=np.int64), prefill) * p.safety_factor
-            ok = np.flatnonzero(t <= min_slack_ms) if min_slack_ms > 0 else np.array([], dtype=np.int64)
-            total = int(space[ok[-1]]) if len(ok) else int(space[0])
+        total = self.total_budget(snap, cq)
         p1 = int(np.clip(total - n_dec, 0, cq.first_cap))
         t2 = time.perf_counter_ns()
         return assemble_plan(

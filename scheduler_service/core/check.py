@@ -6,7 +6,7 @@ untrusted input) and the property tests run it on every plan a policy makes.
 
 from __future__ import annotations
 
-from .plan import Plan
+from .plan import CODES, Plan
 from .snapshot import Snapshot
 
 __all__ = ["plan_violations"]
@@ -20,6 +20,9 @@ def plan_violations(snapshot: Snapshot, plan: Plan, *, limit: int = 10) -> list[
     within ``max_batch_tokens``, ``max_num_seqs`` and ``free_kv_tokens``.  A rejection
     names a known, sheddable request, at most once, that the plan does not also run; its
     reason is not checked (``REJECT_REASONS`` lists today's, a later service may add one).
+    Reasons (when the plan has any): each names a known request, at most once, that the
+    plan does not fully serve, with a code of ``REASON_CODES``; and every request the plan
+    does not fully serve has one.
     """
     problems: list[str] = []
     seen, total = _check_allocations(snapshot, plan, limit, problems)
@@ -34,6 +37,8 @@ def plan_violations(snapshot: Snapshot, plan: Plan, *, limit: int = 10) -> list[
         extra = f" + {freed} freed by preemption" if freed else ""
         problems.append(f"{total} tokens exceed free_kv_tokens {snapshot.free_kv_tokens}{extra}")
     _check_rejections(snapshot, plan, seen, preempted, problems)
+    if plan.reasons:
+        _check_reasons(snapshot, plan, problems)
     return problems[:limit]
 
 
@@ -101,3 +106,28 @@ def _check_rejections(snapshot: Snapshot, plan: Plan, seen: set[str], preempted:
         elif r.id in preempted:
             problems.append(f"rejects request {r.id!r} and also preempts it")
         rejected.add(r.id)
+
+
+def _check_reasons(snapshot: Snapshot, plan: Plan, problems: list[str]) -> None:
+    """Each reason (appended to ``problems``), then the requests left without one."""
+    index = snapshot.index_of
+    got = plan.tokens_by_id()
+    codes = set(CODES)
+    explained: set[str] = set()
+    for r in plan.reasons:
+        i = index.get(r.id)
+        if i is None:
+            problems.append(f"reason for unknown request {r.id!r}")
+            continue
+        need = 1 if snapshot.is_decoding[i] else int(snapshot.remaining_prefill[i])
+        if r.id in explained:
+            problems.append(f"two reasons for request {r.id!r}")
+        elif got.get(r.id, 0) >= need:
+            problems.append(f"reason {r.code!r} for request {r.id!r}, which the plan fully serves")
+        if r.code not in codes:
+            problems.append(f"unknown reason code {r.code!r} for request {r.id!r}")
+        explained.add(r.id)
+    for i, rid in enumerate(snapshot.ids):
+        need = 1 if snapshot.is_decoding[i] else int(snapshot.remaining_prefill[i])
+        if got.get(rid, 0) < need and rid not in explained:
+            problems.append(f"request {rid!r} waits without a reason")

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, overload
 
-__all__ = ["PATHS", "REJECT_REASONS", "Allocation", "Plan", "Rejection"]
+import numpy as np
+
+__all__ = ["PATHS", "REASON_CODES", "REJECT_REASONS", "Allocation", "Plan", "Reason", "Reasons", "Rejection"]
 
 #: Paths of the SlidingServe policy; baselines report their own name.
 PATHS = ("sliding_chunker", "batch_constructor", "decode_only", "idle")
@@ -33,6 +35,101 @@ class Rejection(NamedTuple):
 
     id: str
     reason: str
+
+
+#: Why a plan does not fully serve a request (docs/policies.md, "Why a request waited:
+#: reason codes"): (code, one-line description with the unit of the reason's value).
+REASON_CODES: tuple[tuple[str, str], ...] = (
+    ("max_num_seqs", "the plan already holds max_num_seqs requests; value: the limit (requests)"),
+    ("token_budget", "the plan's token budget is used up; value: the budget (tokens)"),
+    ("time_budget", "the decode windows' time budget (TimeToBudget(T_cur), the k-window split) ends "
+                    "before this request in the queue; value: the first window W_1 (ms)"),
+    ("kv", "no free KV left for its next token; value: free KV tokens left after the plan (tokens)"),
+    ("kv_watermark", "a new admission must leave the KV-growth watermark free; value: the watermark "
+                     "(tokens: kv_growth_iters x requests holding KV)"),
+    ("given_up", "the lost rule gave it up (Moore-Hodgson / hopeless): served only after every live "
+                 "request; value: its TTFT slack (ms)"),
+    ("expired", "its TTFT deadline has passed (not sheddable): served only after every live request; "
+                "value: its slack (ms, <= 0)"),
+    ("ahead", "a decode far ahead of its next token's deadline sits out; value: its slack (ms)"),
+    ("late", "a decode already past its deadline (not starving) sits out; value: its slack (ms, <= 0)"),
+    ("class_sit_out", "a lower-class decode sits out so a higher-class decode makes its token; "
+                      "value: its class (priority)"),
+    ("class_rescue", "a lower-class decode sits out so the top class's prefills lose fewer first "
+                     "tokens; value: the number of decodes sitting out"),
+    ("class_reserve", "a new request of a class that waits while the decodes and partial prefills "
+                      "take the reserve; value: their predicted time (ms)"),
+    ("not_chosen", "BatchConstructor chose a batch without it; value: the prefills it chose"),
+    ("behind", "behind other requests in the policy's queue order; value: the requests served"),
+    ("ttft_expired", "rejected: its TTFT deadline has passed; value: its slack (ms)"),
+    ("e2e_expired", "rejected: its end-to-end deadline has passed; value: its slack (ms)"),
+    ("ttft_unreachable", "rejected: the prediction says its TTFT cannot be met; value: its slack (ms)"),
+    ("e2e_unreachable", "rejected: the prediction says its end-to-end deadline cannot be met; "
+                        "value: its slack (ms)"),
+    ("preempted", "its KV is freed to admit a higher class (recompute later); value: the KV tokens "
+                  "freed"),
+)
+#: The codes alone, in :data:`REASON_CODES` order (a code's index is its wire-free number).
+CODES: tuple[str, ...] = tuple(c for c, _ in REASON_CODES)
+
+
+class Reason(NamedTuple):
+    """Why the plan does not fully serve request ``id``: ``code`` (one of
+    :data:`REASON_CODES`) and the binding quantity ``value`` (its unit set by the code)."""
+
+    id: str
+    code: str
+    value: float
+
+
+class Reasons(Sequence[Reason]):
+    """An immutable sequence of :class:`Reason`, built from arrays and turned into
+    objects only when read: a plan leaving hundreds of requests waiting costs no Python
+    objects until someone looks.  Compares equal to any sequence of the same reasons."""
+
+    __slots__ = ("_codes", "_ids", "_items", "_rows", "_values")
+
+    def __init__(self, ids: Sequence[str], rows: np.ndarray, codes: np.ndarray, values: np.ndarray) -> None:
+        self._ids, self._rows, self._codes, self._values = ids, rows, codes, values
+        self._items: tuple[Reason, ...] | None = None
+
+    @property
+    def items(self) -> tuple[Reason, ...]:
+        if self._items is None:
+            ids, names = self._ids, CODES
+            self._items = tuple(
+                Reason(ids[i], names[c], float(v))
+                for i, c, v in zip(self._rows.tolist(), self._codes.tolist(), self._values.tolist(), strict=True)
+            )
+        return self._items
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    @overload
+    def __getitem__(self, k: int) -> Reason: ...
+    @overload
+    def __getitem__(self, k: slice) -> tuple[Reason, ...]: ...
+    def __getitem__(self, k: int | slice) -> Reason | tuple[Reason, ...]:
+        return self.items[k]
+
+    def __iter__(self) -> Iterator[Reason]:
+        return iter(self.items)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Sequence) and not isinstance(other, str):
+            return self.items == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.items)
+
+    def __repr__(self) -> str:
+        return f"Reasons({self.items!r})"
+
+
+def _reasons(items: Iterable[Mapping[str, Any]]) -> tuple[Reason, ...]:
+    return tuple(Reason(str(r["id"]), str(r["code"]), float(r.get("value", 0.0))) for r in items)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +161,10 @@ class Plan:
     #: recompute preemption): the plan already counts their KV as free.  Never an
     #: allocated or rejected one.
     preemptions: tuple[str, ...] = ()
+    #: Why each request the plan does not fully serve waits: one :class:`Reason` per such
+    #: request, or empty when the plan was made without explaining (``reasons.explain``).
+    #: An explanation, not a decision: not part of :meth:`decision_key`.
+    reasons: Sequence[Reason] = ()
 
     def decision_key(self) -> tuple[Any, ...]:
         key: tuple[Any, ...] = (
@@ -104,6 +205,8 @@ class Plan:
             out["rejections"] = [{"id": r.id, "reason": r.reason} for r in self.rejections]
         if self.preemptions:
             out["preemptions"] = list(self.preemptions)
+        if self.reasons:
+            out["reasons"] = [{"id": r.id, "code": r.code, "value": r.value} for r in self.reasons]
         return out
 
     def to_json(self, indent: int | None = None) -> str:
@@ -124,4 +227,5 @@ class Plan:
             deployment=str(d.get("deployment", "")),
             rejections=tuple(Rejection(str(r["id"]), str(r["reason"])) for r in d.get("rejections", ())),
             preemptions=tuple(str(r) for r in d.get("preemptions", ())),
+            reasons=_reasons(d.get("reasons", ())),
         )

@@ -170,6 +170,39 @@ class SlidingServePolicy:
             return replace(plan, rejections=rejections) if rejections else plan
         return self._choose(snap, predictor, t0, dec_all, pre, lost, rho)
 
+    def held_back(self, snap: Snapshot, predictor: BatchLatencyPredictor
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For explaining a plan (``reasons.explain``), the rules of :meth:`plan` replayed
+        on ``snap`` (a snapshot without the plan's preemptions): masks over its rows of the
+        prefills given up on (the lost rule, after the starvation bound, shedding and the
+        class rescue), the new requests the class reserve holds back, and the decodes the
+        class rescue sits out.  Never called by :meth:`plan` itself."""
+        p = self.params
+        n = len(snap)
+        lost_rows, held, rescued = (np.zeros(n, dtype=bool) for _ in range(3))
+        pre = prefill_indices(snap)
+        if not len(pre):
+            return lost_rows, held, rescued
+        dec_all = np.flatnonzero(snap.is_decoding)
+        rho = snap.prefill_throughput or predictor.prefill_throughput(snap.max_batch_tokens)
+        lost = self._lost(snap, predictor, pre, rho)
+        if p.starve_after > 0:
+            lost = lost & ~self._starving(snap, pre)
+        if p.shed and snap.any_sheddable and bool(snap.sheddable[pre].any()):
+            pre, lost, _ = _shed(snap, pre, lost)
+        if not snap.one_class and len(pre):
+            if p.class_reserve > 0:
+                kept, lost = _reserve(snap, predictor, dec_all, pre, lost, p.class_reserve)
+                held[pre] = True
+                held[kept] = False
+                pre = kept
+            if p.class_rescue and len(dec_all):
+                lost, mask = _rescue(snap, predictor, dec_all, pre, lost, p.margin)
+                if mask is not None:
+                    rescued[dec_all[mask]] = True
+        lost_rows[pre[lost]] = True
+        return lost_rows, held, rescued
+
     def _choose(self, snap: Snapshot, predictor: BatchLatencyPredictor, t0: int, dec_all: np.ndarray,
                 pre: np.ndarray, lost: np.ndarray, rho: float) -> Plan:
         """The plan with decodes that need no token now sitting out, when a prefill can use
