@@ -33,6 +33,7 @@ from scheduler_service.core import (
 )
 from scheduler_service.core.columns import COLUMNS
 from scheduler_service.core.params import param_text
+from scheduler_service.core.plan import Reason
 from scheduler_service.core.predictor import N_FEATURES, scenario_codes
 from scheduler_service.core.snapshot import MAX_BATCH_TOKENS, MAX_TOKENS
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
@@ -270,6 +271,8 @@ def plan_to_pb(plan: Plan) -> pb.Plan:
         msg.reject_reasons.extend([r.reason for r in plan.rejections])
     if plan.preemptions:
         msg.preempt_ids.extend(plan.preemptions)
+    if plan.reasons:
+        msg.reasons.extend([pb.PlanReason(id=r.id, code=r.code, value=r.value) for r in plan.reasons])
     return msg
 
 
@@ -289,6 +292,7 @@ def plan_from_pb(msg: pb.Plan) -> Plan:
         deployment=msg.deployment,
         rejections=tuple(map(Rejection, msg.reject_ids, msg.reject_reasons)),
         preemptions=tuple(msg.preempt_ids),
+        reasons=tuple(Reason(r.id, r.code, r.value) for r in msg.reasons),
     )
 
 

@@ -466,6 +466,7 @@ class Plan(_message.Message):
     REJECT_IDS_FIELD_NUMBER: _builtins.int
     REJECT_REASONS_FIELD_NUMBER: _builtins.int
     PREEMPT_IDS_FIELD_NUMBER: _builtins.int
+    REASONS_FIELD_NUMBER: _builtins.int
     policy: _builtins.str
     """Name of the policy that decided."""
     policy_version: _builtins.str
@@ -518,6 +519,13 @@ class Plan(_message.Message):
         allocated or rejected request.  Added after v1.0: older services send none.
         """
 
+    @_builtins.property
+    def reasons(self) -> _containers.RepeatedCompositeFieldContainer[Global___PlanReason]:
+        """Why each request the plan does not fully serve waits: one per such request (no token,
+        or a prefill given fewer prompt tokens than remain), none for a served one.  Present
+        only when the plan was explained.  Added after v1.0: older services send none.
+        """
+
     def __init__(
         self,
         *,
@@ -535,14 +543,47 @@ class Plan(_message.Message):
         reject_ids: _abc.Iterable[_builtins.str] | None = ...,
         reject_reasons: _abc.Iterable[_builtins.str] | None = ...,
         preempt_ids: _abc.Iterable[_builtins.str] | None = ...,
+        reasons: _abc.Iterable[Global___PlanReason] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocation_ids", b"allocation_ids", "allocation_tokens", b"allocation_tokens", "breakdown_us", b"breakdown_us", "decision_us", b"decision_us", "deployment", b"deployment", "path", b"path", "policy", b"policy", "policy_version", b"policy_version", "predicted_latency_ms", b"predicted_latency_ms", "predictor_version", b"predictor_version", "preempt_ids", b"preempt_ids", "reject_ids", b"reject_ids", "reject_reasons", b"reject_reasons", "token_budget", b"token_budget"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocation_ids", b"allocation_ids", "allocation_tokens", b"allocation_tokens", "breakdown_us", b"breakdown_us", "decision_us", b"decision_us", "deployment", b"deployment", "path", b"path", "policy", b"policy", "policy_version", b"policy_version", "predicted_latency_ms", b"predicted_latency_ms", "predictor_version", b"predictor_version", "preempt_ids", b"preempt_ids", "reasons", b"reasons", "reject_ids", b"reject_ids", "reject_reasons", b"reject_reasons", "token_budget", b"token_budget"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Plan: _TypeAlias = Plan  # noqa: Y015
+
+@_typing.final
+class PlanReason(_message.Message):
+    """Why a plan does not fully serve one request (docs/policies.md, "Why a request waited:
+    reason codes").  Engines should accept codes they do not know.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    VALUE_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """The request's id."""
+    code: _builtins.str
+    """A snake_case code, e.g. "token_budget", "kv", "ahead", "given_up", "ttft_expired"."""
+    value: _builtins.float
+    """The binding quantity; its unit is set by the code (tokens, ms, requests)."""
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        code: _builtins.str = ...,
+        value: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "id", b"id", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlanReason: _TypeAlias = PlanReason  # noqa: Y015
 
 @_typing.final
 class ScheduleError(_message.Message):
