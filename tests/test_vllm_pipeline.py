@@ -254,6 +254,63 @@ def test_pipeline_collect_raises_what_the_decision_raised() -> None:
     pipe.close()  # twice is fine
 
 
+@dataclass
+class FakeLive:
+    """A core source whose settings turn pipelining on or off."""
+
+    core: FakeCore
+    pipeline: bool = True
+    gets: int = 0
+
+    @property
+    def settings(self) -> Any:
+        return SimpleNamespace(pipeline=self.pipeline)
+
+    def get(self) -> Any:
+        self.gets += 1
+        return self.core
+
+
+def test_ahead_projects_now_with_async_scheduling_and_in_the_background_without() -> None:
+    running, waiting = two_running_one_waiting()
+    taken: list[tuple[str, float, str]] = []
+
+    def take_view(project: str, ahead_s: float) -> View:
+        taken.append((project, ahead_s, threading.current_thread().name))
+        return view_of(running, waiting)
+
+    core = FakeCore(plan_of({"a": 1}))
+    core.gate.set()
+    for project_now, project in ((True, "async"), (False, "sync")):
+        pipe, _ = new_pipeline()
+        pipe.ahead_s = 0.025  # the last plan's predicted step time
+        pipe.ahead(FakeLive(core), take_view, project_now=project_now)
+        pending = pipe.take()
+        assert pending is not None and pipe.collect(pending, finished_since=False) is not None
+        assert taken[-1][:2] == (project, 0.025)
+        on_engine_thread = taken[-1][2] == threading.current_thread().name
+        assert on_engine_thread == project_now
+        pipe.close()
+
+
+def test_ahead_starts_nothing_when_pipelining_is_off_or_there_is_no_view() -> None:
+    running, waiting = two_running_one_waiting()
+    core = FakeCore(plan_of({"a": 1}))
+    core.gate.set()
+    pipe, _ = new_pipeline()
+    live = FakeLive(core, pipeline=False)
+    pipe.ahead(live, lambda p, a: view_of(running, waiting), project_now=True)
+    assert pipe.pending is None and live.gets == 1  # the core was still asked for: a reload applies
+
+    def broken(project: str, ahead_s: float) -> View:
+        raise RuntimeError("no view")
+
+    for take_view in (broken, lambda p, a: view_of([], [])):
+        pipe.ahead(FakeLive(core), take_view, project_now=True)
+        assert pipe.pending is None
+    pipe.close()
+
+
 # ---------------------------------------------------------------------- stats
 def test_fallbacks_are_counted_by_reason_and_logged_sparingly(caplog: pytest.LogCaptureFixture) -> None:
     stats = AdapterStats()

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from engine_adapter.core import AdapterCore, Decision
 from scheduler_service.core import Plan, Snapshot
@@ -25,7 +25,7 @@ from scheduler_service.core import Plan, Snapshot
 from .fit import View
 from .stats import AdapterStats
 
-__all__ = ["Pending", "Pipeline", "Statuses", "is_stale", "room_for_arrivals"]
+__all__ = ["CoreSource", "Pending", "Pipeline", "Statuses", "is_stale", "room_for_arrivals"]
 
 _status_of = operator.attrgetter("status")
 
@@ -38,6 +38,15 @@ class Statuses:
     #: waiting for admission (new or preempted)
     waiting: Set[Any]
     is_finished: Callable[[Any], bool]
+
+
+class CoreSource(Protocol):
+    """Where the pipeline gets the core to decide with (:class:`.live.LiveCore`)."""
+
+    @property
+    def settings(self) -> Any: ...
+
+    def get(self) -> AdapterCore: ...
 
 
 @dataclass(slots=True)
@@ -109,6 +118,27 @@ class Pipeline:
     def arrived(self, request: Any) -> None:
         if self.pending is not None:
             self.arrivals.append(request)
+
+    def ahead(self, live: CoreSource, take_view: Callable[[str, float], View], *, project_now: bool) -> None:
+        """Start the next iteration's decision (called at the end of ``schedule()``, with work
+        queued) on the queues as the next ``schedule()`` will find them, with ``live``'s core
+        after applying a changed settings file (nothing is in flight: a swap is safe here);
+        nothing when its settings turn pipelining off.  ``take_view(project, ahead_s)``:
+        the projected view; ``project_now``: take it here (async scheduling, where vLLM
+        applies the running step's output right after this call), else in the background."""
+        core = live.get()
+        if not live.settings.pipeline:
+            return
+        ahead_s = self.ahead_s
+        if not project_now:
+            self.start(core, take_view=lambda: take_view("sync", ahead_s))
+            return
+        try:
+            view = take_view("async", ahead_s)
+        except Exception:
+            return  # the next schedule() decides synchronously and counts the error
+        if len(view.snap):
+            self.start(core, view=view)
 
     def start(self, core: AdapterCore, *, view: View | None = None,
               take_view: Callable[[], View] | None = None) -> None:

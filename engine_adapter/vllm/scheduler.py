@@ -372,23 +372,11 @@ class SlidingServeMixin:
         the background job reads them itself and ``update_from_output`` waits for
         that read (about a millisecond, far shorter than a step) before changing
         them: the engine thread pays only for the hand-over."""
-        pipe = self._ss_pipe
-        pipe.arrivals = []
+        self._ss_pipe.arrivals = []
         if self._ss_unsupported or not (self.running or self.waiting or self.kv_holding_waiting):
             return
-        core = self._core()  # nothing is in flight: a settings swap is safe here
-        if not self._ss_live.settings.pipeline:
-            return
-        ahead_s = pipe.ahead_s
-        if not self._ss_async:
-            pipe.start(core, take_view=lambda: self._view(project="sync", ahead_s=ahead_s))
-            return
-        try:
-            view = self._view(project="async", ahead_s=ahead_s)
-        except Exception:
-            return  # the next schedule() decides synchronously and counts the error
-        if len(view.snap):
-            pipe.start(core, view=view)
+        self._ss_pipe.ahead(self._ss_live, lambda project, ahead_s: self._view(project=project, ahead_s=ahead_s),
+                            project_now=self._ss_async)
 
     # ------------------------------------------------------------ vLLM's hooks
     def add_request(self, request: Any) -> None:
