@@ -150,8 +150,8 @@ def _limits(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor, pl
         why.set(why.open, "kv", float(left))
         return
     mark = kv_watermark(policy, snap, plan)
-    if left - mark < 1:
-        why.set((snap.computed_tokens == 0) & (got == 0), "kv_watermark", float(mark))
+    if left - mark < 1:  # no new admission; the prefill stream stops at the first new request
+        why.set(~snap.is_decoding, "kv_watermark", float(mark))
 
 
 def _sliding(policy: SlidingServePolicy, snap: Snapshot, predictor: BatchLatencyPredictor, plan: Plan,

@@ -1,0 +1,247 @@
+"""Why a request waited (issue 24): every policy gives one reason for every request its plan
+does not fully serve, the reason holds, and explaining never changes a decision."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler_service.core import (
+    BatchLatencyPredictor,
+    Plan,
+    Snapshot,
+    default_predictor,
+    plan_violations,
+    registry,
+)
+from scheduler_service.core.plan import Reason
+from scheduler_service.core.predictor import batch_features
+from scheduler_service.core.reasons import CODES, REASON_CODES, explain, kv_left, plan_explained
+from scheduler_service.wire.convert import plan_from_pb, plan_to_pb
+
+from .reach import Reached
+from .strategies import NOW, predictors, requests_st
+
+POLICIES = registry.names()
+REACHED = Reached()
+
+
+@st.composite
+def waiting_snapshots(draw: st.DrawFn) -> Snapshot:
+    """tests/strategies.py's requests, with request classes (priority, sheddable, end-to-end
+    objectives) on half of them and KV pressure on many."""
+    reqs = draw(requests_st(max_n=12, max_prompt=draw(st.sampled_from([80, 2000])), tight=draw(st.booleans())))
+    if draw(st.booleans()):
+        reqs = [dataclasses.replace(
+            r, priority=draw(st.integers(-1, 2)), sheddable=draw(st.booleans()),
+            e2e_slo=draw(st.sampled_from([0.0, 0.0, 0.5, 5.0])),
+        ) for r in reqs]
+    if draw(st.booleans()):  # room to spare: the policies' own rules hold requests back
+        return Snapshot.from_requests(reqs, now=NOW, max_batch_tokens=draw(st.integers(64, 4096)),
+                                      max_num_seqs=300, free_kv_tokens=draw(st.sampled_from([None, 100_000])))
+    return Snapshot.from_requests(
+        reqs, now=NOW,
+        max_batch_tokens=draw(st.integers(1, 96)),
+        max_num_seqs=draw(st.one_of(st.integers(1, 4), st.integers(1, 300))),
+        free_kv_tokens=draw(st.one_of(st.none(), st.integers(0, 16), st.integers(0, 400), st.integers(0, 5000))),
+        prefill_throughput=draw(st.one_of(st.none(), st.floats(100.0, 1e5))),
+    )
+
+
+def _need(snap: Snapshot, i: int) -> int:
+    return 1 if snap.is_decoding[i] else int(snap.remaining_prefill[i])
+
+
+def _predict_plus_one(snap: Snapshot, pred: BatchLatencyPredictor, plan: Plan, i: int) -> float:
+    """Predicted time of the plan's batch with one more token of request ``i``."""
+    got = plan.tokens_by_id()
+    rid = snap.ids[i]
+    got[rid] = got.get(rid, 0) + 1
+    rows = [snap.index_of[k] for k in got]
+    c = np.array(list(got.values()), dtype=np.float64)
+    x, s = batch_features(c, snap.kv_tokens[rows].astype(np.float64))
+    return float(pred.predict_ms(x[None, :], np.array([s]))[0])
+
+
+def _holds(policy: Any, snap: Snapshot, pred: BatchLatencyPredictor, plan: Plan, r: Reason,
+           reached: Reached) -> None:
+    """The rule's own predicate for ``r``."""
+    i = snap.index_of[r.id]
+    got = plan.tokens_by_id().get(r.id, 0)
+    dec = bool(snap.is_decoding[i])
+    slack_ms = float(snap.slack[i]) * 1e3
+    code, v = r.code, r.value
+    if code == "max_num_seqs":
+        assert got == 0 and len(plan.allocations) >= snap.max_num_seqs == v
+    elif code == "token_budget":
+        assert plan.token_budget >= v and v <= snap.max_batch_tokens
+    elif code == "kv":
+        assert v == kv_left(policy, snap, plan) and v < 1
+    elif code == "kv_watermark":
+        left = kv_left(policy, snap, plan)
+        assert left is not None and left >= 1 and left - v < 1 and not dec
+    elif code in ("given_up", "expired"):
+        assert not dec and v == pytest.approx(slack_ms)
+        assert code == "given_up" or slack_ms <= 0
+    elif code == "ahead":
+        assert dec and v == pytest.approx(slack_ms)
+        assert slack_ms > policy.params.decode_skip_tbts * float(snap.step[i]) * 1e3
+    elif code == "late":
+        assert dec and v == pytest.approx(slack_ms) and v <= 0
+    elif code in ("class_sit_out", "class_rescue"):
+        assert dec and not snap.one_class and snap.priority[i] > snap.priority.min()
+    elif code == "class_reserve":
+        assert not dec and snap.computed_tokens[i] == 0 and snap.priority[i] > snap.priority.min()
+    elif code == "not_chosen":
+        assert not dec and plan.path == "batch_constructor"
+    elif code == "time_budget":
+        assert not dec and plan.path != "batch_constructor" and v > 0
+        if _predict_plus_one(snap, pred, plan, i) > v:
+            reached("time_budget_binds")
+    elif code == "behind":
+        assert v == len(plan.allocations)
+    elif code == "preempted":
+        assert r.id in plan.preemptions and v == snap.kv_tokens[i]
+    else:
+        assert (r.id, code) in {(x.id, x.reason) for x in plan.rejections}
+
+
+def _same_decision(a: Plan, b: Plan) -> None:
+    assert a.decision_key() == b.decision_key()
+    assert (a.allocations, a.path, a.rejections, a.preemptions) == (b.allocations, b.path, b.rejections,
+                                                                    b.preemptions)
+
+
+def _check(name: str, snap: Snapshot, pred: BatchLatencyPredictor, reached: Reached) -> None:
+    """Explaining changes no decision; one reason for each request not fully served, none
+    for a served one, and each reason's own predicate holds."""
+    policy = registry.create(name)
+    plain = policy.plan(snap, pred)
+    told = explain(policy, snap, pred, plain)
+    _same_decision(plain, told)
+    _same_decision(plain, policy.plan(snap, pred))  # and the policy is not changed by it
+    assert not plain.reasons
+    assert plan_violations(snap, told, limit=1000) == []
+    got = told.tokens_by_id()
+    waiting = {rid for i, rid in enumerate(snap.ids) if got.get(rid, 0) < _need(snap, i)}
+    ids = [r.id for r in told.reasons]
+    assert len(ids) == len(set(ids)) and set(ids) == waiting
+    if not waiting:
+        return
+    reached()
+    for r in told.reasons:
+        _holds(policy, snap, pred, told, r, reached)
+        reached(r.code)
+
+
+@settings(max_examples=700, deadline=None, derandomize=True, database=None)
+@given(st.sampled_from([*POLICIES, "slidingserve", "slidingserve", "slidingserve"]), waiting_snapshots(),
+       st.one_of(st.just(default_predictor()), predictors(), predictors(negative=True)))
+def _every_wait_has_one_reason_that_holds(name: str, snap: Snapshot, pred: BatchLatencyPredictor) -> None:
+    _check(name, snap, pred, REACHED)
+
+
+def test_every_wait_has_one_reason_that_holds() -> None:
+    REACHED.floor(
+        _every_wait_has_one_reason_that_holds,
+        checked=200, max_num_seqs=200, token_budget=300, kv=100, time_budget=10, time_budget_binds=8,
+        given_up=10, expired=10, ahead=3, late=3, class_sit_out=2, class_rescue=2, class_reserve=2,
+        ttft_expired=30, ttft_unreachable=10, e2e_expired=10, not_chosen=2,
+    )
+
+
+def _loaded(seed: int) -> Snapshot:
+    """A loaded engine with room in its limits (the policies' own rules decide): decodes a
+    little ahead of their deadlines, a queue of new and partial prefills, some with classes."""
+    rng = np.random.default_rng(seed)
+    n_dec, n_pre = int(rng.integers(0, 40)), int(rng.integers(1, 60))
+    n = n_dec + n_pre
+    prompt = rng.integers(16, 3000, n)
+    computed = np.where(np.arange(n) < n_dec, prompt,
+                        np.where(rng.random(n) < 0.3, (rng.random(n) * prompt).astype(np.int64), 0))
+    is_dec = np.arange(n) < n_dec
+    arrival = 100.0 - np.where(is_dec, rng.uniform(2.0, 10.0, n), rng.uniform(0.0, 3.0, n))
+    ttft, tbt = rng.choice([1.0, 2.0, 8.0], n), rng.choice([0.05, 0.2], n)
+    ahead = rng.uniform(-0.3, 3.0, n) * tbt  # decodes: a few late, most a little ahead
+    output = np.where(is_dec, np.maximum(1, np.ceil((100.0 - arrival - ttft + ahead) / tbt)), 0).astype(np.int64)
+    classes = rng.random() < 0.5
+    return Snapshot.from_columns(
+        now=100.0, max_batch_tokens=int(rng.choice([256, 2048, 8192])), max_num_seqs=256,
+        free_kv_tokens=int(rng.choice([3_000, 20_000, 400_000])), ids=[f"q{i}" for i in range(n)], arrival=arrival,
+        prompt_tokens=prompt, computed_tokens=computed, output_tokens=output, ttft_slo=ttft, tbt_slo=tbt,
+        protected=rng.random(n) < 0.05,
+        priority=rng.integers(0, 3, n) if classes else np.zeros(n, np.int64),
+        sheddable=(rng.random(n) < 0.3) if classes else np.zeros(n, bool),
+    )
+
+
+LOADED = Reached()
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_reasons_on_loaded_engines(name: str) -> None:
+    """Seeded loaded engines: the policies' own rules (sit-outs, the lost rule, the time
+    budget, BatchConstructor) reach their codes, which the small random snapshots rarely do."""
+    pred = default_predictor()
+    LOADED.counts.clear()
+    for seed in range(25):
+        _check(name, _loaded(seed), pred, LOADED)
+    assert LOADED.counts["checked"] >= 20
+    if name == "slidingserve":
+        floors = {"given_up": 7, "expired": 100, "ahead": 14, "time_budget": 200, "not_chosen": 8, "class_sit_out": 10,
+                  "kv_watermark": 10}
+        assert all(LOADED.counts[k] >= v for k, v in floors.items()), dict(LOADED.counts)
+
+
+# ------------------------------------------------------------------ the data model
+def _plan_with_reasons() -> tuple[Snapshot, Plan]:
+    from .test_classes import classed
+
+    for seed in range(50):
+        snap = classed(seed)
+        plan = plan_explained(registry.create("slidingserve"), snap, default_predictor())
+        if len(plan.reasons) >= 3:
+            return snap, plan
+    raise AssertionError("no plan with three reasons")
+
+
+def test_reasons_round_trip_json_and_protobuf() -> None:
+    _, plan = _plan_with_reasons()
+    for back in (Plan.from_dict(json.loads(plan.to_json())), plan_from_pb(plan_to_pb(plan))):
+        assert list(back.reasons) == list(plan.reasons)
+        assert back.reasons == plan.reasons and back.allocations == plan.allocations
+    d = plan.to_dict()
+    assert d["reasons"][0].keys() == {"id", "code", "value"}
+    assert "reasons" not in dataclasses.replace(plan, reasons=()).to_dict()
+    assert not plan_to_pb(dataclasses.replace(plan, reasons=())).reasons
+    assert hash(plan.reasons) == hash(tuple(plan.reasons))
+
+
+@pytest.mark.parametrize("change,expect", [
+    (lambda rs, snap, plan: (*rs, Reason("nope", "kv", 0.0)), "reason for unknown request 'nope'"),
+    (lambda rs, snap, plan: (*rs, rs[0]), "two reasons for request"),
+    (lambda rs, snap, plan: (*rs, Reason(plan.allocations[0].id, "kv", 0.0)), "which the plan fully serves"),
+    (lambda rs, snap, plan: (Reason(rs[0].id, "because", 1.0), *rs[1:]), "unknown reason code 'because'"),
+    (lambda rs, snap, plan: rs[1:], "waits without a reason"),
+])
+def test_the_plan_check_catches_bad_reasons(change: Any, expect: str) -> None:
+    snap, plan = _plan_with_reasons()
+    assert plan_violations(snap, plan) == []
+    bad = dataclasses.replace(plan, reasons=tuple(change(tuple(plan.reasons), snap, plan)))
+    assert any(expect in v for v in plan_violations(snap, bad)), plan_violations(snap, bad)
+
+
+def test_every_code_is_documented() -> None:
+    assert len(set(CODES)) == len(CODES) == len(REASON_CODES)
+    assert all(re.fullmatch(r"[a-z0-9]+(_[a-z0-9]+)*", c) and desc for c, desc in REASON_CODES)
+    text = Path(__file__).resolve().parents[1].joinpath("docs/policies.md").read_text()
+    section = text.split("## Why a request waited: reason codes", 1)[1].split("\n## ", 1)[0]
+    assert [c for c in CODES if f"| `{c}` |" not in section] == []
