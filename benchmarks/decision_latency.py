@@ -1,7 +1,7 @@
 """In-process decision time per policy on a loaded engine's snapshot, compiled vs numpy.
 
     .venv/bin/python -m benchmarks.decision_latency [--decodes 256] [--queued 512] [--iters 300]
-                                                    [--no-native]
+                                                    [--no-native] [--explain]
 
 Compiles (or loads from numba's disk cache) the kernels first, as the service does at
 start-up, then times every policy on both backends in the same run, decision by
@@ -11,6 +11,10 @@ breakdown by component, and vLLM's native ``schedule()`` on a comparable queue w
 vLLM is installed (``benchmarks/vllm_native.py``).  Several snapshots (seeds) are
 rotated so that no single queue shape decides the figure.  Targets (issue 13):
 slidingserve p50 <= 0.25 ms, p99 <= 1 ms.
+
+``--explain`` also times each decision with its reasons (``reasons.explain`` after
+``plan``; issue 24), in turn with the plain decision on the same snapshot, and prints the
+overhead at p50 (target: at most 5% for slidingserve).
 """
 
 from __future__ import annotations
@@ -23,17 +27,21 @@ import numpy as np
 
 from benchmarks.snapshots import busy_snapshot
 from scheduler_service.core import Snapshot, default_predictor, kernels, registry
+from scheduler_service.core.reasons import plan_explained
 
 
-def _time_policy(name: str, snaps: list[Snapshot], iters: int, backends: list[str]) -> dict[str, Any]:
-    """Per backend: decision times (ms), paths taken, breakdown samples (us)."""
+def _time_policy(name: str, snaps: list[Snapshot], iters: int, backends: list[str],
+                 explained: bool = False) -> dict[str, Any]:
+    """Per backend: decision times (ms), paths taken, breakdown samples (us); with
+    ``explained`` also the times of the decision with reasons (``"te"``: ``plan_explained``,
+    the reasons not yet read; ``"tr"``: and every reason read), in turn with the others."""
     pred = default_predictor()
     pol = registry.create(name)
-    out: dict[str, Any] = {b: {"t": [], "paths": {}, "parts": {}} for b in backends}
+    out: dict[str, Any] = {b: {"t": [], "te": [], "tr": [], "paths": {}, "parts": {}} for b in backends}
     for b in backends:
         with kernels.using(b):
             for s in snaps:
-                pol.plan(s, pred)  # warm the snapshot's memos and the allocator
+                list(plan_explained(pol, s, pred).reasons)  # warm the snapshot's memos and the allocator
     for i in range(iters):
         s = snaps[i % len(snaps)]
         for b in backends:
@@ -41,6 +49,13 @@ def _time_policy(name: str, snaps: list[Snapshot], iters: int, backends: list[st
                 t = time.perf_counter()
                 plan = pol.plan(s, pred)
                 dt = time.perf_counter() - t
+                if explained:
+                    t = time.perf_counter()
+                    told = plan_explained(pol, s, pred)
+                    t1 = time.perf_counter()
+                    list(told.reasons)
+                    out[b]["te"].append((t1 - t) * 1e3)
+                    out[b]["tr"].append((time.perf_counter() - t) * 1e3)
             r = out[b]
             r["t"].append(dt * 1e3)
             r["paths"][plan.path] = r["paths"].get(plan.path, 0) + 1
@@ -69,6 +84,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--policies", default=",".join(registry.names()))
     ap.add_argument("--no-native", action="store_true", help="skip vLLM's native schedule()")
+    ap.add_argument("--explain", action="store_true", help="also time decisions with their reasons")
     args = ap.parse_args()
     default = kernels.backend()
     with kernels.using("numba") as compiled:
@@ -82,8 +98,11 @@ def main() -> None:
     head = "".join(f" {b + ' p50':>10s} {b + ' p99':>10s}" for b in backends)
     print(f"{'policy':22s}{head} {'numpy/numba p50':>16s}  paths")
     sliding = None
+    explained: list[str] = []
     for name in args.policies.split(","):
-        res = _time_policy(name, snaps, args.iters, backends)
+        res = _time_policy(name, snaps, args.iters, backends, args.explain)
+        if args.explain:
+            explained.append(_overhead(name, res, backends))
         q = {b: (np.percentile(res[b]["t"], 50), np.percentile(res[b]["t"], 99)) for b in backends}
         cols = "".join(f" {q[b][0]:10.3f} {q[b][1]:10.3f}" for b in backends)
         ratio = f"{q['numpy'][0] / q['numba'][0]:15.1f}x" if len(backends) == 2 else f"{'-':>16s}"
@@ -95,8 +114,21 @@ def main() -> None:
         for b in backends:
             br = ", ".join(f"{k} {np.median(v):.0f} us" for k, v in sliding[b]["parts"].items())
             print(f"slidingserve median breakdown ({b}): {br}")
+    if explained:
+        print("p50 off -> with reasons (plan_explained; reasons classified on first read) and with every "
+              "reason read, overhead at p50:")
+        print("\n".join(explained))
     if not args.no_native:
         print(_native(args.decodes, args.queued))
+
+
+def _overhead(name: str, res: dict[str, Any], backends: list[str]) -> str:
+    cols = []
+    for b in backends:
+        off, on, read = (float(np.percentile(res[b][k], 50)) for k in ("t", "te", "tr"))
+        cols.append(f"{b} {off:.3f} -> {on:.3f} ms ({100 * (on - off) / off:+.1f}%), read {read:.3f} ms "
+                    f"({100 * (read - off) / off:+.1f}%)")
+    return f"  {name:22s}" + "; ".join(cols)
 
 
 if __name__ == "__main__":

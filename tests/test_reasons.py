@@ -130,6 +130,9 @@ def _check(name: str, snap: Snapshot, pred: BatchLatencyPredictor, reached: Reac
     _same_decision(plain, policy.plan(snap, pred))  # and the policy is not changed by it
     assert not plain.reasons
     assert plan_violations(snap, told, limit=1000) == []
+    traced = plan_explained(policy, snap, pred)  # SlidingServe: from its own decision's trace
+    _same_decision(plain, traced)
+    assert list(traced.reasons) == list(told.reasons)
     got = told.tokens_by_id()
     waiting = {rid for i, rid in enumerate(snap.ids) if got.get(rid, 0) < _need(snap, i)}
     ids = [r.id for r in told.reasons]

@@ -120,6 +120,10 @@ class SarathiPolicy:
     params: SarathiParams
     edf: bool
 
+    def iteration_budget(self, snap: Snapshot, predictor: BatchLatencyPredictor) -> int:
+        """The iteration's total token budget (for explaining a plan)."""
+        return min(self.params.chunk_size, snap.max_batch_tokens)
+
     def plan(self, snapshot: Snapshot, predictor: BatchLatencyPredictor) -> Plan:
         snap = snapshot
         t0 = time.perf_counter_ns()
@@ -183,6 +187,10 @@ class QoServePolicy:
         t = cq.segment_time_ms(np.zeros(len(prefill), dtype=np.int64), prefill) * p.safety_factor
         ok = np.flatnonzero(t <= min_slack_ms) if min_slack_ms > 0 else np.array([], dtype=np.int64)
         return int(space[ok[-1]]) if len(ok) else int(space[0])
+
+    def iteration_budget(self, snap: Snapshot, predictor: BatchLatencyPredictor) -> int:
+        """The iteration's total token budget (for explaining a plan)."""
+        return self.total_budget(snap, self.candidate_queue(snap, predictor))
 
     def candidate_queue(self, snap: Snapshot, predictor: BatchLatencyPredictor) -> CandidateQueue:
         """The decodes and prefill queue :meth:`plan` builds (for explaining a plan)."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, overload
 
@@ -83,28 +83,43 @@ class Reason(NamedTuple):
 
 
 class Reasons(Sequence[Reason]):
-    """An immutable sequence of :class:`Reason`, built from arrays and turned into
-    objects only when read: a plan leaving hundreds of requests waiting costs no Python
-    objects until someone looks.  Compares equal to any sequence of the same reasons."""
+    """An immutable sequence of :class:`Reason`, kept as arrays (snapshot rows, code
+    indices into :data:`CODES`, values) and turned into objects only when read: a plan
+    leaving hundreds of requests waiting costs no Python objects until someone looks.
+    With ``compute`` the arrays themselves are computed on first read (``compute()``
+    returns them; it must only read immutable inputs).  Compares equal to any sequence of
+    the same reasons."""
 
-    __slots__ = ("_codes", "_ids", "_items", "_rows", "_values")
+    __slots__ = ("_arrays", "_compute", "_ids", "_items")
 
-    def __init__(self, ids: Sequence[str], rows: np.ndarray, codes: np.ndarray, values: np.ndarray) -> None:
-        self._ids, self._rows, self._codes, self._values = ids, rows, codes, values
+    def __init__(self, ids: Sequence[str], rows: np.ndarray | None = None, codes: np.ndarray | None = None,
+                 values: np.ndarray | None = None, *,
+                 compute: Callable[[], tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None) -> None:
+        self._ids = ids
+        self._arrays = None if compute is not None else (rows, codes, values)
+        self._compute = compute
         self._items: tuple[Reason, ...] | None = None
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(snapshot rows, code indices into :data:`CODES`, values), computed if need be."""
+        if self._arrays is None:
+            assert self._compute is not None
+            self._arrays = self._compute()
+        return self._arrays  # type: ignore[return-value]
 
     @property
     def items(self) -> tuple[Reason, ...]:
         if self._items is None:
             ids, names = self._ids, CODES
+            rows, codes, values = self.arrays()
             self._items = tuple(
                 Reason(ids[i], names[c], float(v))
-                for i, c, v in zip(self._rows.tolist(), self._codes.tolist(), self._values.tolist(), strict=True)
+                for i, c, v in zip(rows.tolist(), codes.tolist(), values.tolist(), strict=True)
             )
         return self._items
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return len(self.arrays()[0])
 
     @overload
     def __getitem__(self, k: int) -> Reason: ...

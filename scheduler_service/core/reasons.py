@@ -22,97 +22,154 @@ in (``not_chosen``: BatchConstructor; ``time_budget``: the decode windows) → `
 
 from __future__ import annotations
 
-from dataclasses import replace
+from typing import Any
 
 import numpy as np
 
 from . import kernels
-from .baselines import QoServePolicy, SarathiPolicy
 from .features import DECODE
 from .plan import CODES, REASON_CODES, Plan, Reason, Reasons
 from .policy import Policy
 from .predictor import BatchLatencyPredictor
-from .slidingserve import SlidingServePolicy, _without
 from .snapshot import Snapshot
 from .sorter import prefill_indices
 
-__all__ = ["CODES", "REASON_CODES", "Reason", "Reasons", "explain", "plan_explained"]
+__all__ = ["CODES", "REASON_CODES", "Reason", "Reasons", "explain", "kv_left", "kv_watermark", "plan_explained",
+           "token_budget"]
 
 _C = {c: k for k, c in enumerate(CODES)}
 
 
 def plan_explained(policy: Policy, snapshot: Snapshot, predictor: BatchLatencyPredictor) -> Plan:
-    """``policy.plan(snapshot, predictor)`` with its reasons (:func:`explain`)."""
+    """``policy.plan(snapshot, predictor)`` with its reasons: SlidingServe explains from
+    what its decision knew (``plan(..., explain=True)``), any other policy by the post-pass."""
+    if hasattr(policy, "held_back"):  # SlidingServe
+        return policy.plan(snapshot, predictor, explain=True)  # type: ignore[call-arg]
     return explain(policy, snapshot, predictor, policy.plan(snapshot, predictor))
 
 
-class _Why:
-    """The code and value of each row, filled first come first served."""
-
-    def __init__(self, waiting: np.ndarray) -> None:
-        self.open = waiting.copy()
-        self.code = np.full(len(waiting), -1, dtype=np.int8)
-        self.value = np.zeros(len(waiting))
-
-    def set(self, mask: np.ndarray, code: str, value: float | np.ndarray) -> None:
-        m = mask & self.open
-        if m.any():
-            self.code[m] = _C[code]
-            self.value[m] = value[m] if isinstance(value, np.ndarray) else value
-            self.open &= ~m
+#: Codes whose value is the request's slack in ms.
+_SLACK = np.zeros(len(CODES), dtype=bool)
+_SLACK[[_C[c] for c in ("given_up", "expired", "ahead", "late", "ttft_expired", "e2e_expired",
+                        "ttft_unreachable", "e2e_unreachable")]] = True
 
 
-def explain(policy: Policy, snapshot: Snapshot, predictor: BatchLatencyPredictor, plan: Plan) -> Plan:
+class _Rules:
+    """The rules that hold, in order, over the waiting rows: ``mask`` None means every
+    waiting row (nothing after it can be reached); ``value`` the code's value where it is
+    one number."""
+
+    def __init__(self, n_codes: int) -> None:
+        self.rules: list[tuple[np.ndarray | None, int]] = []
+        self.scalar = np.zeros(n_codes)
+        self.closed = False
+
+    def add(self, mask: np.ndarray | None, code: str, value: float = 0.0) -> None:
+        if self.closed or (mask is not None and not mask.any()):
+            return
+        self.rules.append((mask, _C[code]))
+        self.scalar[_C[code]] = value
+        self.closed = mask is None
+
+    def codes(self, n: int) -> np.ndarray:
+        out = np.full(n, _C["behind"], dtype=np.int8)
+        for mask, c in reversed(self.rules):  # the first rule that holds is written last
+            if mask is None:
+                out[:] = c
+            else:
+                out[mask] = c
+        return out
+
+
+def explain(policy: Policy, snapshot: Snapshot, predictor: BatchLatencyPredictor, plan: Plan,
+            trace: dict[str, Any] | None = None) -> Plan:
     """``plan`` (made by ``policy`` for ``snapshot``) with a reason for every request it
-    does not fully serve; the plan is otherwise returned as it is."""
-    snap = snapshot
+    does not fully serve; the plan is otherwise returned as it is.  ``trace``: what a
+    SlidingServe decision recorded while deciding (``plan(..., explain=True)``); without
+    it the rules are replayed.  The reasons are classified when first read (their
+    inputs, the snapshot, the plan and the trace, are immutable), so a caller that
+    never reads them pays only for this call."""
+    if len(snapshot) == 0:
+        return plan
+    reasons = Reasons(snapshot.ids, compute=lambda: _classify(policy, snapshot, predictor, plan, trace))
+    return Plan(plan.policy, plan.policy_version, plan.predictor_version, plan.path, plan.token_budget,
+                plan.predicted_latency_ms, plan.allocations, plan.decision_us, plan.breakdown_us, plan.deployment,
+                plan.rejections, plan.preemptions, reasons)
+
+
+_NONE = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int8), np.zeros(0))
+
+
+def _classify(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor, plan: Plan,
+              trace: dict[str, Any] | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(waiting rows, their code indices, their values): what :func:`explain` promises."""
     n = len(snap)
-    if n == 0:
-        return plan
-    index = snap.index_of
-    got = np.zeros(n, dtype=np.int64)
-    if plan.allocations:
-        ids, toks = zip(*plan.allocations, strict=True)
-        got[np.fromiter(map(index.__getitem__, ids), dtype=np.int64, count=len(ids))] = toks
+    got = _got(snap, plan, trace)
     dec = snap.is_decoding
-    waiting = got < np.where(dec, 1, snap.remaining_prefill)
-    if not waiting.any():
-        return plan
-    why = _Why(waiting)
-    slack_ms = snap.slack * 1e3
-    for r in plan.rejections:
-        why.set(_row(n, index[r.id]), r.reason if r.reason in _C else "ttft_unreachable", slack_ms)
+    rows = np.flatnonzero(got < np.where(dec, 1, snap.remaining_prefill))
+    if not len(rows):
+        return _NONE
+    rules = _Rules(len(CODES))
+    rules.scalar[_C["behind"]] = len(plan.allocations)
     gone = np.zeros(n, dtype=bool)
     if plan.preemptions:
-        gone[[index[r] for r in plan.preemptions]] = True
-        why.set(gone, "preempted", snap.kv_tokens.astype(np.float64))
-    if why.open.any():
-        _limits(policy, snap, predictor, plan, got, gone, why)
-    if why.open.any() and isinstance(policy, SlidingServePolicy):
-        _sliding(policy, snap, predictor, plan, got, gone, why)
-    if why.open.any() and isinstance(policy, QoServePolicy):
+        gone[[snap.index_of[r] for r in plan.preemptions]] = True
+    _limits(policy, snap, predictor, plan, got, gone, rows, rules)
+    if hasattr(policy, "held_back"):
+        _sliding(policy, snap, predictor, plan, got, gone, rows, rules, trace)
+    elif hasattr(policy, "relegated") and not rules.closed:  # QoServe
         pre = prefill_indices(snap)
         rel = np.zeros(n, dtype=bool)
         rel[pre[policy.relegated(snap, predictor, pre)]] = True
-        why.set(rel, "given_up", slack_ms)
-    why.set(why.open, "behind", float(len(plan.allocations)))
-    rows = np.flatnonzero(waiting)
-    return replace(plan, reasons=Reasons(snap.ids, rows, why.code[rows], why.value[rows]))
+        rules.add(rel[rows], "given_up")
+    code = rules.codes(len(rows))
+    value = rules.scalar[code]
+    _verdicts(snap, plan, rows, code, value)
+    slack = _SLACK[code]
+    if slack.any():
+        value[slack] = snap.slack[rows[slack]] * 1e3
+    for c, col in (("class_sit_out", snap.priority), ("preempted", snap.kv_tokens)):
+        m = code == _C[c]
+        if m.any():
+            value[m] = col[rows[m]]
+    return rows, code, value
 
 
-def _row(n: int, i: int) -> np.ndarray:
+def _got(snap: Snapshot, plan: Plan, trace: dict[str, Any] | None) -> np.ndarray:
+    """Tokens per snapshot row in ``plan``."""
+    got = np.zeros(len(snap), dtype=np.int64)
+    if trace is not None:
+        got[trace["decodes"]] = 1
+        if trace["pre_alloc"]:
+            i, t = zip(*trace["pre_alloc"], strict=True)
+            got[list(i)] = t
+    elif plan.allocations:
+        ids, toks = zip(*plan.allocations, strict=True)
+        got[np.fromiter(map(snap.index_of.__getitem__, ids), dtype=np.int64, count=len(ids))] = toks
+    return got
+
+
+def _verdicts(snap: Snapshot, plan: Plan, rows: np.ndarray, code: np.ndarray, value: np.ndarray) -> None:
+    """The rejections and preemptions, which come before every rule."""
+    index = snap.index_of
+    for r in plan.rejections:
+        k = int(np.searchsorted(rows, index[r.id]))
+        code[k] = _C[r.reason] if r.reason in _C else _C["ttft_unreachable"]
+    for rid in plan.preemptions:
+        code[int(np.searchsorted(rows, index[rid]))] = _C["preempted"]
+
+
+def _member(n: int, idx: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Mask over ``rows``: which are in ``idx`` (both snapshot rows)."""
     m = np.zeros(n, dtype=bool)
-    m[i] = True
-    return m
+    m[idx] = True
+    return m[rows]
 
 
 def token_budget(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor) -> int:
     """The policy's total token budget for the iteration (decode tokens included)."""
-    if isinstance(policy, SarathiPolicy):
-        return min(policy.params.chunk_size, snap.max_batch_tokens)
-    if isinstance(policy, QoServePolicy):
-        return min(policy.total_budget(snap, policy.candidate_queue(snap, predictor)), snap.max_batch_tokens)
-    return snap.max_batch_tokens
+    budget = getattr(policy, "iteration_budget", None)  # Sarathi, QoServe
+    return snap.max_batch_tokens if budget is None else min(int(budget(snap, predictor)), snap.max_batch_tokens)
 
 
 def kv_left(policy: Policy, snap: Snapshot, plan: Plan, gone: np.ndarray | None = None) -> int | None:
@@ -129,67 +186,78 @@ def kv_left(policy: Policy, snap: Snapshot, plan: Plan, gone: np.ndarray | None 
 
 def kv_watermark(policy: Policy, snap: Snapshot, plan: Plan) -> int:
     """The KV a new admission must leave free (SlidingServe's growth watermark, else 0)."""
-    if not isinstance(policy, SlidingServePolicy):
+    iters = int(getattr(policy.params, "kv_growth_iters", 0))
+    if not iters:
         return 0
     holders = int(np.count_nonzero(snap.computed_tokens > 0)) - len(plan.preemptions)
-    return policy.params.kv_growth_iters * holders
+    return iters * holders
 
 
 def _limits(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor, plan: Plan, got: np.ndarray,
-            gone: np.ndarray, why: _Why) -> None:
+            gone: np.ndarray, rows: np.ndarray, rules: _Rules) -> None:
     """The hard limits: sequences, tokens, KV, the KV-growth watermark."""
     if len(plan.allocations) >= snap.max_num_seqs:
-        why.set(got == 0, "max_num_seqs", float(snap.max_num_seqs))
+        rules.add(got[rows] == 0, "max_num_seqs", float(snap.max_num_seqs))
     budget = token_budget(policy, snap, predictor)
     if plan.token_budget >= budget:
-        why.set(why.open, "token_budget", float(budget))
+        rules.add(None, "token_budget", float(budget))
     left = kv_left(policy, snap, plan, gone)
     if left is None:
         return
     if left < 1:
-        why.set(why.open, "kv", float(left))
+        rules.add(None, "kv", float(left))
         return
     mark = kv_watermark(policy, snap, plan)
     if left - mark < 1:  # no new admission; the prefill stream stops at the first new request
-        why.set(~snap.is_decoding, "kv_watermark", float(mark))
+        rules.add(~snap.is_decoding[rows], "kv_watermark", float(mark))
 
 
-def _sliding(policy: SlidingServePolicy, snap: Snapshot, predictor: BatchLatencyPredictor, plan: Plan,
-             got: np.ndarray, gone: np.ndarray, why: _Why) -> None:
-    """SlidingServe's own rules, replayed on the snapshot it planned on."""
-    p = policy.params
-    n = len(snap)
-    if gone.any():
-        keep = ~gone
-        sub = _without(snap, keep, int(snap.free_kv_tokens or 0) + int(snap.kv_tokens[gone].sum()))
-        rows = np.flatnonzero(keep)
-        masks = policy.held_back(sub, predictor)
-        lost, held, rescued = (np.zeros(n, dtype=bool) for _ in range(3))
-        for full, part in zip((lost, held, rescued), masks, strict=True):
-            full[rows[part]] = True
-    else:
-        lost, held, rescued = policy.held_back(snap, predictor)
-    slack = snap.slack
-    dec = snap.is_decoding
-    if held.any():  # checked after the limits: a held class is held whatever they leave
-        why.set(held, "class_reserve", _reserve_ms(snap, predictor))
-    if p.order == "mlps":
-        why.set(lost, "given_up", slack * 1e3)
-        why.set(~dec & (slack <= 0), "expired", slack * 1e3)
-    why.set(rescued, "class_rescue", float(np.count_nonzero(rescued)))
-    late = dec & (slack <= 0)
-    if p.starve_after > 0:
-        late &= slack > -p.starve_after * snap.tbt_slo
-    why.set(late, "late", slack * 1e3)
-    why.set(dec & (slack > p.decode_skip_tbts * snap.step), "ahead", slack * 1e3)
-    if not snap.one_class:
-        why.set(dec, "class_sit_out", snap.priority.astype(np.float64))
-    if plan.path == "batch_constructor":
-        why.set(~dec, "not_chosen", float(np.count_nonzero((got > 0) & ~dec)))
+def _sliding(policy: Any, snap: Snapshot, predictor: BatchLatencyPredictor, plan: Plan,
+             got: np.ndarray, gone: np.ndarray, rows: np.ndarray, rules: _Rules,
+             trace: dict[str, Any] | None) -> None:
+    """SlidingServe's own rules, from the decision's trace or replayed."""
+    if rules.closed:
         return
-    W = kernels.ops().window_limits(snap, np.flatnonzero(dec & (got > 0)), p.window, p.margin)
-    if W is not None:
-        why.set(~dec, "time_budget", float(W[0]))
+    p = policy.params
+    lost, held, rescued, W = _state(policy, snap, predictor, got, gone, trace)
+    d = snap.is_decoding[rows]
+    slack = snap.slack[rows]
+    if held is not None:
+        rules.add(_member(len(snap), held, rows), "class_reserve", _reserve_ms(snap, predictor))
+    if p.order == "mlps":
+        if len(lost):
+            rules.add(_member(len(snap), lost, rows), "given_up")
+        rules.add(~d & (slack <= 0), "expired")
+    if d.any():
+        dr = rows[d]
+        if rescued is not None:
+            rules.add(_member(len(snap), rescued, rows), "class_rescue", float(len(rescued)))
+        late = d & (slack <= 0)
+        if p.starve_after > 0:
+            late &= slack > -p.starve_after * snap.tbt_slo[rows]
+        rules.add(late, "late")
+        ahead = np.zeros(len(rows), dtype=bool)
+        ahead[d] = snap.slack[dr] > p.decode_skip_tbts * snap.step[dr]
+        rules.add(ahead, "ahead")
+        if not snap.one_class:
+            rules.add(d, "class_sit_out")
+    if plan.path == "batch_constructor":
+        rules.add(~d, "not_chosen", float(np.count_nonzero((got > 0) & ~snap.is_decoding)))
+    elif W is not None:
+        rules.add(~d, "time_budget", float(W[0]))
+
+
+def _state(policy: Any, snap: Snapshot, predictor: BatchLatencyPredictor, got: np.ndarray,
+           gone: np.ndarray, trace: dict[str, Any] | None
+           ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+    """Rows given up on, held by the class reserve (None: none), sat out by the class
+    rescue (None: none), and the decode windows (None: no safe decode)."""
+    p = policy.params
+    if trace is not None:
+        return trace["lost"], trace.get("held"), trace.get("rescued"), trace["W"]
+    lost, held, rescued = policy.held_back(snap, predictor, gone)
+    W = kernels.ops().window_limits(snap, np.flatnonzero(snap.is_decoding & (got > 0)), p.window, p.margin)
+    return lost, held if len(held) else None, rescued if len(rescued) else None, W
 
 
 def _reserve_ms(snap: Snapshot, predictor: BatchLatencyPredictor) -> float:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import numpy as np
 
@@ -32,6 +33,7 @@ from .features import DECODE
 from .params import param
 from .plan import Plan, Rejection
 from .predictor import BatchLatencyPredictor
+from .reasons import explain as with_reasons
 from .snapshot import Snapshot
 from .sorter import edf_order, late_set, mlps_order, ordered, prefill_indices
 
@@ -142,10 +144,23 @@ class SlidingServePolicy:
     version: str
     params: SlidingServeParams
 
-    def plan(self, snapshot: Snapshot, predictor: BatchLatencyPredictor) -> Plan:
+    def plan(self, snapshot: Snapshot, predictor: BatchLatencyPredictor, *, explain: bool = False) -> Plan:
+        """Decide one iteration; with ``explain`` the plan also carries a reason for every
+        request it does not fully serve (``reasons.explain``, fed what this decision knew:
+        the same plan, with ``reasons`` set)."""
         p = self.params
         if p.learned_margin and predictor.margin > p.margin:
-            return replace(self, params=replace(p, margin=predictor.margin)).plan(snapshot, predictor)
+            return replace(self, params=replace(p, margin=predictor.margin)).plan(snapshot, predictor,
+                                                                                   explain=explain)
+        if not explain:
+            return self._decide(snapshot, predictor, None)
+        trace: dict[str, Any] = {}
+        plan = self._decide(snapshot, predictor, trace)
+        return with_reasons(self, snapshot, predictor, plan, trace or None)
+
+    def _decide(self, snapshot: Snapshot, predictor: BatchLatencyPredictor, trace: dict[str, Any] | None) -> Plan:
+        """:meth:`plan`; ``trace`` (explaining only) receives the decision's masks."""
+        p = self.params
         snap = snapshot
         t0 = time.perf_counter_ns()
         dec_all = np.flatnonzero(snap.is_decoding)
@@ -166,17 +181,26 @@ class SlidingServePolicy:
                                decision_us=(time.perf_counter_ns() - t0) // 1000)
         if p.shed and snap.any_sheddable and len(pre) and bool(snap.sheddable[pre].any()):
             pre, lost, rejections = _shed(snap, pre, lost)
-            plan = self._choose(snap, predictor, t0, dec_all, pre, lost, rho)
+            plan = self._choose(snap, predictor, t0, dec_all, pre, lost, rho, trace)
             return replace(plan, rejections=rejections) if rejections else plan
-        return self._choose(snap, predictor, t0, dec_all, pre, lost, rho)
+        return self._choose(snap, predictor, t0, dec_all, pre, lost, rho, trace)
 
-    def held_back(self, snap: Snapshot, predictor: BatchLatencyPredictor
+    def held_back(self, snapshot: Snapshot, predictor: BatchLatencyPredictor, preempted: np.ndarray
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For explaining a plan (``reasons.explain``), the rules of :meth:`plan` replayed
-        on ``snap`` (a snapshot without the plan's preemptions): masks over its rows of the
-        prefills given up on (the lost rule, after the starvation bound, shedding and the
-        class rescue), the new requests the class reserve holds back, and the decodes the
-        class rescue sits out.  Never called by :meth:`plan` itself."""
+        on ``snapshot`` without the plan's ``preempted`` rows (a mask), as :meth:`plan`
+        planned: the rows of the prefills given up on (the lost rule, after the starvation
+        bound, shedding and the class rescue), of the new requests the class reserve holds
+        back, and of the decodes the class rescue sits out.  Never called by :meth:`plan`."""
+        if preempted.any():
+            keep = np.flatnonzero(~preempted)
+            free = int(snapshot.free_kv_tokens or 0) + int(snapshot.kv_tokens[preempted].sum())
+            return tuple(keep[m] for m in self._held_back(_without(snapshot, ~preempted, free), predictor))  # type: ignore[return-value]
+        return tuple(np.flatnonzero(m) for m in self._held_back(snapshot, predictor))  # type: ignore[return-value]
+
+    def _held_back(self, snap: Snapshot, predictor: BatchLatencyPredictor
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`held_back` as masks over ``snap``'s rows."""
         p = self.params
         n = len(snap)
         lost_rows, held, rescued = (np.zeros(n, dtype=bool) for _ in range(3))
@@ -204,29 +228,34 @@ class SlidingServePolicy:
         return lost_rows, held, rescued
 
     def _choose(self, snap: Snapshot, predictor: BatchLatencyPredictor, t0: int, dec_all: np.ndarray,
-                pre: np.ndarray, lost: np.ndarray, rho: float) -> Plan:
+                pre: np.ndarray, lost: np.ndarray, rho: float, trace: dict[str, Any] | None = None) -> Plan:
         """The plan with decodes that need no token now sitting out, when a prefill can use
         their room; else with every decode."""
         p = self.params
         rescued = None
         if not snap.one_class and len(pre):
             if p.class_reserve > 0:
+                before = pre
                 pre, lost = _reserve(snap, predictor, dec_all, pre, lost, p.class_reserve)
+                if trace is not None and len(pre) < len(before):
+                    trace["held"] = before[~np.isin(before, pre)]
             if p.class_rescue and len(dec_all):
                 lost, rescued = _rescue(snap, predictor, dec_all, pre, lost, p.margin)
+                if trace is not None and rescued is not None:
+                    trace["rescued"] = dec_all[rescued]
         live, out = self._sit_out(snap, dec_all, pre, lost)
         if out.any() and p.sit_out_when == "needed" and not _room_needed(snap, predictor, dec_all, live, p.margin):
             out[:] = False  # every live prefill makes its TTFT beside every decode: no decode waits
         if rescued is not None:
             out |= rescued
         if out.any():
-            plan = self._plan(snap, predictor, t0, dec_all, dec_all[~out], pre, lost, live, rho)
+            plan = self._plan(snap, predictor, t0, dec_all, dec_all[~out], pre, lost, live, rho, trace)
             if plan.path in _PREFILL_PATHS:  # a prefill got the room
                 return plan
             if rescued is not None:  # the higher-class decodes catch up without them
-                return self._plan(snap, predictor, t0, dec_all, dec_all[~rescued], pre, lost, live, rho)
+                return self._plan(snap, predictor, t0, dec_all, dec_all[~rescued], pre, lost, live, rho, trace)
             # No prefill could use the room (KV, limits): sitting out would only idle decodes.
-        return self._plan(snap, predictor, t0, dec_all, dec_all, pre, lost, live, rho)
+        return self._plan(snap, predictor, t0, dec_all, dec_all, pre, lost, live, rho, trace)
 
     def _sit_out(self, snap: Snapshot, dec_all: np.ndarray, pre: np.ndarray,
                  lost: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -293,7 +322,8 @@ class SlidingServePolicy:
         return queue, starving
 
     def _plan(self, snap: Snapshot, predictor: BatchLatencyPredictor, t0: int, dec_all: np.ndarray,
-              runnable: np.ndarray, pre: np.ndarray, lost: np.ndarray, live: np.ndarray, rho: float) -> Plan:
+              runnable: np.ndarray, pre: np.ndarray, lost: np.ndarray, live: np.ndarray, rho: float,
+              trace: dict[str, Any] | None = None) -> Plan:
         p = self.params
         decodes = select_decodes(snap, runnable, starve_tbts=p.starve_after)
         if p.class_sit_out and not snap.one_class:
@@ -344,6 +374,8 @@ class SlidingServePolicy:
             predicted = float(curve.times[p1])  # the curve holds exactly this batch
             path = "sliding_chunker" if pre_alloc else ("decode_only" if n_dec else "idle")
             t4 = time.perf_counter_ns()
+        if trace is not None:  # what explaining needs of this decision (the last one wins)
+            trace.update(decodes=decodes, pre_alloc=pre_alloc, W=W, lost=pre[lost])
         return assemble_plan(
             self, snap, predictor, decodes, pre_alloc, path, t0,
             {"sorter": t1 - t0, "predictor": t2 - t1, "constructor": t3 - t2, "chunker": t4 - t3},
