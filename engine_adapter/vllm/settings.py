@@ -77,7 +77,7 @@ def parse_params(text: str) -> dict[str, str]:
     return out
 
 
-_CLASS_KEYS = {"ttft_ms", "tbt_ms", "e2e_ms", "sheddable"}
+_CLASS_KEYS = {"ttft_ms", "tbt_ms", "e2e_ms", "tpot_ms", "sheddable"}
 #: Largest ``e2e_ms`` (the snapshot's bound on seconds, in ms).
 _MAX_E2E_MS = MAX_SECONDS * 1e3
 
@@ -103,17 +103,18 @@ def parse_slo_classes(text: str) -> dict[int, ClassSlo]:
         if not isinstance(entry, dict) or not set(entry) <= _CLASS_KEYS:
             raise SettingsError(f"{where} must be an object with keys from {sorted(_CLASS_KEYS)}")
         ms = {}
-        for k in ("ttft_ms", "tbt_ms", "e2e_ms"):
+        for k in ("ttft_ms", "tbt_ms", "e2e_ms", "tpot_ms"):
             v = entry.get(k, 0)
             if isinstance(v, bool) or not isinstance(v, int | float) or not (math.isfinite(v) and v >= 0):
                 raise SettingsError(f"{where}.{k} must be a number of milliseconds >= 0, got {v!r}")
-            if k == "e2e_ms" and v > _MAX_E2E_MS:
-                raise SettingsError(f"{where}.e2e_ms must be at most {_MAX_E2E_MS:g} (0 = none), got {v!r}")
+            if k in ("e2e_ms", "tpot_ms") and v > _MAX_E2E_MS:
+                raise SettingsError(f"{where}.{k} must be at most {_MAX_E2E_MS:g} (0 = none), got {v!r}")
             ms[k] = float(v) / 1e3
         shed = entry.get("sheddable", False)
         if not isinstance(shed, bool):
             raise SettingsError(f"{where}.sheddable must be true or false, got {shed!r}")
-        out[prio] = ClassSlo(ttft_s=ms["ttft_ms"], tbt_s=ms["tbt_ms"], sheddable=shed, e2e_s=ms["e2e_ms"])
+        out[prio] = ClassSlo(ttft_s=ms["ttft_ms"], tbt_s=ms["tbt_ms"], sheddable=shed, e2e_s=ms["e2e_ms"],
+                             tpot_s=ms["tpot_ms"])
     return out
 
 
@@ -150,8 +151,8 @@ class VllmAdapterSettings:
     default_tbt_ms: float = 50.0
     #: Class table: vLLM request priority → objectives, as JSON (a mapping in the file):
     #: ``{"0": {"ttft_ms": 500, "tbt_ms": 50}, "2": {"ttft_ms": 4000, "sheddable": true}}``;
-    #: ``e2e_ms`` sets an end-to-end objective (the last token within it; 0 = none).
-    #: A request's own ``extra_args`` SLOs win; other priorities get the defaults above.
+    #: ``e2e_ms`` sets an end-to-end objective (the last token within it; 0 = none), ``tpot_ms``
+    #: a TPOT objective (mean time per output token; 0 = none). A request's own ``extra_args`` SLOs win; other priorities get the defaults above.
     slo_classes: str = ""
     #: Settings file (YAML/TOML/JSON) re-read on change; "" = none.
     config: str = ""

@@ -4,7 +4,10 @@ reaches the snapshot, and each paced request's first token is timed for its
 
 from __future__ import annotations
 
-from engine_adapter.vllm.snapshot import SloDefaults, SnapshotBuilder
+import pytest
+
+from engine_adapter.vllm.settings import SettingsError, parse_slo_classes
+from engine_adapter.vllm.snapshot import ClassSlo, SloDefaults, SnapshotBuilder
 
 from .support import make_request
 
@@ -33,3 +36,16 @@ def test_paced_requests_carry_their_objective_and_first_token_time() -> None:
     later, _ = b.build([paced, plain], [], max_batch_tokens=512, max_num_seqs=8, free_kv_tokens=10_000, now=101.5)
     assert later.first_token_time.tolist() == [101.25, 0.0]  # kept, not re-timed
     assert later.slack[0] == 101.25 + 2 * 0.04 - 101.5
+
+
+def test_the_class_table_takes_a_tpot_objective() -> None:
+    assert parse_slo_classes('{"1": {"ttft_ms": 500, "tpot_ms": 40}}') == {1: ClassSlo(ttft_s=0.5, tpot_s=0.04)}
+    for bad, msg in (('{"1": {"tpot_ms": -1}}', "tpot_ms must be a number"),
+                     ('{"1": {"tpot_ms": 1e300}}', "tpot_ms must be at most")):
+        with pytest.raises(SettingsError, match=msg):
+            parse_slo_classes(bad)
+    b = SnapshotBuilder(SloDefaults(ttft_s=1.0, classes=parse_slo_classes('{"2": {"tpot_ms": 25}}')), profile="")
+    reqs = [make_request(32, 4, priority=2), make_request(32, 4), make_request(32, 4, priority=2,
+                                                                              extra_args={"slo_tpot_ms": 60})]
+    snap, _ = b.build([], reqs, max_batch_tokens=512, max_num_seqs=8, free_kv_tokens=10_000)
+    assert snap.tpot_slo.tolist() == [0.025, 0.0, 0.06]
