@@ -155,7 +155,7 @@ def _every_wait_has_one_reason_that_holds(name: str, snap: Snapshot, pred: Batch
 def test_every_wait_has_one_reason_that_holds() -> None:
     REACHED.floor(
         _every_wait_has_one_reason_that_holds,
-        checked=200, max_num_seqs=200, token_budget=300, kv=100, kv_watermark=20, given_up=5, ahead=3,
+        checked=200, max_num_seqs=200, token_budget=300, kv=100, given_up=5, ahead=3,
         class_rescue=2, class_reserve=2, ttft_expired=30, ttft_unreachable=5, e2e_expired=10,
     )
 
