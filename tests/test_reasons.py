@@ -24,7 +24,14 @@ from scheduler_service.core import (
 )
 from scheduler_service.core.plan import Reason
 from scheduler_service.core.predictor import batch_features
-from scheduler_service.core.reasons import CODES, REASON_CODES, explain, kv_left, plan_explained
+from scheduler_service.core.reasons import (
+    CODES,
+    REASON_CODES,
+    explain,
+    kv_left,
+    plan_explained,
+    reason_counts,
+)
 from scheduler_service.wire.convert import plan_from_pb, plan_to_pb
 
 from .reach import Reached
@@ -225,6 +232,9 @@ def test_reasons_round_trip_json_and_protobuf() -> None:
     assert "reasons" not in dataclasses.replace(plan, reasons=()).to_dict()
     assert not plan_to_pb(dataclasses.replace(plan, reasons=())).reasons
     assert hash(plan.reasons) == hash(tuple(plan.reasons))
+    counts = reason_counts(plan.reasons)
+    assert counts == reason_counts(tuple(plan.reasons)) == reason_counts(plan_from_pb(plan_to_pb(plan)).reasons)
+    assert sum(counts.values()) == len(plan.reasons) and all(v > 0 for v in counts.values())
 
 
 @pytest.mark.parametrize("change,expect", [

@@ -118,6 +118,12 @@ class Reasons(Sequence[Reason]):
             )
         return self._items
 
+    def counts(self) -> dict[str, int]:
+        """Code → how many requests wait for it, in :data:`CODES` order (for metrics: no
+        :class:`Reason` objects are built)."""
+        c = np.bincount(self.arrays()[1], minlength=len(CODES)).tolist()
+        return {CODES[k]: int(v) for k, v in enumerate(c) if v}
+
     def __len__(self) -> int:
         return len(self.arrays()[0])
 

@@ -22,6 +22,8 @@ in (``not_chosen``: BatchConstructor; ``time_budget``: the decode windows) → `
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -35,7 +37,7 @@ from .snapshot import Snapshot
 from .sorter import prefill_indices
 
 __all__ = ["CODES", "REASON_CODES", "Reason", "Reasons", "explain", "kv_left", "kv_watermark", "plan_explained",
-           "token_budget"]
+           "reason_counts", "token_budget"]
 
 _C = {c: k for k, c in enumerate(CODES)}
 
@@ -46,6 +48,15 @@ def plan_explained(policy: Policy, snapshot: Snapshot, predictor: BatchLatencyPr
     if hasattr(policy, "held_back"):  # SlidingServe
         return policy.plan(snapshot, predictor, explain=True)  # type: ignore[call-arg]
     return explain(policy, snapshot, predictor, policy.plan(snapshot, predictor))
+
+
+def reason_counts(reasons: Sequence[Reason]) -> dict[str, int]:
+    """Code → how many requests wait for it (``plan.reasons`` of any origin: explained
+    here, or decoded from JSON or protobuf), codes in :data:`REASON_CODES` order."""
+    if isinstance(reasons, Reasons):
+        return reasons.counts()
+    n = Counter(r.code for r in reasons)
+    return {c: n[c] for c in (*CODES, *sorted(set(n) - set(CODES))) if n[c]}
 
 
 #: Codes whose value is the request's slack in ms.
