@@ -5,6 +5,7 @@ Subcommands (their names, flags and output formats are the public interface):
 * ``serve``     run the gRPC scheduling service
 * ``health``    standard gRPC health check of a running service (container/K8s probes)
 * ``plan``      decide one iteration for a snapshot JSON file, offline or via a server
+* ``explain``   why each request of a snapshot waits: the plan's reason codes (:mod:`clients.explain`)
 * ``policies``  list policies, their versions and parameters, and the server's deployments
 * ``predictor`` ``fit`` a predictor from a CSV of batch features and latencies;
   ``show`` one (a file, the built-in default, or a server's)
@@ -38,6 +39,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clients.bench.command import add_subcommands
 from clients.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_UNHEALTHY, CliError, describe
+from clients.explain import add_subcommand as add_explain
+from clients.explain import cmd_explain as _cmd_explain
 from engine_adapter.sim.groundtruth import PROFILES
 from engine_adapter.sim.profiling import profile_predictor_with_holdout
 from scheduler_service.client import ClientSecurity, SchedulerClient
@@ -100,6 +103,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         plan = policy.plan(snapshot, _load_predictor(args.predictor))
     print(plan.to_json(indent=2))
     return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    return _cmd_explain(args, _read_json, _params, _load_predictor)
 
 
 def cmd_policies(args: argparse.Namespace) -> int:
@@ -299,6 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--server", metavar="HOST:PORT", help="ask a running service instead of deciding locally")
     s.add_argument("--timeout", type=float, default=5.0, help="per-call deadline in seconds (with --server)")
     s.set_defaults(func=cmd_plan)
+
+    add_explain(sub, cmd_explain)
 
     s = sub.add_parser("policies", help="list policies and their parameters")
     s.add_argument("--server", metavar="HOST:PORT")
