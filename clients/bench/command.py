@@ -174,8 +174,8 @@ def add_subcommands(sub: Any) -> None:
     _common(s, requests=1000, seeds=3)
     s.add_argument("--out", help="write goodput.json, CSVs and PNG plots here")
     s.add_argument("--experiments", default="goodput",
-                   help="comma-separated: goodput, overload, burst, load, window, ablation, margin, classes "
-                        "(default goodput)")
+                   help="comma-separated: goodput, overload, burst, load, window, ablation, margin, classes, "
+                        "reasons (default goodput)")
     s.set_defaults(func=cmd_bench)
 
     d = sub.add_parser("demo", help=f"the four main policies on mixed-v1, {DEMO_SEEDS} seeds: table and plots")

@@ -28,10 +28,13 @@ Phase 2 — fixed-rate runs to completion (no early stop), one job per
 * ``classes`` the class mix ``interactive-batch`` (critical / standard /
   sheddable batch) at 1×, 1.5×, 2× and 3× the reference rate, every policy
   plus ``vllm-priority`` (vLLM's own way to serve priorities): SLO attainment
-  per class, rejections, weighted goodput.
+  per class, rejections, weighted goodput;
+* ``reasons`` every main policy at ``reasons_factor`` × the reference rate with the
+  simulator's reason history on: the share of violated (and met) requests' waiting time
+  spent in each reason code (:mod:`clients.bench.reasons`).
 
-``overload``, ``burst``, ``load`` and ``classes`` need phase 1's main goodput, so they imply
-``goodput``.
+``overload``, ``burst``, ``load``, ``classes`` and ``reasons`` need phase 1's main goodput, so
+they imply ``goodput``.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from scheduler_service.core import registry
 
 from .executor import Job, run_jobs
 from .goodput import DEFAULT_TOLERANCE, TARGET_VIOLATION, GoodputSpec, initial_guess, summarize_seeds
+from .reasons import reasons_experiment
 from .runner import MAIN_POLICIES, RunSpec
 
 __all__ = [
@@ -65,7 +69,7 @@ __all__ = [
     "run_bench",
 ]
 
-EXPERIMENTS = ("goodput", "overload", "burst", "load", "window", "ablation", "margin", "classes")
+EXPERIMENTS = ("goodput", "overload", "burst", "load", "window", "ablation", "margin", "classes", "reasons")
 ABLATION = ("sarathi-edf", "sarathi-edf+sc", "sarathi-edf+sc+mlps", "slidingserve")
 WINDOWS = (1, 2, 3, 4)
 MARGINS = ("1.0", "1.05", "1.1", "1.2")
@@ -117,6 +121,8 @@ class BenchConfig:
     #: How requests are judged (and planned for): ``"formula1"`` or ``"tpot"`` (TTFT and
     #: mean time per output token, as ``vllm bench serve --goodput`` counts).
     slo_definition: str = "formula1"
+    #: Rate of the ``reasons`` experiment, as a multiple of the reference rate.
+    reasons_factor: float = 1.0
 
     @property
     def seed_list(self) -> list[int]:
@@ -146,7 +152,7 @@ def plan_variants(cfg: BenchConfig) -> dict[str, list[Variant]]:
         return Variant(label or policy, policy, _canon(policy, params))
 
     out: dict[str, list[Variant]] = {}
-    if exps & {"goodput", "overload", "burst", "load", "classes"}:
+    if exps & {"goodput", "overload", "burst", "load", "classes", "reasons"}:
         out["goodput"] = [variant(p) for p in cfg.policies]
     if "window" in exps:
         out["window"] = [variant(OURS, f"{OURS}[window={k}]", window=str(k)) for k in WINDOWS]
@@ -339,9 +345,23 @@ def _phase2(cfg: BenchConfig, main: list[dict[str, Any]], exps: set[str],
         }
     if "classes" in exps:
         out["classes"] = _class_rows(cfg, grouped, ref, basis)
+    if "reasons" in exps:
+        out["reasons"] = _reasons(cfg, list(variants.values()), ref, basis, progress)
     out["runs"] = [{k: v for k, v in r.items() if not k.endswith("_samples_s") and k != "classes"}
                    | {"experiment": t} for t, r in zip(tags, results, strict=True)]
     return out
+
+
+def _reasons(cfg: BenchConfig, variants: list[Variant], ref: float, basis: str,
+             progress: Callable[[str, int], Callable[[Job, dict[str, Any]], None]] | None) -> dict[str, Any]:
+    """The ``reasons`` experiment at ``cfg.reasons_factor`` × the reference rate."""
+    rate = cfg.reasons_factor * ref
+    specs = [_base_spec(cfg, v, seed, rate) for v in variants for seed in cfg.seed_list]
+    note = (f"runs to completion at {cfg.reasons_factor:g}x the reference rate {ref:.3f} rps = {basis}, "
+            "every plan explained; share of the waiting time (iterations a request was in the system and "
+            "not fully served) spent per reason code, summed over seeds")
+    return reasons_experiment(specs, [v.label for v in variants], workers=cfg.workers, note=note,
+                              progress=progress("reason runs", len(specs)) if progress else None)
 
 
 def _class_variants(cfg: BenchConfig, variants: Mapping[str, Variant]) -> list[Variant]:

@@ -6,7 +6,9 @@
 * ``latency_cdf.png``     TTFT and TBT CDFs per policy at the common reference rate;
 * ``goodput.png``         goodput bars (mean over seeds) with min–max whiskers;
   ``window.png``, ``ablation.png`` and ``margin.png`` the same for those experiments;
-* ``classes.png``       SLO attainment per class and weighted goodput vs load per policy.
+* ``classes.png``       SLO attainment per class and weighted goodput vs load per policy;
+* ``reasons.png``       per policy, a stacked bar of the share of the violated (left) and
+  met (right) requests' waiting time spent in each reason code.
 """
 
 from __future__ import annotations
@@ -154,6 +156,33 @@ def _classes(res: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _reasons(res: dict[str, Any], title: str, path: Path) -> None:
+    from scheduler_service.core.plan import CODES
+
+    plt = _plt()
+    rows = res["reasons"]["rows"]
+    codes = [c for c in CODES if any(c in r[g]["share"] for r in rows for g in ("violated", "met"))]
+    cmap = plt.get_cmap("tab20")
+    colors = {c: cmap(k % 20) for k, c in enumerate(codes)}
+    fig, axes = plt.subplots(1, 2, figsize=(max(8.0, 2.4 * len(rows) + 3), 4.4), sharey=True)
+    for ax, g in zip(axes, ("violated", "met"), strict=True):
+        bottom = np.zeros(len(rows))
+        for c in codes:
+            h = np.array([100 * r[g]["share"].get(c, 0.0) for r in rows])
+            ax.bar(range(len(rows)), h, bottom=bottom, color=colors[c], label=c)
+            bottom += h
+        ax.set_xticks(range(len(rows)), [f"{r['policy']}\n({r[g]['requests']})" for r in rows], fontsize=8)
+        ax.set_title(f"{g} requests (count)", fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_ylabel("share of waiting time (%)")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles[::-1], labels[::-1], loc="center right", fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout(rect=(0, 0, 0.84, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def write_plots(res: dict[str, Any], out_dir: Path) -> list[Path]:
     """Write every figure the results support; the paths written."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -176,4 +205,7 @@ def write_plots(res: dict[str, Any], out_dir: Path) -> list[Path]:
     if res.get("classes", {}).get("rows"):
         _classes(res, out_dir / "classes.png")
         written.append(out_dir / "classes.png")
+    if res.get("reasons", {}).get("rows"):
+        _reasons(res, f"Why requests waited, by reason — {where}", out_dir / "reasons.png")
+        written.append(out_dir / "reasons.png")
     return written

@@ -23,7 +23,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["format_report", "write_outputs"]
+from scheduler_service.core.plan import CODES
+
+from .reasons import GROUPS
+
+__all__ = ["format_report", "reasons_table", "write_outputs"]
 
 OURS = "slidingserve"
 
@@ -130,6 +134,23 @@ def _runs_table(rows: list[dict[str, Any]]) -> str:
     ] for r in rows])
 
 
+def reasons_table(rows: list[dict[str, Any]]) -> str:
+    """Per reason code (rows) and policy (columns): the share of the violated requests'
+    waiting time, and in parentheses the met requests'; then the requests and their mean
+    seconds waiting."""
+    codes = [c for c in CODES if any(c in r[g]["share"] for r in rows for g in GROUPS)]
+
+    def cell(r: dict[str, Any], c: str) -> str:
+        v, m = (r[g]["share"].get(c, 0.0) for g in GROUPS)
+        return f"{_pct(v)} ({_pct(m)})" if v or m else "-"
+
+    body = [[c, *(cell(r, c) for r in rows)] for c in codes]
+    body.append(["requests", *(f"{r['violated']['requests']} ({r['met']['requests']})" for r in rows)])
+    body.append(["mean s waiting", *(f"{r['violated']['waited_s_mean']:.2f} ({r['met']['waited_s_mean']:.2f})"
+                                      for r in rows)])
+    return _table(["reason: violated (met)", *(r["policy"] for r in rows)], body)
+
+
 def format_report(res: dict[str, Any]) -> str:
     """The human-readable summary printed on stdout."""
     s = res["settings"]
@@ -167,6 +188,8 @@ def format_report(res: dict[str, Any]) -> str:
     if res.get("classes"):
         parts += ["", f"Classes: {res['classes']['note']}; rejected/1k per class in the same order.",
                   _classes_table(res)]
+    if res.get("reasons", {}).get("rows"):
+        parts += ["", f"Why violated requests waited: {res['reasons']['note']}.", reasons_table(res["reasons"]["rows"])]
     parts += ["", f"wall time {res['wall_s']:.1f} s"]
     return "\n".join(parts)
 

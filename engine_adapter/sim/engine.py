@@ -29,6 +29,7 @@ Semantics:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -37,13 +38,35 @@ from typing import Any
 
 import numpy as np
 
-from scheduler_service.core import Plan, Snapshot
+from scheduler_service.core import BatchLatencyPredictor, Plan, Policy, Snapshot, registry
 from scheduler_service.core.columns import COLUMNS, Column
+from scheduler_service.core.plan import CODES, Reasons
+from scheduler_service.core.reasons import explain
 
-from ..core import AdapterCore, IterationSample
+from ..core import AdapterCore, Decision, IterationSample
 from .groundtruth import GPUProfile, GroundTruth
 
-__all__ = ["EngineConfig", "SimResult", "SimulatedEngine", "Workload"]
+__all__ = ["EngineConfig", "Explainer", "SimResult", "SimulatedEngine", "Workload", "adapter_explainer",
+           "policy_explainer"]
+
+#: Explains a plan: the same plan with ``reasons`` set (``scheduler_service.core.reasons``).
+Explainer = Callable[[Snapshot, Plan], Plan]
+
+
+def policy_explainer(policy: Policy, predictor: Callable[[], BatchLatencyPredictor]) -> Explainer:
+    """Explain the plans ``policy`` made by the reasons post-pass, against the predictor
+    ``predictor()`` returns when the plan is explained (the one the plan was made with)."""
+    return lambda snapshot, plan: explain(policy, snapshot, predictor(), plan)
+
+
+def adapter_explainer(adapter: AdapterCore) -> Explainer:
+    """The explainer of an adapter whose backend plans in process: a fresh instance of its
+    policy (a policy keeps no state between plans) with the backend's current predictor."""
+    backend: Any = adapter.backend
+    if not hasattr(backend, "predictor"):
+        raise ValueError("keep_reasons needs an in-process backend (its predictor) or an explainer")
+    policy = registry.create(adapter.settings.policy or "slidingserve", adapter.settings.params)
+    return policy_explainer(policy, lambda: backend.predictor)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -110,6 +133,10 @@ class EngineConfig:
     #: Keep every token's time per request (``SimulatedEngine.token_times``), for judges
     #: that need more than the first and last token.
     keep_token_times: bool = False
+    #: Keep each request's reason history (``SimResult.reason_seconds``): every plan is
+    #: explained (the plan itself is unchanged) and each iteration's duration is charged to
+    #: the reason of every request it leaves waiting.
+    keep_reasons: bool = False
 
 
 @dataclass(slots=True)
@@ -134,6 +161,11 @@ class SimResult:
     extra: dict[str, Any] = field(default_factory=dict)
     #: Requests a plan rejected (finished early, counted as violated).
     rejected: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    #: ``EngineConfig.keep_reasons``: reason code → seconds each request spent waiting for
+    #: it (an array over requests; only codes some request waited for); else None.
+    reason_seconds: dict[str, np.ndarray] | None = None
+    #: ``EngineConfig.keep_reasons``: the last code each request waited for ("" = never).
+    last_reason: list[str] | None = None
 
     @property
     def violation_rate(self) -> float:
@@ -186,7 +218,10 @@ class _RunTally:
 
 class SimulatedEngine:
     def __init__(self, workload: Workload, truth: GroundTruth, profile: GPUProfile,
-                 adapter: AdapterCore, config: EngineConfig | None = None) -> None:
+                 adapter: AdapterCore, config: EngineConfig | None = None, *,
+                 explainer: Explainer | None = None) -> None:
+        """``explainer`` (with ``config.keep_reasons``): how plans are explained; default
+        :func:`adapter_explainer`."""
         self.w = workload
         self.truth = truth
         self.profile = profile
@@ -220,6 +255,18 @@ class SimulatedEngine:
         self.max_used_blocks = 0
         self.prefill_ema: float | None = None
         self.on_iteration: Callable[[SimulatedEngine, Snapshot, Any], None] | None = None
+        self._init_reasons(n, explainer)
+
+    def _init_reasons(self, n: int, explainer: Explainer | None) -> None:
+        """The reason history (``EngineConfig.keep_reasons``): seconds per (request, code)."""
+        keep = self.cfg.keep_reasons
+        self.explainer = (explainer or adapter_explainer(self.adapter)) if keep else None
+        self.reason_s = np.zeros((n, len(CODES))) if keep else None
+        self.last_code = np.full(n, -1, dtype=np.int16)
+        #: the last plan's waiting requests, their codes, and the time it was made
+        self._waiting: tuple[np.ndarray, np.ndarray, float] | None = None
+        #: plans not explained (fallback decisions: another policy made them)
+        self.unexplained_plans = 0
 
     # --------------------------------------------------------------- helpers
     def _snapshot(self, act: np.ndarray) -> Snapshot:
@@ -331,6 +378,8 @@ class SimulatedEngine:
         self._preempt_if_needed(act)
         snap = self._snapshot(act)
         decision = self.adapter.decide(snap)
+        if self.explainer is not None:
+            decision = self._explained(act, snap, decision)
         plan = decision.plan
         tally.decision_us.append(decision.elapsed_us)
         tally.paths[plan.path] = tally.paths.get(plan.path, 0) + 1
@@ -339,6 +388,43 @@ class SimulatedEngine:
         if self.on_iteration is not None:
             self.on_iteration(self, snap, decision)
         return plan
+
+    def _charge_waiting(self) -> None:
+        """Charge the time since the last plan to the reason of each request it left
+        waiting and that is still in the system."""
+        if self._waiting is None or self.reason_s is None:
+            return
+        idx, codes, since = self._waiting
+        self._waiting = None
+        live = ~self.done[idx]
+        self.reason_s[idx[live], codes[live]] += self.clock - since
+
+    def _explained(self, act: np.ndarray, snap: Snapshot, decision: Decision) -> Decision:
+        """The decision with its plan explained; its waiting requests noted (charged when
+        the next plan is made, or at the end)."""
+        self._charge_waiting()
+        if decision.source != "remote" or decision.plan is None or self.explainer is None:
+            self.unexplained_plans += 1
+            return decision
+        plan = self.explainer(snap, decision.plan)
+        reasons = plan.reasons
+        if isinstance(reasons, Reasons):
+            rows, codes = reasons.arrays()[:2]  # classified now: the predictor may refit later
+        else:
+            rows = np.array([snap.index_of[r.id] for r in reasons], dtype=np.int64)
+            codes = np.array([CODES.index(r.code) for r in reasons], dtype=np.int64)
+        idx = act[rows]
+        self.last_code[idx] = codes
+        self._waiting = (idx, codes.astype(np.intp), self.clock)
+        return dataclasses.replace(decision, plan=plan)
+
+    def _reason_history(self) -> tuple[dict[str, np.ndarray] | None, list[str] | None]:
+        """(code → seconds per request, each request's last code) or (None, None)."""
+        if self.reason_s is None:
+            return None, None
+        self._charge_waiting()
+        secs = {c: self.reason_s[:, k].copy() for k, c in enumerate(CODES) if self.reason_s[:, k].any()}
+        return secs, [CODES[c] if c >= 0 else "" for c in self.last_code.tolist()]
 
     def _reject(self, plan: Plan, tally: _RunTally) -> None:
         """Finish the rejected requests now, as an engine aborts them: their KV is freed
@@ -449,6 +535,7 @@ class SimulatedEngine:
         n = len(w)
         violated = self.violated | ~self.done
         ttft = self.first_token - w.arrival
+        reason_seconds, last_reason = self._reason_history()
         return SimResult(
             n_requests=n,
             completed=tally.completed,
@@ -468,4 +555,6 @@ class SimulatedEngine:
             max_kv_used_blocks=self.max_used_blocks,
             kv_total_blocks=self.total_blocks,
             rejected=self.rejected.copy(),
+            reason_seconds=reason_seconds,
+            last_reason=last_reason,
         )
