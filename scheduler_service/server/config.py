@@ -64,6 +64,9 @@ class ServerConfig:
     predictor_file: str = ""
     #: Log level: debug, info, warning or error.
     log_level: str = "info"
+    #: Explain one decision in this many (0 = never): its plan carries the reasons why
+    #: requests wait (returned to the engine) and sets ``slidingserve_requests_waiting_by_reason``.
+    explain_every: int = 16
     # deployments (scheduler_service/server/deployments.py)
     #: Policy config file (YAML/TOML/JSON): named deployments side by side, the default, a shadow.
     #: Re-read on change; a bad file is refused and the last good one keeps serving.  Empty:
@@ -139,6 +142,7 @@ class ServerConfig:
         check("max_profiles", self.max_profiles >= 1, "must be >= 1")
         check("grace_s", 0.0 <= self.grace_s <= 3600.0, "must be in [0, 3600]")
         check("max_workers", 1 <= self.max_workers <= 4096, "must be in [1, 4096]")
+        check("explain_every", 0 <= self.explain_every <= 1_000_000, "must be in [0, 1000000]")
         check("log_level", self.log_level in LOG_LEVELS, f"must be one of {list(LOG_LEVELS)}")
         check("policy_config_poll_s", 0.05 <= self.policy_config_poll_s <= 3600, "must be in [0.05, 3600]")
         check("workers", 1 <= self.workers <= 256, "must be in [1, 256]")

@@ -53,6 +53,12 @@ class Metrics:
             buckets=DECISION_BUCKETS,
             registry=r,
         )
+        self.waiting_by_reason = Gauge(
+            "slidingserve_requests_waiting_by_reason",
+            "Requests the latest explained plan does not fully serve, by reason code (one decision in "
+            'explain_every is explained; deployment "" = a registry policy named directly)',
+            ["deployment", "reason"], registry=r,
+        )
 
     def _predictor_metrics(self, r: CollectorRegistry) -> None:
         """The per-profile predictors and the iteration reports that refit them."""

@@ -9,6 +9,7 @@ classification per message on ``ScheduleStream``).
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from collections import OrderedDict
@@ -19,7 +20,8 @@ from typing import Any
 import grpc
 import structlog
 
-from scheduler_service.core import Policy, ValidationError, registry
+from scheduler_service.core import Plan, Policy, ValidationError, registry
+from scheduler_service.core.reasons import plan_explained, reason_counts
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler_service.wire.convert import (
@@ -92,6 +94,10 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         self.ready = threading.Event()
         self._metric_children: dict[tuple[str, str], tuple[Any, Any]] = {}
         self._deployment_counters: dict[str, tuple[Any, Any]] = {}
+        # one decision in explain_every is explained (next() on a count is atomic under the GIL)
+        self._ticks = itertools.count()
+        self._waiting: dict[str, dict[str, Any]] = {}  # deployment -> reason -> gauge child
+        self._waiting_lock = threading.Lock()
 
     # ------------------------------------------------------------ decisions
     def _decide(self, request: pb.ScheduleRequest, t0: int, tenant: str = DEFAULT_TENANT) -> pb.ScheduleResponse:
@@ -100,7 +106,9 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         snap, profile = snapshot_from_pb(request.snapshot, max_requests=self._cfg.max_requests_per_snapshot)
         policy, deployment = self._deployments.resolve(request.policy, request.params)
         predictor = self._predictors.current(scoped_key(tenant, profile.key))
-        plan = policy.plan(snap, predictor)
+        every = self._cfg.explain_every
+        explained = every > 0 and next(self._ticks) % every == every - 1  # the N-th, 2N-th, ...
+        plan = plan_explained(policy, snap, predictor) if explained else policy.plan(snap, predictor)
         resp = pb.ScheduleResponse(request_id=request.request_id, plan=plan_to_pb(plan))
         if deployment:
             resp.plan.deployment = deployment
@@ -111,6 +119,8 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
                     m.deployment_decisions.labels(deployment), m.version_decisions.labels(deployment))
             for counter in counters:  # the series and its pre-rename alias
                 counter.inc()
+        if explained:
+            self._waiting_by_reason(plan, deployment)
         if self._shadow is not None:  # one queue put at most; the comparison runs elsewhere
             self._shadow.offer(snap, predictor, plan, deployment)
         self.engines.seen(tenant, request.snapshot.engine_id, deployment)
@@ -120,6 +130,22 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         decisions.inc()
         seconds.observe(dt * 1e-9)
         return resp
+
+    def _waiting_by_reason(self, plan: Plan, deployment: str) -> None:
+        """``slidingserve_requests_waiting_by_reason`` of ``deployment`` from an explained plan:
+        its counts, and 0 for the codes of the previous explained plan that are gone.
+        Bounded: deployments come from the operator's config, codes are a fixed set."""
+        counts = reason_counts(plan.reasons)
+        with self._waiting_lock:
+            children = self._waiting.setdefault(deployment, {})
+            for code, child in children.items():
+                if code not in counts:
+                    child.set(0)
+            for code, n in counts.items():
+                child = children.get(code)
+                if child is None:
+                    child = children[code] = self._metrics.waiting_by_reason.labels(deployment, code)
+                child.set(n)
 
     def _decision_metrics(self, policy: str, path: str) -> tuple[Any, Any]:
         """The decision counter and histogram children of (policy, path), looked up once:
