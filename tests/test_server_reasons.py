@@ -4,14 +4,18 @@ explained plan's reasons go back to the engine and set
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from benchmarks.snapshots import busy_snapshot
 from scheduler_service.client import SchedulerClient
-from scheduler_service.core import default_predictor, registry
+from scheduler_service.core import Snapshot, default_predictor, registry
 from scheduler_service.core.reasons import CODES, plan_explained, reason_counts
+from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
 from scheduler_service.server import ServerConfig
-from scheduler_service.wire.convert import plan_to_pb
+from scheduler_service.server.servicer import encode_plan
+from scheduler_service.wire.convert import plan_from_pb, plan_to_pb
 from tests.grpc_support import make_server, mixed_snapshot
 
 GAUGE = "slidingserve_requests_waiting_by_reason"
@@ -77,3 +81,19 @@ def test_the_knob_is_validated() -> None:
     assert ServerConfig().explain_every == 16
     with pytest.raises(Exception, match="explain_every"):
         ServerConfig(explain_every=-1)
+
+
+@pytest.mark.parametrize("policy", ["slidingserve", "sarathi", "qoserve"])
+def test_the_fast_reason_encoding_is_the_wire_format(policy: str) -> None:
+    snap = busy_snapshot(n_decode=64, n_queued=96, seed=2)
+    plan = plan_explained(registry.create(policy), snap, default_predictor())
+    assert len(plan.reasons) > 0
+    got = encode_plan(plan, snap.ids)
+    assert got == plan_to_pb(plan)
+    assert plan_from_pb(pb.Plan.FromString(got.SerializeToString())).reasons == plan.reasons
+    data = json.loads(snap.to_json())  # ids over 127 bytes: multi-byte lengths
+    for k, r in enumerate(data["requests"]):
+        r["id"] = f"request-{'x' * 200}-{k}"
+    long = Snapshot.from_json(data)
+    plan = plan_explained(registry.create(policy), long, default_predictor())
+    assert encode_plan(plan, long.ids) == plan_to_pb(plan)
