@@ -14,6 +14,11 @@ snapshot and returns a plan that is *safe to execute*:
 3. on a deadline miss, an error or a rejected plan, decide locally with the
    fallback policy and count the reason.
 
+Plans that carry reasons (the service explains one in ``explain_every``, the in-process
+planner one in :attr:`AdapterSettings.explain_every`) are read by :class:`ReasonLog`: the
+waiting requests counted by reason (``stats()["waiting_by_reason"]``) and, at DEBUG on the
+``engine_adapter.reasons`` logger, each request's reason whenever it changes.
+
 After a failure the remote path is skipped for a number of decisions
 (doubling up to ``max_backoff_decisions``) so that a dead service costs one
 deadline per back-off, not one per iteration; the first success closes the
@@ -28,6 +33,7 @@ counted.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -44,14 +50,19 @@ from scheduler_service.core import (
     plan_violations,
     registry,
 )
+from scheduler_service.core.plan import Reasons
+from scheduler_service.core.reasons import reason_counts
 
 __all__ = [
     "AdapterCore",
     "AdapterSettings",
     "Decision",
     "IterationSample",
+    "ReasonLog",
     "SchedulerBackend",
 ]
+
+reason_log = logging.getLogger("engine_adapter.reasons")
 
 #: Fallback reasons, as counted in :attr:`AdapterCore.fallbacks`.
 REASONS = ("deadline", "error", "invalid_plan", "circuit_open")
@@ -86,6 +97,10 @@ class AdapterSettings:
     #: simulator (whose iterations take microseconds of wall time).
     min_backoff_decisions: int = 1
     max_backoff_decisions: int = 64
+    #: The in-process planner explains one plan in this many (0 = never): the plan
+    #: carries the reasons why requests wait (:class:`ReasonLog`).  The remote service
+    #: has its own knob (server.yaml ``explain_every``).
+    explain_every: int = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +134,41 @@ class Decision:
     elapsed_us: int = 0
 
 
+class ReasonLog:
+    """What the explained plans say: ``counts`` (code → waiting requests) of the latest
+    plan that carried reasons, and, when DEBUG is on for ``engine_adapter.reasons``, one
+    line per request whenever its reason changes (``grep <id>`` shows its history); the
+    ids of finished requests (gone from the snapshot) are forgotten."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.explained = 0
+        self._last: dict[str, str] = {}  # request id -> its last code
+
+    @staticmethod
+    def carries(plan: Plan) -> bool:
+        """Whether ``plan`` was explained: reasons computed here (even none) or received."""
+        return isinstance(plan.reasons, Reasons) or bool(plan.reasons)
+
+    def observe(self, snapshot: Snapshot, plan: Plan) -> None:
+        self.explained += 1
+        self.counts = reason_counts(plan.reasons)
+        if not reason_log.isEnabledFor(logging.DEBUG):
+            self._last.clear()
+            return
+        now = {r.id: r for r in plan.reasons}
+        live = set(snapshot.ids)
+        last = self._last
+        for rid in [rid for rid in last if rid not in now]:
+            if rid in live:
+                reason_log.debug("slidingserve: request %s served (was %s)", rid, last[rid])
+            del last[rid]
+        for rid, r in now.items():
+            if last.get(rid) != r.code:
+                reason_log.debug("slidingserve: request %s waits: %s (%g)", rid, r.code, r.value)
+                last[rid] = r.code
+
+
 class AdapterCore:
     def __init__(self, backend: SchedulerBackend, settings: AdapterSettings,
                  fallback_predictor: BatchLatencyPredictor | None = None) -> None:
@@ -131,6 +181,7 @@ class AdapterCore:
         self.last_error = ""
         self._skip = 0
         self._backoff = settings.min_backoff_decisions
+        self.reasons = ReasonLog()
         # reports
         self._reports: collections.deque[IterationSample] = collections.deque(maxlen=settings.report_queue)
         self.reports_dropped = 0
@@ -159,6 +210,8 @@ class AdapterCore:
                 problems = plan_violations(snapshot, plan)
                 if not problems:
                     self.remote_decisions += 1
+                    if ReasonLog.carries(plan):
+                        self.reasons.observe(snapshot, plan)
                     self._backoff = self.settings.min_backoff_decisions
                     return Decision(plan, "remote", "", int((time.perf_counter() - t0) * 1e6))
                 reason = "invalid_plan"
@@ -234,6 +287,8 @@ class AdapterCore:
             "reports_dropped": self.reports_dropped,
             "report_errors": self.report_errors,
             "last_error": self.last_error,
+            "waiting_by_reason": dict(self.reasons.counts),
+            "explained_plans": self.reasons.explained,
         }
 
     def close(self) -> None:

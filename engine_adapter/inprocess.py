@@ -22,6 +22,7 @@ from scheduler_service.core import (
     kernels,
     registry,
 )
+from scheduler_service.core.reasons import plan_explained
 
 from .core import AdapterSettings, IterationSample
 
@@ -49,6 +50,8 @@ class InProcessBackend:
             predictor or default_predictor(), RefitSettings(), synchronous=settings.report_inline
         ) if refit else None
         self._fixed = predictor or default_predictor()
+        self._explain_every = max(0, settings.explain_every)
+        self._plans = 0
         # compiled kernels load (or compile) now, not in the engine's first iteration
         kernels.warm_up()
 
@@ -57,6 +60,10 @@ class InProcessBackend:
         return self._registry.current(self._profile) if self._registry else self._fixed
 
     def schedule(self, snapshot: Snapshot, timeout_s: float) -> Plan:
+        """The policy's plan; every ``explain_every``-th one explained (with its reasons)."""
+        self._plans += 1
+        if self._explain_every and self._plans % self._explain_every == 0:
+            return plan_explained(self._policy, snapshot, self.predictor)
         return self._policy.plan(snapshot, self.predictor)
 
     def report(self, samples: Sequence[IterationSample]) -> None:

@@ -121,6 +121,11 @@ def collect_families(s: dict[str, Any], info: dict[str, str]) -> Iterator[Any]:
                "update_from_output() minus vLLM's work in them)", s["own_us"] / 1e6)
     yield _fam("gauge", p + "own_seconds_per_iteration", "Mean adapter engine-thread time per iteration since start",
                s["mean_own_us"] / 1e6)
+    # named like vLLM's own vllm:num_requests_waiting_by_reason, next to which it is read
+    yield _fam("gauge", "vllm:slidingserve_requests_waiting_by_reason", "Requests the latest explained plan "
+               "does not fully serve, by SlidingServe reason code (docs/policies.md; one plan in explain_every)",
+               labels=["reason"], samples=[([r], n) for r, n in (s.get("core") or {}).get("waiting_by_reason",
+                                                                                        {}).items()])
     yield _fam("counter", p + "settings_reloads", "Settings file reloads by result", labels=["result"],
                samples=[(["success"], s["settings_reloads"]), (["failure"], s["settings_errors"])])
 
