@@ -81,7 +81,8 @@ def encode_plan(plan: Plan, ids: Sequence[str]) -> pb.Plan:
     msg = plan_to_pb(dataclasses.replace(plan, reasons=()))
     rows, codes, values = reasons.arrays()
     vals = values.astype("<f8").tobytes()
-    fields, parts = _CODE_FIELDS, []
+    fields = _CODE_FIELDS
+    parts: list[bytes] = []
     k = 0
     for r, c in zip(rows.tolist(), codes.tolist(), strict=True):
         rid = ids[r].encode()
