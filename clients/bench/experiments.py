@@ -29,7 +29,7 @@ Phase 2 — fixed-rate runs to completion (no early stop), one job per
   sheddable batch) at 1×, 1.5×, 2× and 3× the reference rate, every policy
   plus ``vllm-priority`` (vLLM's own way to serve priorities): SLO attainment
   per class, rejections, weighted goodput;
-* ``reasons`` every main policy at ``reasons_factor`` × the reference rate with the
+* ``reasons`` every main policy at ``reasons_factor`` (1.5) × the reference rate with the
   simulator's reason history on: the share of violated (and met) requests' waiting time
   spent in each reason code (:mod:`clients.bench.reasons`).
 
@@ -121,8 +121,9 @@ class BenchConfig:
     #: How requests are judged (and planned for): ``"formula1"`` or ``"tpot"`` (TTFT and
     #: mean time per output token, as ``vllm bench serve --goodput`` counts).
     slo_definition: str = "formula1"
-    #: Rate of the ``reasons`` experiment, as a multiple of the reference rate.
-    reasons_factor: float = 1.0
+    #: Rate of the ``reasons`` experiment, as a multiple of the reference rate (the ``load``
+    #: experiment's 1.5x: every policy, SlidingServe too, then has violated requests).
+    reasons_factor: float = 1.5
 
     @property
     def seed_list(self) -> list[int]:

@@ -141,8 +141,8 @@ def reasons_table(rows: list[dict[str, Any]]) -> str:
     codes = [c for c in CODES if any(c in r[g]["share"] for r in rows for g in GROUPS)]
 
     def cell(r: dict[str, Any], c: str) -> str:
-        v, m = (r[g]["share"].get(c, 0.0) for g in GROUPS)
-        return f"{_pct(v)} ({_pct(m)})" if v or m else "-"
+        v, m = (r[g]["share"].get(c, 0.0) if r[g]["share"] else None for g in GROUPS)
+        return f"{_pct(v)} ({_pct(m)})" if v or m else "-"  # "-": the group never waited
 
     body = [[c, *(cell(r, c) for r in rows)] for c in codes]
     body.append(["requests", *(f"{r['violated']['requests']} ({r['met']['requests']})" for r in rows)])
