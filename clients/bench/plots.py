@@ -178,7 +178,7 @@ def _reasons(res: dict[str, Any], title: str, path: Path) -> None:
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles[::-1], labels[::-1], loc="center right", fontsize=7)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout(rect=(0, 0, 0.84, 1))
+    fig.tight_layout(rect=(0, 0, 0.88, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
