@@ -166,6 +166,10 @@ class VllmAdapterSettings:
     max_backoff_decisions: int = 64
     #: Reports per batch sent to ReportIterations.
     report_batch: int = 64
+    #: In process, explain one plan in this many (its reasons feed the adapter's
+    #: ``vllm:slidingserve_requests_waiting_by_reason`` and debug log); 0 = never.  Remote,
+    #: the service decides (server.yaml ``explain_every``).
+    explain_every: int = 16
     #: Decide the next iteration in the background while the current one runs on
     #: the GPU (from the queues as they will be after it), so that the decision's
     #: time is hidden; "false" decides synchronously inside ``schedule()``.
@@ -210,6 +214,8 @@ class VllmAdapterSettings:
         for name in ("log_every", "reconnect_max_ms", "max_backoff_decisions", "report_batch"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"SLIDINGSERVE_{name.upper()} must be >= 1")
+        if not 0 <= self.explain_every <= 1_000_000:
+            raise SettingsError(f"SLIDINGSERVE_EXPLAIN_EVERY must be in [0, 1000000], got {self.explain_every}")
         if self.policy and self.policy != FOLLOW_DEFAULT:
             if self.address == "inproc":
                 try:

@@ -49,3 +49,12 @@ def test_the_class_table_takes_a_tpot_objective() -> None:
                                                                               extra_args={"slo_tpot_ms": 60})]
     snap, _ = b.build([], reqs, max_batch_tokens=512, max_num_seqs=8, free_kv_tokens=10_000)
     assert snap.tpot_slo.tolist() == [0.025, 0.0, 0.06]
+
+
+def test_explain_every_is_a_setting_of_the_adapter() -> None:
+    from engine_adapter.vllm.settings import VllmAdapterSettings
+
+    assert VllmAdapterSettings.from_env({}).explain_every == 16
+    assert VllmAdapterSettings.from_env({"SLIDINGSERVE_EXPLAIN_EVERY": "0"}).explain_every == 0
+    with pytest.raises(SettingsError, match="SLIDINGSERVE_EXPLAIN_EVERY must be in"):
+        VllmAdapterSettings.from_env({"SLIDINGSERVE_EXPLAIN_EVERY": "-1"})
