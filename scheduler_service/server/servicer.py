@@ -94,6 +94,19 @@ def encode_plan(plan: Plan, ids: Sequence[str]) -> pb.Plan:
     return msg
 
 
+def _explained(policy: Any, snap: Any, predictor: Any) -> tuple[Plan, bool]:
+    """The plan with its reasons, and True; without them, and False, when they cannot be
+    given (a plan that names requests the snapshot does not have: the engine's plan check
+    refuses it, and an explanation must never fail a decision)."""
+    plan = plan_explained(policy, snap, predictor)
+    try:
+        len(plan.reasons)  # classified here, not while encoding
+    except (KeyError, IndexError, ValueError) as e:
+        log.warning("plan_not_explained", policy=plan.policy, error=f"{type(e).__name__}: {e}")
+        return dataclasses.replace(plan, reasons=()), False
+    return plan, True
+
+
 class PolicyCache:
     """Policies by (name, params).  Policies are immutable, so building one per distinct
     parameter set once and sharing it is safe and keeps ``registry.create`` (validation,
@@ -149,7 +162,10 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         predictor = self._predictors.current(scoped_key(tenant, profile.key))
         every = self._cfg.explain_every
         explained = every > 0 and next(self._ticks) % every == every - 1  # the N-th, 2N-th, ...
-        plan = plan_explained(policy, snap, predictor) if explained else policy.plan(snap, predictor)
+        if explained:
+            plan, explained = _explained(policy, snap, predictor)
+        else:
+            plan = policy.plan(snap, predictor)
         resp = pb.ScheduleResponse(request_id=request.request_id, plan=encode_plan(plan, snap.ids))
         if deployment:
             resp.plan.deployment = deployment
