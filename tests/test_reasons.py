@@ -162,12 +162,12 @@ def _every_wait_has_one_reason_that_holds(name: str, snap: Snapshot, pred: Batch
 def test_every_wait_has_one_reason_that_holds() -> None:
     REACHED.floor(
         _every_wait_has_one_reason_that_holds,
-        # Floors that hold however the suite is run: the derandomized examples differ when
-        # the server's modules were imported first (seen in the full suite: given_up,
-        # class_rescue 0 and e2e_expired 3 there, 47, 6 and 28 alone); given_up is floored
-        # on the loaded engines below.
-        checked=200, max_num_seqs=200, token_budget=300, kv=80, ahead=2, class_reserve=2, ttft_expired=30,
-        ttft_unreachable=5,
+        # Floors that hold however the suite is run: the derandomized examples differ with
+        # what other test modules imported first (given_up, class_rescue, e2e_expired,
+        # ttft_unreachable went from 26-47 alone to 0-3 in some orders), so only the codes
+        # every order reaches by the hundred are floored here; the rules' own codes are
+        # floored on the seeded loaded engines below.
+        checked=200, max_num_seqs=200, token_budget=300, kv=80, ttft_expired=30,
     )
 
 
