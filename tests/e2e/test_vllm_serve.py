@@ -344,7 +344,7 @@ class TestTP1:
         assert total(m, "slidingserve_policy_config_reloads_total", result="success") >= 1
         assert total(m, "slidingserve_version_decisions_total", version="v2") > 0
         # the adapter's fallback warnings reach vLLM's output too
-        assert re.search(r"\(EngineCore pid=\d+\) WARNING \S+ \S+ \[scheduler\.py:\d+\] slidingserve: native "
+        assert re.search(r"\(EngineCore pid=\d+\) WARNING \S+ \S+ \[stats\.py:\d+\] slidingserve: native "
                          r"scheduling \((error|deadline|circuit_open)", v.output()), \
             "the adapter's fallback warning is not in vLLM's output"
         print(f"\nfaults: {len(outcomes)} requests, all complete; in flight at kill/restart/swap: "
