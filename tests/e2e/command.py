@@ -17,8 +17,10 @@ from dataclasses import dataclass
 
 #: vLLM's OpenAI-compatible server, the module ``vllm serve`` runs.
 ENTRY = "vllm.entrypoints.launchers.api_server.entry"
-#: On the CPU backend vLLM turns async scheduling off, so the synchronous class.
+#: vLLM's default on the CPU backend is synchronous scheduling, so the synchronous class;
+#: with ``--async-scheduling`` (what GPUs run) the asynchronous one.
 SCHEDULER_CLS = "engine_adapter.vllm.RemoteSyncScheduler"
+ASYNC_SCHEDULER_CLS = "engine_adapter.vllm.RemoteScheduler"
 #: The tiny model: weights drawn at load (``dummy``), prompts as token ids (no tokenizer).
 MODEL_ARGS = ("--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager",
               "--dtype", "float32", "--max-model-len", "512")
@@ -31,6 +33,12 @@ class ServeCommand:
     address: str  # the scheduling service, host:port
     metrics_port: int  # the adapter's Prometheus endpoint
     tp: int = 1
+    #: vLLM's ``--async-scheduling`` with ``RemoteScheduler``
+    async_scheduling: bool = False
+
+    @property
+    def scheduler_cls(self) -> str:
+        return ASYNC_SCHEDULER_CLS if self.async_scheduling else SCHEDULER_CLS
 
     def env(self) -> dict[str, str]:
         """The environment the command needs (on top of the caller's), in the documented order."""
@@ -47,10 +55,12 @@ class ServeCommand:
         return env
 
     def args(self) -> list[str]:
-        out = ["-m", ENTRY, "--model", self.model, "--scheduler-cls", SCHEDULER_CLS, *MODEL_ARGS,
+        out = ["-m", ENTRY, "--model", self.model, "--scheduler-cls", self.scheduler_cls, *MODEL_ARGS,
                "--port", str(self.port)]
         if self.tp > 1:
             out += ["--tensor-parallel-size", str(self.tp)]
+        if self.async_scheduling:
+            out.append("--async-scheduling")
         return out
 
     def argv(self, python: str) -> list[str]:
@@ -65,7 +75,7 @@ class ServeCommand:
         a = self.args()
         head = a[: a.index("--scheduler-cls")]
         lines.append("  python " + " ".join(head) + " \\")
-        lines.append(f"  --scheduler-cls {SCHEDULER_CLS} \\")
+        lines.append(f"  --scheduler-cls {self.scheduler_cls} \\")
         lines.append("  " + " ".join(MODEL_ARGS) + " \\")
         rest = a[a.index("--port"):]
         lines.append("  " + " ".join(rest))

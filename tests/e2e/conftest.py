@@ -152,12 +152,13 @@ class Service:
 class VllmServer:
     """vLLM's OpenAI-compatible server on the tiny model with the adapter as its scheduler."""
 
-    def __init__(self, root: Path, model: str, service: Service, *, tp: int, engine_id: str) -> None:
+    def __init__(self, root: Path, model: str, service: Service, *, tp: int, engine_id: str,
+                 async_scheduling: bool = False) -> None:
         self.root = root
         self.engine_id = engine_id
         self.cmd = ServeCommand(model=model, port=free_port(), address=service.address,
-                                metrics_port=free_port(), tp=tp)
-        self.log = root / f"vllm-tp{tp}.log"
+                                metrics_port=free_port(), tp=tp, async_scheduling=async_scheduling)
+        self.log = root / f"vllm-tp{tp}{'-async' if async_scheduling else ''}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -226,8 +227,10 @@ def service(root: Path) -> Iterator[Service]:
         s.stop()
 
 
-def vllm_server(root: Path, model: str, service: Service, tp: int) -> Iterator[VllmServer]:
-    v = VllmServer(root, model, service, tp=tp, engine_id=f"e2e-tp{tp}")
+def vllm_server(root: Path, model: str, service: Service, tp: int,
+                async_scheduling: bool = False) -> Iterator[VllmServer]:
+    v = VllmServer(root, model, service, tp=tp, engine_id=f"e2e-tp{tp}{'-async' if async_scheduling else ''}",
+                   async_scheduling=async_scheduling)
     try:
         v.start()
         yield v

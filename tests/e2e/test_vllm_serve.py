@@ -21,6 +21,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from typing import Any
 import pytest
 
 from .command import DOC_EXAMPLE, DOC_EXAMPLE_TP2
-from .conftest import BIN, Service, VllmServer, labels_of, total, wait_for
+from .conftest import BIN, Service, VllmServer, labels_of, total, vllm_server, wait_for
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -144,7 +145,7 @@ def _served_checks(v: VllmServer, service: Service, before: list[tuple[str, dict
     info = a["info"]
     profile = info["profile"]
     assert profile.endswith(f"|tp{tp}") and profile.startswith("tiny-llama|"), info
-    assert info["scheduler"] == "RemoteSyncScheduler" and info["address"] == service.address, info
+    assert info["scheduler"] == v.cmd.scheduler_cls.rsplit(".", 1)[1] and info["address"] == service.address, info
     assert info["vllm_version"].split("+")[0] == SUPPORTED_CPU_VERSION and info["policy"] == "default", info
     assert info["engine_id"] == v.engine_id, info
     # the engine scheduled from the service's plans, executed them exactly, reported every step
@@ -204,7 +205,8 @@ class TestTP1:
         # the adapter's lines are in vLLM's output, in vLLM's format, from the engine core
         out = v.output()
         assert re.search(r"\(EngineCore pid=\d+\) INFO \S+ \S+ \[scheduler\.py:\d+\] slidingserve: scheduler "
-                         r"RemoteSyncScheduler \(vLLM 0\.32\.0\), address=" + re.escape(service.address), out), \
+                         + v.cmd.scheduler_cls.rsplit(".", 1)[1] + r" \(vLLM 0\.32\.0\), address="
+                         + re.escape(service.address), out), \
             "the adapter's start-up line is not in vLLM's output"
         print(f"\nTP1: {len(outcomes)} requests in {took:.1f} s; {json.dumps(res, default=str)}")
 
@@ -350,6 +352,20 @@ class TestTP1:
         print(f"\nfaults: {len(outcomes)} requests, all complete; in flight at kill/restart/swap: "
               f"{marks['in_flight_at_kill']}/{marks['in_flight_at_restart']}/{marks['in_flight_at_swap']}; "
               f"completed while the service was down: {marks['completed_while_down']}; adapter at the end: {end}")
+
+
+class TestTP1Async(TestTP1):
+    """The same tests with vLLM's ``--async-scheduling`` and ``RemoteScheduler``: the mode
+    and class GPUs run (step k + 1 scheduled before step k's output is applied)."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def vllm_tp1(cls, root: Path, model: str, service: Service) -> Iterator[VllmServer]:
+        yield from vllm_server(root, model, service, 1, async_scheduling=True)
+
+    def test_vllm_runs_with_async_scheduling(self, vllm_tp1: VllmServer) -> None:
+        assert "'async_scheduling': True" in vllm_tp1.output()  # vLLM's own record of its arguments
+        assert adapter(vllm_tp1)["info"]["scheduler"] == "RemoteScheduler"
 
 
 class TestTP2:
