@@ -14,7 +14,7 @@ import itertools
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from time import perf_counter_ns
 from typing import Any
 
@@ -22,13 +22,12 @@ import grpc
 import structlog
 
 from scheduler_service.core import Plan, Policy, ValidationError, registry
-from scheduler_service.core.plan import Reasons
-from scheduler_service.core.reasons import CODES, plan_explained, reason_counts
+from scheduler_service.core.reasons import plan_explained, reason_counts
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler_service.wire.convert import (
     describe_to_pb,
-    plan_to_pb,
+    encode_plan,
     predictor_sample_counts,
     profile_from_pb,
     report_from_pb,
@@ -53,45 +52,6 @@ log = structlog.get_logger("slidingserve.server")
 WORKER_PID_KEY = "slidingserve-worker-pid"
 #: At most this many rejection reasons travel back in a ReportSummary.
 MAX_REASONS = 10
-
-
-#: ``Plan.reasons`` (field 15) entries: each code's encoded ``code`` field, one-byte lengths.
-_CODE_FIELDS = [b"\x12" + bytes((len(c),)) + c.encode() for c in CODES]
-_LEN = [bytes((n,)) for n in range(128)]
-
-
-def _varint(n: int) -> bytes:
-    if n < 128:
-        return _LEN[n]
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def encode_plan(plan: Plan, ids: Sequence[str]) -> pb.Plan:
-    """``plan_to_pb(plan)`` of a plan made for a snapshot with ``ids``, with an explained
-    plan's reasons written straight from their arrays into wire bytes (``Reason`` and
-    ``PlanReason`` objects per waiting request cost about twice the decision itself)."""
-    reasons = plan.reasons
-    if not isinstance(reasons, Reasons) or not len(reasons):
-        return plan_to_pb(plan)
-    msg = plan_to_pb(dataclasses.replace(plan, reasons=()))
-    rows, codes, values = reasons.arrays()
-    vals = values.astype("<f8").tobytes()
-    fields = _CODE_FIELDS
-    parts: list[bytes] = []
-    k = 0
-    for r, c in zip(rows.tolist(), codes.tolist(), strict=True):
-        rid = ids[r].encode()
-        code = fields[c]
-        parts += (b"z", _varint(len(rid) + len(_varint(len(rid))) + len(code) + 10), b"\n", _varint(len(rid)), rid,
-                  code, b"\x19", vals[k:k + 8])  # z: field 15, length-delimited; \n: field 1; \x19: field 3, double
-        k += 8
-    msg.MergeFromString(b"".join(parts))
-    return msg
 
 
 def _explained(policy: Any, snap: Any, predictor: Any) -> tuple[Plan, bool]:
