@@ -213,7 +213,7 @@ def test_timing_table_sets_client_and_vllm_side_by_side() -> None:
                                  "itl_mean_ms": 20.0}}
 
     text = timing_table([run(1, 400.0, 300.0), run(2, 600.0, 500.0)])
-    assert "| vllm | 3 | 500 | 400 | 50 | 30 | 20 | 1 / 6 |" in text
+    assert "| vllm | 3 | 500 | 400 | 50 | 30 | 20 | 1 / 6 | — | — |" in text
     assert timing_table([_run("vllm", 3, 1, 1.0, 1.0)]) == ""
 
 

@@ -183,6 +183,22 @@ class VllmProcess:
         self.proc = None
 
 
+def _threads(pid: int) -> list[int]:
+    """The thread ids of process ``pid`` and of its descendants."""
+    import psutil  # a dependency of vLLM
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+    out = []
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            out += [t.id for t in p.threads()]
+    return out
+
+
 class ServiceProcess:
     """``slidingserve serve`` on loopback, pinned off the worker's core."""
 
@@ -194,6 +210,8 @@ class ServiceProcess:
                                f"refit_every: {refit_every}\n")
         self.log = workdir / "service.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        #: the service's nice value (it starts at this process's)
+        self.nice = os.getpriority(os.PRIO_PROCESS, 0)
 
     @property
     def address(self) -> str:
@@ -207,6 +225,35 @@ class ServiceProcess:
                                          env=_clean_env(), start_new_session=True)
         pin(self.proc.pid, self.cores)
         _wait("slidingserve serve", lambda: bool(scrape(self.metrics_port)), timeout_s, self.proc, self.log)
+
+    def renice(self, nice: int | None) -> None:
+        """Run the service at nice ``nice`` (absolute), or at the sweep's own priority for None."""
+        assert self.proc is not None
+        own = os.getpriority(os.PRIO_PROCESS, 0)
+        if nice is None and self.nice == own:
+            return
+        want = own if nice is None else nice
+        # Linux keeps a nice value per thread: every thread of the service and of its worker
+        # processes (threads started later inherit it from the thread that starts them)
+        for tid in _threads(self.proc.pid):
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, want)
+            except ProcessLookupError:
+                continue
+            except PermissionError as e:
+                raise RuntimeError(f"cannot run slidingserve serve at nice {want} ({e}); a negative "
+                                   "service_nice needs root") from None
+        self.nice = want
+
+    def decisions(self) -> tuple[float, float]:
+        """(sum of seconds, count) of the service's ``slidingserve_decision_seconds``."""
+        s = c = 0.0
+        for name, _, v in scrape(self.metrics_port):
+            if name == "slidingserve_decision_seconds_sum":
+                s += v
+            elif name == "slidingserve_decision_seconds_count":
+                c += v
+        return s, c
 
     def predictor_error(self) -> tuple[float, float]:
         """(sum, count) of the service's ``slidingserve_predictor_abs_error_ms`` over every profile."""

@@ -133,11 +133,14 @@ def timing_table(runs: Sequence[dict[str, Any]]) -> str:
         return ""
     lines = ["Where the time goes (means over runs, ms; every request of a run, warm-up included): the client's "
              "TTFT, vLLM's (its API server's arrival to first token), vLLM's queue and prefill time, its "
-             "inter-token latency, and how late the client sent requests (mean / max):", "",
-             "| configuration | rate | TTFT, client | TTFT, vLLM | queue | prefill | inter-token | sent late |",
-             "|---|---|---|---|---|---|---|---|"]
+             "inter-token latency, how late the client sent requests (mean / max), the adapter's engine-thread "
+             "time per iteration (snapshot, waiting for the plan, execution) and, remote, the service's own time "
+             "per decision:", "",
+             "| configuration | rate | TTFT, client | TTFT, vLLM | queue | prefill | inter-token | sent late "
+             "| adapter / iteration | service / decision |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
 
-    def mean(rs: Sequence[dict[str, Any]], *path: str) -> str:
+    def mean(rs: Sequence[dict[str, Any]], *path: str, fmt: str = "{:.0f}") -> str:
         xs = []
         for r in rs:
             v: Any = r
@@ -145,7 +148,7 @@ def timing_table(runs: Sequence[dict[str, Any]]) -> str:
                 v = v.get(k) if isinstance(v, dict) else None
             if v is not None:
                 xs.append(float(v))
-        return f"{np.mean(xs):.0f}" if xs else "—"
+        return fmt.format(np.mean(xs)) if xs else "—"
 
     for c in _configs(rows):
         for rate in sorted({float(r["rate"]) for r in rows if r["config"] == c}):
@@ -153,7 +156,9 @@ def timing_table(runs: Sequence[dict[str, Any]]) -> str:
             lines.append(f"| {c} | {rate:g} | {mean(rs, 'client', 'ttft_mean_ms')} | "
                          f"{mean(rs, 'vllm_timings', 'ttft_mean_ms')} | {mean(rs, 'vllm_timings', 'queue_mean_ms')} | "
                          f"{mean(rs, 'vllm_timings', 'prefill_mean_ms')} | {mean(rs, 'vllm_timings', 'itl_mean_ms')} | "
-                         f"{mean(rs, 'client', 'send_late_mean_ms')} / {mean(rs, 'client', 'send_late_max_ms')} |")
+                         f"{mean(rs, 'client', 'send_late_mean_ms')} / {mean(rs, 'client', 'send_late_max_ms')} | "
+                         f"{mean(rs, 'adapter', 'own_ms_per_iter', fmt='{:.2f}')} | "
+                         f"{mean(rs, 'service_decision_ms', fmt='{:.2f}')} |")
     return "\n".join(lines) + "\n"
 
 

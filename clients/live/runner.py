@@ -40,6 +40,11 @@ MODES = ("inproc", "remote")
 #: request also sends ``slo_tpot_ms`` = the TBT objective in ``vllm_xargs``: the scheduler
 #: plans for the mean time per output token, as ``vllm bench serve --goodput`` judges).
 OBJECTIVES = ("formula1", "tpot")
+#: ``service_nice=N`` in a remote configuration's text (not a policy parameter): the service
+#: process runs at nice N for that configuration's runs (absolute, -20..19; the sweep's own
+#: priority otherwise).  It tests whether remote plans lose to in-process ones because the
+#: service shares a core with the client and the API server (negative values need root).
+SERVICE_NICE = "service_nice"
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +54,8 @@ class Config:
     policy: str = ""
     params: tuple[tuple[str, str], ...] = ()
     objective: str = "formula1"
+    #: the service's nice value for this configuration's runs (None: the sweep's own)
+    service_nice: int | None = None
 
     @classmethod
     def parse(cls, text: str) -> Config:
@@ -70,11 +77,12 @@ class Config:
         if objective not in OBJECTIVES:
             raise ValueError(f"configuration {text!r}: objective must be one of {', '.join(OBJECTIVES)}, "
                              f"got {objective!r}")
-        kv = [(k, v) for k, v in kv if k != "objective"]
+        nice = _service_nice(text, mode, dict(kv).get(SERVICE_NICE))
+        kv = [(k, v) for k, v in kv if k not in ("objective", SERVICE_NICE)]
         from scheduler_service.core import registry
 
         registry.create(policy, dict(kv))  # fails here, with the policy's own message, on a bad name or value
-        return cls(text, mode, policy, tuple(kv), objective)
+        return cls(text, mode, policy, tuple(kv), objective, nice)
 
     def xargs(self, slo: Slo) -> dict[str, Any] | None:
         """What each request of this configuration carries in ``vllm_xargs``."""
@@ -83,6 +91,20 @@ class Config:
     def settings(self, service_address: str, slo: Slo) -> dict[str, Any]:
         return {"address": service_address if self.mode == "remote" else "inproc", "policy": self.policy,
                 "params": dict(self.params), "default_ttft_ms": slo.ttft_ms, "default_tbt_ms": slo.tbt_ms}
+
+
+def _service_nice(text: str, mode: str, value: str | None) -> int | None:
+    if value is None:
+        return None
+    if mode != "remote":
+        raise ValueError(f"configuration {text!r}: {SERVICE_NICE} applies to remote configurations only")
+    try:
+        nice = int(value)
+    except ValueError:
+        nice = 99
+    if not -20 <= nice <= 19:
+        raise ValueError(f"configuration {text!r}: {SERVICE_NICE} must be an integer from -20 to 19, got {value!r}")
+    return nice
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +149,8 @@ def _counters(v: VllmProcess) -> dict[str, float]:
     out: dict[str, float] = {}
     for name, labels, val in scrape(v.metrics_port):
         if name in ("slidingserve_adapter_planned_total", "slidingserve_adapter_native_total",
-                    "slidingserve_adapter_iterations_total"):
+                    "slidingserve_adapter_iterations_total", "slidingserve_adapter_own_seconds_total",
+                    "slidingserve_adapter_pipelined_total", "slidingserve_adapter_resyncs_total"):
             out[name.removeprefix("slidingserve_adapter_").removesuffix("_total")] = val
         elif name == "slidingserve_adapter_fallbacks_total":
             out["fallback_" + labels.get("reason", "?")] = val
@@ -261,7 +284,10 @@ class _Bench:
         if c.mode != "native":
             self.write_settings(c)
             time.sleep(1.2)  # the adapter checks its settings file once a second
+        if self.service is not None:
+            self.service.renice(c.service_nice)
         before = _counters(server) if c.mode != "native" else {}
+        dec0 = self.service.decisions() if self.service is not None else (0.0, 0.0)
         err0 = self.service.predictor_error() if self.service is not None else (0.0, 0.0)
         over0 = self.service.overruns() if self.service is not None else {}
         refits0 = self.service.refits() if self.service is not None else {}
@@ -284,7 +310,9 @@ class _Bench:
             if info.get("policy") != c.policy or (info.get("address") == "inproc") != (c.mode == "inproc"):
                 raise RuntimeError(f"the adapter did not take the settings of {c.label}: its metrics say {info}")
             after = _counters(server)
-            rec["adapter"] = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+            rec["adapter"] = ad = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+            # the adapter's engine-thread time per iteration: snapshots, waiting for the plan, execution
+            ad["own_ms_per_iter"] = 1e3 * ad.pop("own_seconds", 0.0) / ad["iterations"] if ad.get("iterations") else None
             rec["params"] = dict(c.params)
         if self.service is not None:
             s, n = self.service.predictor_error()
@@ -293,6 +321,11 @@ class _Bench:
             rec["service_refits"] = refits = self.service.refits()
             rec["service_refits_run"] = {k: v - refits0.get(k, 0.0) for k, v in refits.items() if v > refits0.get(k, 0.0)}
         if self.service is not None and c.mode == "remote":  # the service plans for this run
+            s, n = self.service.decisions()
+            # the service's own time per decision (decode, validate, plan, encode), beside the
+            # adapter's time per iteration: the rest of a remote decision is transport and waiting
+            rec["service_decision_ms"] = 1e3 * (s - dec0[0]) / (n - dec0[1]) if n > dec0[1] else None
+            rec["service_nice"] = self.service.nice
             over = self.service.overruns()
             dn = over["reports"] - over0.get("reports", 0.0)
             # the share of this run's iterations that ran over the promise plans were built on

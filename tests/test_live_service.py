@@ -1,0 +1,87 @@
+"""The live benchmark's view of the remote decision path (issue 22: remote within 5% of in
+process): a configuration's ``service_nice``, the service's own time per decision and the
+adapter's time per iteration in the report, and the renice of a real process tree."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from clients.live.procs import ServiceProcess, _threads
+from clients.live.report import timing_table
+from clients.live.runner import Config
+
+
+def test_service_nice_is_a_remote_configuration_setting_not_a_policy_parameter() -> None:
+    c = Config.parse("remote:slidingserve:service_nice=-10,window=3")
+    assert (c.service_nice, dict(c.params)) == (-10, {"window": "3"})
+    assert "service_nice" not in c.settings("h:1", _slo())["params"]
+    assert Config.parse("remote:slidingserve").service_nice is None
+    with pytest.raises(ValueError, match="service_nice applies to remote configurations only"):
+        Config.parse("inproc:slidingserve:service_nice=-5")
+    for bad in ("-21", "20", "x", "1.5"):
+        with pytest.raises(ValueError, match=f"service_nice must be an integer from -20 to 19, got '{bad}'"):
+            Config.parse(f"remote:slidingserve:service_nice={bad}")
+
+
+def _slo() -> Any:
+    from clients.live.measure import Slo
+
+    return Slo()
+
+
+def test_renice_reaches_every_thread_of_the_service_and_its_workers(tmp_path: Path) -> None:
+    """A real process with a child and extra threads (as ``slidingserve serve`` with worker
+    processes and gRPC threads): every thread takes the nice value; None brings them back."""
+    code = ("import os, subprocess, sys, threading, time\n"
+            "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+            "subprocess.Popen([sys.executable, '-c', 'import threading, time; "
+            "threading.Thread(target=time.sleep, args=(60,), daemon=True).start(); time.sleep(60)'])\n"
+            "time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    try:
+        end = time.monotonic() + 30
+        while len(_threads(proc.pid)) < 4 and time.monotonic() < end:
+            time.sleep(0.05)
+        tids = _threads(proc.pid)
+        assert len(tids) >= 4, tids  # two processes, two threads each
+        own = os.getpriority(os.PRIO_PROCESS, 0)
+        s = ServiceProcess(tmp_path, {0})
+        s.proc = proc  # type: ignore[assignment]
+        target = min(own + 5, 19)
+        s.renice(target)
+        assert {os.getpriority(os.PRIO_PROCESS, t) for t in tids} == {target} and s.nice == target
+        if own == 0 and os.geteuid() != 0:  # back to the sweep's priority needs root when lower
+            return
+        s.renice(None)
+        assert {os.getpriority(os.PRIO_PROCESS, t) for t in tids} == {own} and s.nice == own
+    finally:
+        for p in psutil.Process(proc.pid).children(recursive=True):
+            p.kill()
+        proc.kill()
+        proc.wait()
+
+
+def test_the_timing_table_shows_the_adapter_and_the_service_time() -> None:
+    def run(config: str, mode: str, own: float | None, service: float | None) -> dict[str, Any]:
+        r: dict[str, Any] = {"config": config, "mode": mode, "rate": 2.0, "seed": 1,
+                             "client": {"ttft_mean_ms": 300.0, "send_late_mean_ms": 1.0, "send_late_max_ms": 2.0},
+                             "vllm_timings": {"ttft_mean_ms": 200.0, "queue_mean_ms": 20.0, "prefill_mean_ms": 100.0,
+                                              "itl_mean_ms": 15.0}}
+        if own is not None:
+            r["adapter"] = {"iterations": 100.0, "own_ms_per_iter": own}
+        if service is not None:
+            r["service_decision_ms"] = service
+        return r
+
+    text = timing_table([run("inproc:slidingserve", "inproc", 1.5, None),
+                         run("remote:slidingserve", "remote", 0.75, 1.25)])
+    assert "| inproc:slidingserve | 2 | 300 | 200 | 20 | 100 | 15 | 1 / 2 | 1.50 | — |" in text
+    assert "| remote:slidingserve | 2 | 300 | 200 | 20 | 100 | 15 | 1 / 2 | 0.75 | 1.25 |" in text
