@@ -409,7 +409,7 @@ class _Encoder:
         return self.security.metadata() if self.security is not None else None
 
     def request(self, snapshot: SnapshotLike, policy: str | None, params: Mapping[str, Any] | None,
-                request_id: str | None) -> pb.ScheduleRequest:
+                request_id: str | None, explain: bool = False) -> pb.ScheduleRequest:
         if isinstance(snapshot, pb.Snapshot):
             snap_pb = snapshot
         else:
@@ -418,7 +418,7 @@ class _Encoder:
             snap_pb = snapshot_to_pb(snap, profile=prof, engine_id=self.engine_id, encoding=self.encoding)
         return pb.ScheduleRequest(
             request_id=request_id if request_id is not None else f"{self.engine_id or 'c'}-{next(self._ids)}",
-            snapshot=snap_pb, policy=policy or "", params=_params_text(params),
+            snapshot=snap_pb, policy=policy or "", params=_params_text(params), explain=explain,
         )
 
     def reports(self, items: Iterable[IterationReport | pb.IterationReport]) -> Iterator[pb.IterationReport]:
@@ -506,8 +506,10 @@ class SchedulerClient:
         return self.timeout_s if timeout_s is None else timeout_s
 
     def schedule(self, snapshot: SnapshotLike, policy: str | None = None, params: Mapping[str, Any] | None = None,
-                 timeout_s: float | None = None, *, request_id: str | None = None) -> Plan:
-        req = self._enc.request(snapshot, policy, params, request_id)
+                 timeout_s: float | None = None, *, request_id: str | None = None, explain: bool = False) -> Plan:
+        """One decision.  ``explain``: ask for its reasons (``Plan.reasons``, docs/reasons.md);
+        the decision is the same, and a service older than the field ignores it."""
+        req = self._enc.request(snapshot, policy, params, request_id, explain)
         try:
             return _plan(self._stub.Schedule(req, timeout=self._t(timeout_s), metadata=self._enc.md()))
         except grpc.RpcError as e:
@@ -687,8 +689,8 @@ class AsyncSchedulerClient:
 
     async def schedule(self, snapshot: SnapshotLike, policy: str | None = None,
                        params: Mapping[str, Any] | None = None, timeout_s: float | None = None, *,
-                       request_id: str | None = None) -> Plan:
-        req = self._enc.request(snapshot, policy, params, request_id)
+                       request_id: str | None = None, explain: bool = False) -> Plan:
+        req = self._enc.request(snapshot, policy, params, request_id, explain)
         try:
             return _plan(await self._stub.Schedule(req, timeout=self._t(timeout_s), metadata=self._enc.md()))
         except grpc.RpcError as e:

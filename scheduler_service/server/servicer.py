@@ -121,8 +121,9 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         policy, deployment = self._deployments.resolve(request.policy, request.params)
         predictor = self._predictors.current(scoped_key(tenant, profile.key))
         every = self._cfg.explain_every
-        explained = every > 0 and next(self._ticks) % every == every - 1  # the N-th, 2N-th, ...
-        if explained:
+        sampled = every > 0 and next(self._ticks) % every == every - 1  # the N-th, 2N-th, ...
+        explained = False
+        if sampled or request.explain:  # asked for (`slidingserve explain --server`) or sampled
             plan, explained = _explained(policy, snap, predictor)
         else:
             plan = policy.plan(snap, predictor)
@@ -136,7 +137,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
                     m.deployment_decisions.labels(deployment), m.version_decisions.labels(deployment))
             for counter in counters:  # the series and its pre-rename alias
                 counter.inc()
-        if explained:
+        if explained and sampled:  # the gauge follows the engines' own sampled plans only
             self._waiting_by_reason(plan, deployment)
         if self._shadow is not None:  # one queue put at most; the comparison runs elsewhere
             self._shadow.offer(snap, predictor, plan, deployment)

@@ -394,11 +394,19 @@ class ScheduleRequest(_message.Message):
     SNAPSHOT_FIELD_NUMBER: _builtins.int
     POLICY_FIELD_NUMBER: _builtins.int
     PARAMS_FIELD_NUMBER: _builtins.int
+    EXPLAIN_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller-chosen id, echoed in the response (lets a stream client match late replies)."""
     policy: _builtins.str
     """A policy version of the server's policy config (pins it) or a registry policy name (see
     ListPolicies); empty follows the server's default.
+    """
+    explain: _builtins.bool
+    """Ask for this decision's reasons (Plan.reasons; docs/reasons.md), besides the one decision
+    in the server's explain_every it explains anyway.  The decision itself is the same; a
+    plan the server cannot explain goes back without reasons.  For operators' tools
+    (`slidingserve explain --server`), not for every iteration: explaining costs more than
+    deciding.  Added after v1.0: older services ignore it.
     """
     @_builtins.property
     def snapshot(self) -> Global___Snapshot:
@@ -415,10 +423,11 @@ class ScheduleRequest(_message.Message):
         snapshot: Global___Snapshot | None = ...,
         policy: _builtins.str = ...,
         params: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        explain: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["snapshot", b"snapshot"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["params", b"params", "policy", b"policy", "request_id", b"request_id", "snapshot", b"snapshot"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["explain", b"explain", "params", b"params", "policy", b"policy", "request_id", b"request_id", "snapshot", b"snapshot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -555,8 +564,8 @@ Global___Plan: _TypeAlias = Plan  # noqa: Y015
 
 @_typing.final
 class PlanReason(_message.Message):
-    """Why a plan does not fully serve one request (docs/policies.md, "Why a request waited:
-    reason codes").  Engines should accept codes they do not know.
+    """Why a plan does not fully serve one request (docs/reasons.md).  Engines should accept
+    codes they do not know.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
