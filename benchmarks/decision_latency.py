@@ -1,7 +1,7 @@
 """In-process decision time per policy on a loaded engine's snapshot, compiled vs numpy.
 
     .venv/bin/python -m benchmarks.decision_latency [--decodes 256] [--queued 512] [--iters 300]
-                                                    [--no-native] [--explain]
+                                                    [--no-native] [--explain] [--encode]
 
 Compiles (or loads from numba's disk cache) the kernels first, as the service does at
 start-up, then times every policy on both backends in the same run, decision by
@@ -15,6 +15,12 @@ slidingserve p50 <= 0.25 ms, p99 <= 1 ms.
 ``--explain`` also times each decision with its reasons (``reasons.explain`` after
 ``plan``; issue 24), in turn with the plain decision on the same snapshot, and prints the
 overhead at p50 (target: at most 5% for slidingserve).
+
+``--encode`` also times what the service does with a plan: ``encode_plan`` to the wire
+message and its serialisation, for the plain plan and for the explained one (its reasons
+already classified, so that the figure is the encoding alone), and the whole service path
+(decide, encode, serialise) without and with reasons (``plan_explained``, the reasons
+classified while encoding).
 """
 
 from __future__ import annotations
@@ -28,16 +34,27 @@ import numpy as np
 from benchmarks.snapshots import busy_snapshot
 from scheduler_service.core import Snapshot, default_predictor, kernels, registry
 from scheduler_service.core.reasons import plan_explained
+from scheduler_service.wire.convert import encode_plan
+
+
+def _wire_ms(plan: Any, ids: Any) -> float:
+    """``encode_plan`` and the serialisation of its message (ms)."""
+    t = time.perf_counter()
+    encode_plan(plan, ids).SerializeToString()
+    return (time.perf_counter() - t) * 1e3
 
 
 def _time_policy(name: str, snaps: list[Snapshot], iters: int, backends: list[str],
-                 explained: bool = False) -> dict[str, Any]:
+                 explained: bool = False, encode: bool = False) -> dict[str, Any]:
     """Per backend: decision times (ms), paths taken, breakdown samples (us); with
     ``explained`` also the times of the decision with reasons (``"te"``: ``plan_explained``,
-    the reasons not yet read; ``"tr"``: and every reason read), in turn with the others."""
+    the reasons not yet read; ``"tr"``: and every reason read), in turn with the others;
+    with ``encode`` the wire times (``"w"``: the plain plan, ``"wr"``: the explained one,
+    classified; ``"s"`` / ``"sr"``: decide + encode + serialise without / with reasons)."""
     pred = default_predictor()
     pol = registry.create(name)
-    out: dict[str, Any] = {b: {"t": [], "te": [], "tr": [], "paths": {}, "parts": {}} for b in backends}
+    out: dict[str, Any] = {b: {"t": [], "te": [], "tr": [], "w": [], "wr": [], "s": [], "sr": [], "paths": {},
+                               "parts": {}} for b in backends}
     for b in backends:
         with kernels.using(b):
             for s in snaps:
@@ -56,6 +73,16 @@ def _time_policy(name: str, snaps: list[Snapshot], iters: int, backends: list[st
                     list(told.reasons)
                     out[b]["te"].append((t1 - t) * 1e3)
                     out[b]["tr"].append((time.perf_counter() - t) * 1e3)
+                if encode:
+                    r = out[b]
+                    r["w"].append(_wire_ms(plan, s.ids))
+                    r["wr"].append(_wire_ms(told, s.ids))
+                    t = time.perf_counter()
+                    encode_plan(pol.plan(s, pred), s.ids).SerializeToString()
+                    t1 = time.perf_counter()
+                    encode_plan(plan_explained(pol, s, pred), s.ids).SerializeToString()
+                    r["s"].append((t1 - t) * 1e3)
+                    r["sr"].append((time.perf_counter() - t1) * 1e3)
             r = out[b]
             r["t"].append(dt * 1e3)
             r["paths"][plan.path] = r["paths"].get(plan.path, 0) + 1
@@ -85,7 +112,10 @@ def main() -> None:
     ap.add_argument("--policies", default=",".join(registry.names()))
     ap.add_argument("--no-native", action="store_true", help="skip vLLM's native schedule()")
     ap.add_argument("--explain", action="store_true", help="also time decisions with their reasons")
+    ap.add_argument("--encode", action="store_true",
+                    help="also time the wire encoding with and without reasons (implies --explain)")
     args = ap.parse_args()
+    args.explain = args.explain or args.encode
     default = kernels.backend()
     with kernels.using("numba") as compiled:
         warm = kernels.warm_up()
@@ -99,10 +129,13 @@ def main() -> None:
     print(f"{'policy':22s}{head} {'numpy/numba p50':>16s}  paths")
     sliding = None
     explained: list[str] = []
+    wire: list[str] = []
     for name in args.policies.split(","):
-        res = _time_policy(name, snaps, args.iters, backends, args.explain)
+        res = _time_policy(name, snaps, args.iters, backends, args.explain, args.encode)
         if args.explain:
             explained.append(_overhead(name, res, backends))
+        if args.encode:
+            wire.append(_wire(name, res, backends))
         q = {b: (np.percentile(res[b]["t"], 50), np.percentile(res[b]["t"], 99)) for b in backends}
         cols = "".join(f" {q[b][0]:10.3f} {q[b][1]:10.3f}" for b in backends)
         ratio = f"{q['numpy'][0] / q['numba'][0]:15.1f}x" if len(backends) == 2 else f"{'-':>16s}"
@@ -118,6 +151,10 @@ def main() -> None:
         print("p50 off -> with reasons (plan_explained; reasons classified on first read) and with every "
               "reason read, overhead at p50:")
         print("\n".join(explained))
+    if wire:
+        print("p50 encode_plan + serialise, plain -> explained plan (reasons classified); and decide + encode + "
+              "serialise without -> with reasons (what the service does), overhead at p50:")
+        print("\n".join(wire))
     if not args.no_native:
         print(_native(args.decodes, args.queued))
 
@@ -128,6 +165,15 @@ def _overhead(name: str, res: dict[str, Any], backends: list[str]) -> str:
         off, on, read = (float(np.percentile(res[b][k], 50)) for k in ("t", "te", "tr"))
         cols.append(f"{b} {off:.3f} -> {on:.3f} ms ({100 * (on - off) / off:+.1f}%), read {read:.3f} ms "
                     f"({100 * (read - off) / off:+.1f}%)")
+    return f"  {name:22s}" + "; ".join(cols)
+
+
+def _wire(name: str, res: dict[str, Any], backends: list[str]) -> str:
+    cols = []
+    for b in backends:
+        w, wr, s, sr = (float(np.percentile(res[b][k], 50)) for k in ("w", "wr", "s", "sr"))
+        cols.append(f"{b} encode {w:.3f} -> {wr:.3f} ms; service path {s:.3f} -> {sr:.3f} ms "
+                    f"({100 * (sr - s) / s:+.1f}%)")
     return f"  {name:22s}" + "; ".join(cols)
 
 
