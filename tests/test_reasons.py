@@ -32,7 +32,8 @@ from scheduler_service.core.reasons import (
     plan_explained,
     reason_counts,
 )
-from scheduler_service.wire.convert import plan_from_pb, plan_to_pb
+from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
+from scheduler_service.wire.convert import encode_plan, plan_from_pb, plan_to_pb
 
 from .reach import Reached
 from .strategies import NOW, predictors, requests_st
@@ -239,6 +240,23 @@ def test_reasons_round_trip_json_and_protobuf() -> None:
     counts = reason_counts(plan.reasons)
     assert counts == reason_counts(tuple(plan.reasons)) == reason_counts(plan_from_pb(plan_to_pb(plan)).reasons)
     assert sum(counts.values()) == len(plan.reasons) and all(v > 0 for v in counts.values())
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, database=None)
+@given(st.sampled_from(["slidingserve", "sarathi", "qoserve", "vllm-fcfs"]), waiting_snapshots(),
+       st.lists(st.text(st.sampled_from("ab-_.é字"), min_size=0, max_size=3), min_size=12, max_size=12),
+       st.sampled_from([1, 60, 100, 108, 112, 116, 126, 200]))
+def test_the_reason_encoder_writes_protobufs_bytes(name: str, snap: Snapshot, tails: list[str], width: int) -> None:
+    """encode_plan's reasons, written straight into wire bytes, are the message protobuf
+    builds: ids of every length around the one-byte length boundary, multi-byte characters."""
+    data = json.loads(snap.to_json())
+    for k, r in enumerate(data["requests"]):
+        r["id"] = f"{r['id']}{'x' * (width - len(r['id']) - 1)}{tails[k % len(tails)]}{k}"
+    snap = Snapshot.from_json(data)
+    plan = plan_explained(registry.create(name), snap, default_predictor())
+    got = encode_plan(plan, snap.ids)
+    assert got == plan_to_pb(plan)
+    assert plan_from_pb(pb.Plan.FromString(got.SerializeToString())).reasons == plan.reasons
 
 
 @pytest.mark.parametrize("change,expect", [
