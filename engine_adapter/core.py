@@ -32,6 +32,7 @@ counted.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import logging
 import threading
@@ -66,6 +67,11 @@ reason_log = logging.getLogger("engine_adapter.reasons")
 
 #: Fallback reasons, as counted in :attr:`AdapterCore.fallbacks`.
 REASONS = ("deadline", "error", "invalid_plan", "circuit_open")
+
+#: Upper bounds (s) of :attr:`AdapterCore.decision_counts`: how long the scheduler took to
+#: answer, as the engine saw it (remote: the whole round trip, a late answer counted at the
+#: deadline it missed; in process: the policy).
+DECISION_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5)
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +188,9 @@ class AdapterCore:
         self._skip = 0
         self._backoff = settings.min_backoff_decisions
         self.reasons = ReasonLog()
+        #: scheduler answers by time taken (:data:`DECISION_BUCKETS`, then one for longer), and their sum (s)
+        self.decision_counts = [0] * (len(DECISION_BUCKETS) + 1)
+        self.decision_seconds = 0.0
         # reports
         self._reports: collections.deque[IterationSample] = collections.deque(maxlen=settings.report_queue)
         self.reports_dropped = 0
@@ -204,9 +213,11 @@ class AdapterCore:
             try:
                 plan = self.backend.schedule(snapshot, self.settings.deadline_ms / 1e3)
             except Exception as e:  # every remote failure mode ends in the fallback
+                self._timed(time.perf_counter() - t0)
                 reason = _classify(e)
                 self.last_error = f"{type(e).__name__}: {e}"
             else:
+                self._timed(time.perf_counter() - t0)
                 problems = plan_violations(snapshot, plan)
                 if not problems:
                     self.remote_decisions += 1
@@ -224,6 +235,10 @@ class AdapterCore:
             return Decision(None, "fallback", reason, int((time.perf_counter() - t0) * 1e6))
         plan = self._fallback.plan(snapshot, self._fallback_predictor)
         return Decision(plan, "fallback", reason, int((time.perf_counter() - t0) * 1e6))
+
+    def _timed(self, seconds: float) -> None:
+        self.decision_counts[bisect.bisect_left(DECISION_BUCKETS, seconds)] += 1
+        self.decision_seconds += seconds
 
     @property
     def fallback_total(self) -> int:
@@ -289,6 +304,8 @@ class AdapterCore:
             "last_error": self.last_error,
             "waiting_by_reason": dict(self.reasons.counts),
             "explained_plans": self.reasons.explained,
+            "decision_counts": list(self.decision_counts),
+            "decision_seconds": self.decision_seconds,
         }
 
     def close(self) -> None:

@@ -27,7 +27,7 @@ import pytest
 
 from clients.bench.runner import profile_predictor, quiet_logs
 from clients.workloads import make_workload
-from engine_adapter.core import AdapterCore, AdapterSettings
+from engine_adapter.core import DECISION_BUCKETS, AdapterCore, AdapterSettings
 from engine_adapter.faults import FaultyPolicy, ServiceProcess, TcpProxy
 from engine_adapter.remote import GrpcBackend
 from engine_adapter.sim.engine import SimResult, SimulatedEngine, Workload
@@ -177,6 +177,14 @@ def test_slow_service_falls_back_on_deadline_then_recovers(server: SchedulerServ
     fb = run.fallbacks_between("slow", "fast")
     assert fb.get("deadline", 0) >= 3 and fb.get("error", 0) == 0
     assert run.remote_between("fast") >= 100
+    # the engine-side decision-time histogram: every call to the service is in it, and each
+    # late answer at the deadline it waited out (50 ms; the buckets from 20 ms up)
+    end = run.adapter.stats()
+    calls = end["remote_decisions"] + sum(n for r, n in end["fallbacks"].items() if r != "circuit_open")
+    assert sum(end["decision_counts"]) == calls
+    late = [b - a for a, b in zip(run.marks["slow"]["decision_counts"], run.marks["fast"]["decision_counts"],
+                                  strict=True)]
+    assert sum(late[DECISION_BUCKETS.index(0.02) + 1:]) >= fb["deadline"]
 
 
 def test_network_cut_and_restored(server: SchedulerServer) -> None:

@@ -348,12 +348,18 @@ def test_stats_accumulate_and_sum_the_cores_retired_by_reloads() -> None:
     assert d["rejected"] == {"ttft_expired": 2} and d["rejected_total"] == 2
     assert d["mean_decide_us"] == 100 and d["mean_own_us"] == 40 and d["own_us"] == 160
     assert d["mean_wait_us"] == 15 and d["report_errors"] == 1 and d["last_reason"] == "report: KeyError: 'x'"
-    assert d["core_totals"] == {"remote_decisions": 9, "reports_sent": 2, "reports_dropped": 4, "report_errors": 1}
+    assert d["core_totals"] == {"remote_decisions": 9, "reports_sent": 2, "reports_dropped": 4, "report_errors": 1,
+                                "decision_counts": [0] * 9, "decision_seconds": 0.0}
     assert d["core"] == {"remote_decisions": 3, "reports_dropped": 4}
     assert d["policy"] == "sarathi" and d["profile"] == "m|h|tp1"
     assert AdapterStats().as_dict({})["mean_decide_us"] == 0  # no iteration: no division by zero
-    assert core_totals([]) == dict.fromkeys(("remote_decisions", "reports_sent", "reports_dropped",
-                                             "report_errors"), 0)
+    assert core_totals([]) == {**dict.fromkeys(("remote_decisions", "reports_sent", "reports_dropped",
+                                                "report_errors"), 0), "decision_counts": [0] * 9,
+                               "decision_seconds": 0.0}
+    # decision-time histograms add up over the cores settings reloads retired
+    hist = core_totals([{"decision_counts": [1, 2] + [0] * 7, "decision_seconds": 0.5},
+                        {"decision_counts": [0, 1] + [0] * 6 + [3], "decision_seconds": 2.0}])
+    assert hist["decision_counts"] == [1, 3] + [0] * 6 + [3] and hist["decision_seconds"] == 2.5
 
 
 def test_deviations_count_what_vllm_changed_except_by_design() -> None:

@@ -77,6 +77,23 @@ def _fam(kind: str, name: str, doc: str, value: float | None = None,
     return fam
 
 
+def _decision_histogram(name: str, core: dict[str, Any]) -> Any:
+    """How long the scheduler took to answer, as the engine saw it: remote, the whole round
+    trip (a late answer at the deadline it missed); in process, the policy."""
+    from prometheus_client.core import HistogramMetricFamily
+
+    from engine_adapter.core import DECISION_BUCKETS
+
+    counts = core.get("decision_counts") or [0] * (len(DECISION_BUCKETS) + 1)
+    cum, buckets = 0, []
+    for le, n in zip([*map(str, DECISION_BUCKETS), "+Inf"], counts, strict=True):
+        cum += n
+        buckets.append((le, cum))
+    return HistogramMetricFamily(name, "Time the scheduler took to answer a decision, as the engine saw it (remote: "
+                                 "the round trip, a late answer at its deadline; in process: the policy)",
+                                 buckets=buckets, sum_value=core.get("decision_seconds", 0.0))
+
+
 def collect_families(s: dict[str, Any], info: dict[str, str]) -> Iterator[Any]:
     """The metric families of one ``slidingserve_stats()`` dict (names as scraped
     get ``_total`` on counters); ``info``: labels of ``slidingserve_adapter_info``."""
@@ -121,6 +138,7 @@ def collect_families(s: dict[str, Any], info: dict[str, str]) -> Iterator[Any]:
                "update_from_output() minus vLLM's work in them)", s["own_us"] / 1e6)
     yield _fam("gauge", p + "own_seconds_per_iteration", "Mean adapter engine-thread time per iteration since start",
                s["mean_own_us"] / 1e6)
+    yield _decision_histogram(p + "decision_seconds", core)
     # named like vLLM's own vllm:num_requests_waiting_by_reason, next to which it is read
     yield _fam("gauge", "vllm:slidingserve_requests_waiting_by_reason", "Requests the latest explained plan "
                "does not fully serve, by SlidingServe reason code (docs/policies.md; one plan in explain_every)",

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from engine_adapter.core import IterationSample
+from engine_adapter.core import DECISION_BUCKETS, IterationSample
 
 __all__ = ["CORE_TOTALS", "LOCAL_REASONS", "AdapterStats", "core_totals", "deviations", "iteration_sample"]
 
@@ -86,12 +86,20 @@ class AdapterStats:
         }
 
 
-def core_totals(stats: Iterable[Mapping[str, Any]]) -> dict[str, int]:
-    """The :data:`CORE_TOTALS` counters summed over several cores' stats."""
-    totals = dict.fromkeys(CORE_TOTALS, 0)
+def core_totals(stats: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """The :data:`CORE_TOTALS` counters summed over several cores' stats, and their
+    decision-time histograms (``decision_counts`` per :data:`~engine_adapter.core.DECISION_BUCKETS`
+    bucket, ``decision_seconds``)."""
+    totals: dict[str, Any] = dict.fromkeys(CORE_TOTALS, 0)
+    counts = [0] * (len(DECISION_BUCKETS) + 1)
+    seconds = 0.0
     for st in stats:
         for k in CORE_TOTALS:
             totals[k] += int(st.get(k, 0))
+        for i, n in enumerate(st.get("decision_counts") or ()):
+            counts[i] += int(n)
+        seconds += float(st.get("decision_seconds", 0.0))
+    totals["decision_counts"], totals["decision_seconds"] = counts, seconds
     return totals
 
 

@@ -58,6 +58,15 @@ def test_metrics_endpoint_serves_the_stats(mdir: str) -> None:
     assert m[(p + "own_seconds_total", ())] == pytest.approx(st["own_us"] / 1e6)
     assert m[(p + "own_seconds_per_iteration", ())] == pytest.approx(st["mean_own_us"] / 1e6)
     assert m[(p + "remote_decisions_total", ())] == st["core"]["remote_decisions"] > 0
+    # every answer the policy gave is in the decision-time histogram, which adds up
+    n = m[(p + "decision_seconds_count", ())]
+    assert n == m[(p + "decision_seconds_bucket", (("le", "+Inf"),))] == sum(st["core"]["decision_counts"])
+    assert n >= st["core"]["remote_decisions"]
+    assert m[(p + "decision_seconds_sum", ())] == pytest.approx(st["core"]["decision_seconds"]) and \
+        0 < st["core"]["decision_seconds"] < n
+    les = [float(k[1][0][1]) for k in m if k[0] == p + "decision_seconds_bucket" and k[1][0][1] != "+Inf"]
+    cums = [m[(p + "decision_seconds_bucket", (("le", str(le)),))] for le in sorted(les)]
+    assert cums == sorted(cums) and cums[-1] <= n
     info = [dict(k[1]) for k in m if k[0] == p + "info"]  # as docs/vllm.md names it
     assert info == [{"address": "inproc", "engine_id": "unit", "policy": "vllm-fcfs",
                      "profile": st["profile"], "scheduler": "RemoteSyncSchedulerUnderTest",
