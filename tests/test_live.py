@@ -105,6 +105,26 @@ def test_requests_repeat_per_seed_and_respect_the_engine() -> None:
         make_requests(spec, 0.0, 1)
 
 
+def test_shared_prefix_puts_one_system_prompt_before_the_same_requests() -> None:
+    spec = WorkloadSpec(requests=30, warmup=5, max_prompt=300, max_output=20)
+    with_prefix = WorkloadSpec(requests=30, warmup=5, max_prompt=300, max_output=20, shared_prefix=64)
+    plain, shared = make_requests(spec, 4.0, 3), make_requests(with_prefix, 4.0, 3)
+    prefix = shared[0].prompt[:64]
+    assert len(prefix) == 64 and all(3 <= t < spec.vocab_size for t in prefix)
+    # the same requests (lengths, outputs, arrivals) with the prefix before each prompt
+    for a, b in zip(plain, shared, strict=True):
+        assert b.prompt == prefix + a.prompt
+        assert (b.at_s, b.output_len, b.warmup) == (a.at_s, a.output_len, a.warmup)
+    assert make_requests(with_prefix, 2.0, 9)[0].prompt[:64] == prefix  # one system prompt for every run
+    with pytest.raises(ValueError, match="shared_prefix must be >= 0"):
+        WorkloadSpec(shared_prefix=-1)
+    # the command line: --shared-prefix, within the engine's tokens per request
+    assert spec_of(parser().parse_args(["--shared-prefix", "512", "--prefix-caching"])).workload.shared_prefix == 512
+    assert spec_of(parser().parse_args([])).workload.shared_prefix == 0
+    with pytest.raises(ValueError, match="exceed the engine's 2048 tokens per request"):
+        spec_of(parser().parse_args(["--shared-prefix", "1000"]))
+
+
 def test_config_parse() -> None:
     assert Config.parse("vllm").mode == "native"
     c = Config.parse("remote:slidingserve:decode_skip_tbts=0,skip_late_decodes=false")
@@ -213,7 +233,7 @@ def test_timing_table_sets_client_and_vllm_side_by_side() -> None:
                                  "itl_mean_ms": 20.0}}
 
     text = timing_table([run(1, 400.0, 300.0), run(2, 600.0, 500.0)])
-    assert "| vllm | 3 | 500 | 400 | 50 | 30 | 20 | 1 / 6 | — | — |" in text
+    assert "| vllm | 3 | 500 | 400 | 50 | 30 | 20 | 1 / 6 | — | — / — | — |" in text
     assert timing_table([_run("vllm", 3, 1, 1.0, 1.0)]) == ""
 
 

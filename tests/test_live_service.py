@@ -16,7 +16,7 @@ import pytest
 
 from clients.live.procs import ServiceProcess, _threads
 from clients.live.report import timing_table
-from clients.live.runner import Config
+from clients.live.runner import Config, _decision_path
 
 
 def test_service_nice_is_a_remote_configuration_setting_not_a_policy_parameter() -> None:
@@ -77,11 +77,26 @@ def test_the_timing_table_shows_the_adapter_and_the_service_time() -> None:
                                               "itl_mean_ms": 15.0}}
         if own is not None:
             r["adapter"] = {"iterations": 100.0, "own_ms_per_iter": own}
+            if service is not None:
+                r["adapter"] |= {"decision_ms_mean": 2.5, "decision_over_20ms": 0.03}
         if service is not None:
             r["service_decision_ms"] = service
         return r
 
     text = timing_table([run("inproc:slidingserve", "inproc", 1.5, None),
                          run("remote:slidingserve", "remote", 0.75, 1.25)])
-    assert "| inproc:slidingserve | 2 | 300 | 200 | 20 | 100 | 15 | 1 / 2 | 1.50 | — |" in text
-    assert "| remote:slidingserve | 2 | 300 | 200 | 20 | 100 | 15 | 1 / 2 | 0.75 | 1.25 |" in text
+    assert "| inproc:slidingserve | 2 | 300 | 200 | 20 | 100 | 15 | 1 / 2 | 1.50 | — / — | — |" in text
+    assert "| remote:slidingserve | 2 | 300 | 200 | 20 | 100 | 15 | 1 / 2 | 0.75 | 2.50 / 3.0% | 1.25 |" in text
+
+
+def test_a_runs_decision_histogram_becomes_its_mean_and_tail_shares() -> None:
+    """The adapter's counters over a run, as scraped: 100 answers, 0.25 s in all, 90 within
+    10 ms and 97 within 20 ms."""
+    ad = {"iterations": 120.0, "decision_seconds_count": 100.0, "decision_seconds_sum": 0.25,
+          "decision_le_0.005": 50.0, "decision_le_0.01": 90.0, "decision_le_0.02": 97.0, "decision_le_+Inf": 100.0}
+    _decision_path(ad)
+    assert ad == {"iterations": 120.0, "decision_ms_mean": 2.5, "decision_over_10ms": pytest.approx(0.10),
+                  "decision_over_20ms": pytest.approx(0.03)}
+    quiet = {"iterations": 0.0, "decision_seconds_count": 0.0, "decision_seconds_sum": 0.0, "decision_le_0.01": 0.0}
+    _decision_path(quiet)
+    assert quiet == {"iterations": 0.0}  # no answers: no mean, no shares

@@ -134,11 +134,12 @@ def timing_table(runs: Sequence[dict[str, Any]]) -> str:
     lines = ["Where the time goes (means over runs, ms; every request of a run, warm-up included): the client's "
              "TTFT, vLLM's (its API server's arrival to first token), vLLM's queue and prefill time, its "
              "inter-token latency, how late the client sent requests (mean / max), the adapter's engine-thread "
-             "time per iteration (snapshot, waiting for the plan, execution) and, remote, the service's own time "
-             "per decision:", "",
+             "time per iteration (snapshot, waiting for the plan, execution), how long the scheduler took to "
+             "answer as the engine saw it (remote: the round trip; mean, and the share of answers over 20 ms) "
+             "and, remote, the service's own time per decision:", "",
              "| configuration | rate | TTFT, client | TTFT, vLLM | queue | prefill | inter-token | sent late "
-             "| adapter / iteration | service / decision |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| adapter / iteration | answer, engine-side | service / decision |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def mean(rs: Sequence[dict[str, Any]], *path: str, fmt: str = "{:.0f}") -> str:
         xs = []
@@ -158,6 +159,8 @@ def timing_table(runs: Sequence[dict[str, Any]]) -> str:
                          f"{mean(rs, 'vllm_timings', 'prefill_mean_ms')} | {mean(rs, 'vllm_timings', 'itl_mean_ms')} | "
                          f"{mean(rs, 'client', 'send_late_mean_ms')} / {mean(rs, 'client', 'send_late_max_ms')} | "
                          f"{mean(rs, 'adapter', 'own_ms_per_iter', fmt='{:.2f}')} | "
+                         f"{mean(rs, 'adapter', 'decision_ms_mean', fmt='{:.2f}')} / "
+                         f"{mean(rs, 'adapter', 'decision_over_20ms', fmt='{:.1%}')} | "
                          f"{mean(rs, 'service_decision_ms', fmt='{:.2f}')} |")
     return "\n".join(lines) + "\n"
 

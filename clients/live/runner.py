@@ -154,7 +154,24 @@ def _counters(v: VllmProcess) -> dict[str, float]:
             out[name.removeprefix("slidingserve_adapter_").removesuffix("_total")] = val
         elif name == "slidingserve_adapter_fallbacks_total":
             out["fallback_" + labels.get("reason", "?")] = val
+        elif name == "slidingserve_adapter_decision_seconds_bucket":
+            out["decision_le_" + labels.get("le", "?")] = val
+        elif name in ("slidingserve_adapter_decision_seconds_sum", "slidingserve_adapter_decision_seconds_count"):
+            out[name.removeprefix("slidingserve_adapter_")] = val
     return out
+
+
+def _decision_path(ad: dict[str, float]) -> None:
+    """Replace the run's decision-time histogram in ``ad`` (the adapter's counters over the
+    run) by its mean (ms) and the shares of answers over 10 ms and over 20 ms."""
+    n = ad.pop("decision_seconds_count", 0.0)
+    total = ad.pop("decision_seconds_sum", 0.0)
+    le = {k.removeprefix("decision_le_"): ad.pop(k) for k in [k for k in ad if k.startswith("decision_le_")]}
+    if n > 0:
+        ad["decision_ms_mean"] = 1e3 * total / n
+        for cut, key in (("0.01", "decision_over_10ms"), ("0.02", "decision_over_20ms")):
+            if cut in le:
+                ad[key] = (n - le[cut]) / n
 
 
 #: vLLM's own request timings (its API server's /metrics), histograms in seconds: what the
@@ -313,6 +330,7 @@ class _Bench:
             rec["adapter"] = ad = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
             # the adapter's engine-thread time per iteration: snapshots, waiting for the plan, execution
             ad["own_ms_per_iter"] = 1e3 * ad.pop("own_seconds", 0.0) / ad["iterations"] if ad.get("iterations") else None
+            _decision_path(ad)
             rec["params"] = dict(c.params)
         if self.service is not None:
             s, n = self.service.predictor_error()
