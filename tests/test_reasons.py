@@ -4,6 +4,7 @@ does not fully serve, the reason holds, and explaining never changes a decision.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -19,10 +20,11 @@ from scheduler_service.core import (
     Plan,
     Snapshot,
     default_predictor,
+    kernels,
     plan_violations,
     registry,
 )
-from scheduler_service.core.plan import Reason
+from scheduler_service.core.plan import Reason, Reasons
 from scheduler_service.core.predictor import batch_features
 from scheduler_service.core.reasons import (
     CODES,
@@ -215,6 +217,43 @@ def test_reasons_on_loaded_engines(name: str) -> None:
         assert all(LOADED.counts[k] >= v for k, v in floors.items()), dict(LOADED.counts)
 
 
+# ------------------------------------------------------------ the two backends
+def _arrays_by_backend(name: str, snap: Snapshot, pred: BatchLatencyPredictor) -> list[tuple[np.ndarray, ...]]:
+    """The reasons' arrays of ``name``'s plan for ``snap``, explained on each backend
+    (the post-pass and, SlidingServe, from the decision's trace)."""
+    policy = registry.create(name)
+    out = []
+    for backend in ("numpy", "numba"):
+        with kernels.using(backend):
+            plan = policy.plan(snap, pred)
+            for told in (explain(policy, snap, pred, plan), plan_explained(policy, snap, pred)):
+                out.append(told.reasons.arrays() if isinstance(told.reasons, Reasons) else ())
+    return out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("numba") is None, reason="numba is not installed")
+@settings(max_examples=250, deadline=None, derandomize=True, database=None)
+@given(st.sampled_from([*POLICIES, "slidingserve", "slidingserve"]), waiting_snapshots(),
+       st.one_of(st.just(default_predictor()), predictors(), predictors(negative=True)))
+def test_the_reasons_kernel_is_the_reference(name: str, snap: Snapshot, pred: BatchLatencyPredictor) -> None:
+    """The compiled ``reason_codes`` and its numpy reference give the same rows, codes and
+    values, bit for bit (values compared as bytes), on random snapshots."""
+    ref, *others = _arrays_by_backend(name, snap, pred)
+    for got in others:
+        assert len(got) == len(ref)
+        for a, b in zip(got, ref, strict=True):
+            assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("numba") is None, reason="numba is not installed")
+@pytest.mark.parametrize("name", POLICIES)
+def test_the_reasons_kernel_is_the_reference_on_loaded_engines(name: str) -> None:
+    pred = default_predictor()
+    for seed in range(12):
+        ref, *others = _arrays_by_backend(name, _loaded(seed), pred)
+        assert all(a.tobytes() == b.tobytes() for got in others for a, b in zip(got, ref, strict=True))
+
+
 # ------------------------------------------------------------------ the data model
 def _plan_with_reasons() -> tuple[Snapshot, Plan]:
     from .test_classes import classed
@@ -255,7 +294,7 @@ def test_the_reason_encoder_writes_protobufs_bytes(name: str, snap: Snapshot, ta
     snap = Snapshot.from_json(data)
     plan = plan_explained(registry.create(name), snap, default_predictor())
     got = encode_plan(plan, snap.ids)
-    assert got == plan_to_pb(plan)
+    assert got == plan_to_pb(plan)  # field 15 and the compact form (tests/test_reasons_wire.py)
     assert plan_from_pb(pb.Plan.FromString(got.SerializeToString())).reasons == plan.reasons
 
 

@@ -84,24 +84,28 @@ class Reason(NamedTuple):
 
 class Reasons(Sequence[Reason]):
     """An immutable sequence of :class:`Reason`, kept as arrays (snapshot rows, code
-    indices into :data:`CODES`, values) and turned into objects only when read: a plan
+    indices into ``names``, values) and turned into objects only when read: a plan
     leaving hundreds of requests waiting costs no Python objects until someone looks.
+    ``names`` is the code table the indices refer to: :data:`CODES` (the default) for
+    reasons classified here, the plan's own table for reasons decoded from the wire.
     With ``compute`` the arrays themselves are computed on first read (``compute()``
     returns them; it must only read immutable inputs).  Compares equal to any sequence of
     the same reasons."""
 
-    __slots__ = ("_arrays", "_compute", "_ids", "_items")
+    __slots__ = ("_arrays", "_compute", "_ids", "_items", "names")
 
     def __init__(self, ids: Sequence[str], rows: np.ndarray | None = None, codes: np.ndarray | None = None,
                  values: np.ndarray | None = None, *,
-                 compute: Callable[[], tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None) -> None:
+                 compute: Callable[[], tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None,
+                 names: Sequence[str] | None = None) -> None:
         self._ids = ids
         self._arrays = None if compute is not None else (rows, codes, values)
         self._compute = compute
         self._items: tuple[Reason, ...] | None = None
+        self.names: tuple[str, ...] = CODES if names is None else tuple(names)
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(snapshot rows, code indices into :data:`CODES`, values), computed if need be."""
+        """(snapshot rows, code indices into :attr:`names`, values), computed if need be."""
         if self._arrays is None:
             assert self._compute is not None
             self._arrays = self._compute()
@@ -110,7 +114,7 @@ class Reasons(Sequence[Reason]):
     @property
     def items(self) -> tuple[Reason, ...]:
         if self._items is None:
-            ids, names = self._ids, CODES
+            ids, names = self._ids, self.names
             rows, codes, values = self.arrays()
             self._items = tuple(
                 Reason(ids[i], names[c], float(v))
@@ -119,10 +123,11 @@ class Reasons(Sequence[Reason]):
         return self._items
 
     def counts(self) -> dict[str, int]:
-        """Code → how many requests wait for it, in :data:`CODES` order (for metrics: no
+        """Code → how many requests wait for it, in :attr:`names` order (for metrics: no
         :class:`Reason` objects are built)."""
-        c = np.bincount(self.arrays()[1], minlength=len(CODES)).tolist()
-        return {CODES[k]: int(v) for k, v in enumerate(c) if v}
+        names = self.names
+        c = np.bincount(self.arrays()[1], minlength=len(names)).tolist()
+        return {names[k]: int(v) for k, v in enumerate(c) if v}
 
     def __len__(self) -> int:
         return len(self.arrays()[0])

@@ -59,39 +59,6 @@ def reason_counts(reasons: Sequence[Reason]) -> dict[str, int]:
     return {c: n[c] for c in (*CODES, *sorted(set(n) - set(CODES))) if n[c]}
 
 
-#: Codes whose value is the request's slack in ms.
-_SLACK = np.zeros(len(CODES), dtype=bool)
-_SLACK[[_C[c] for c in ("given_up", "expired", "ahead", "late", "ttft_expired", "e2e_expired",
-                        "ttft_unreachable", "e2e_unreachable")]] = True
-
-
-class _Rules:
-    """The rules that hold, in order, over the waiting rows: ``mask`` None means every
-    waiting row (nothing after it can be reached); ``value`` the code's value where it is
-    one number."""
-
-    def __init__(self, n_codes: int) -> None:
-        self.rules: list[tuple[np.ndarray | None, int]] = []
-        self.scalar = np.zeros(n_codes)
-        self.closed = False
-
-    def add(self, mask: np.ndarray | None, code: str, value: float = 0.0) -> None:
-        if self.closed or (mask is not None and not mask.any()):
-            return
-        self.rules.append((mask, _C[code]))
-        self.scalar[_C[code]] = value
-        self.closed = mask is None
-
-    def codes(self, n: int) -> np.ndarray:
-        out = np.full(n, _C["behind"], dtype=np.int8)
-        for mask, c in reversed(self.rules):  # the first rule that holds is written last
-            if mask is None:
-                out[:] = c
-            else:
-                out[mask] = c
-        return out
-
-
 def explain(policy: Policy, snapshot: Snapshot, predictor: BatchLatencyPredictor, plan: Plan,
             trace: dict[str, Any] | None = None) -> Plan:
     """``plan`` (made by ``policy`` for ``snapshot``) with a reason for every request it
@@ -108,42 +75,35 @@ def explain(policy: Policy, snapshot: Snapshot, predictor: BatchLatencyPredictor
                 plan.rejections, plan.preemptions, reasons)
 
 
-_NONE = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int8), np.zeros(0))
+_EMPTY = np.zeros(0, dtype=np.int64)
+_NO_CODES = np.zeros(0, dtype=np.int8)
 
 
 def _classify(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor, plan: Plan,
               trace: dict[str, Any] | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(waiting rows, their code indices, their values): what :func:`explain` promises."""
-    n = len(snap)
+    """(waiting rows, their code indices, their values): what :func:`explain` promises.
+
+    Here only the plan-wide facts are gathered (which rules apply, their numbers, the
+    sets the decision held back); the per-request work, one pass over the rows, is the
+    ``reason_codes`` operation of the kernels facade (``reference.reason_codes``)."""
     got = _got(snap, plan, trace)
-    dec = snap.is_decoding
-    rows = np.flatnonzero(got < np.where(dec, 1, snap.remaining_prefill))
-    if not len(rows):
-        return _NONE
-    rules = _Rules(len(CODES))
-    rules.scalar[_C["behind"]] = len(plan.allocations)
-    gone = np.zeros(n, dtype=bool)
-    if plan.preemptions:
-        gone[[snap.index_of[r] for r in plan.preemptions]] = True
-    _limits(policy, snap, predictor, plan, got, gone, rows, rules)
+    if trace is None and not (got < np.where(snap.is_decoding, 1, snap.remaining_prefill)).any():
+        return _EMPTY, _NO_CODES, np.zeros(0)  # nothing waits: no rule to replay
+    on = np.zeros(len(CODES), dtype=bool)
+    scalar = np.zeros(len(CODES))
+    scalar[_C["behind"]] = len(plan.allocations)
+    closed = _limits(policy, snap, predictor, plan, on, scalar)
+    lost = held = rescued = _EMPTY
+    starve = skip = 0.0
     if hasattr(policy, "held_back"):
-        _sliding(policy, snap, predictor, plan, got, gone, rows, rules, trace)
-    elif hasattr(policy, "relegated") and not rules.closed:  # QoServe
+        if not closed:
+            lost, held, rescued, starve, skip = _sliding(policy, snap, predictor, plan, got, on, scalar, trace)
+    elif hasattr(policy, "relegated") and not closed:  # QoServe
         pre = prefill_indices(snap)
-        rel = np.zeros(n, dtype=bool)
-        rel[pre[policy.relegated(snap, predictor, pre)]] = True
-        rules.add(rel[rows], "given_up")
-    code = rules.codes(len(rows))
-    value = rules.scalar[code]
-    _verdicts(snap, plan, rows, code, value)
-    slack = _SLACK[code]
-    if slack.any():
-        value[slack] = snap.slack[rows[slack]] * 1e3
-    for c, col in (("class_sit_out", snap.priority), ("preempted", snap.kv_tokens)):
-        m = code == _C[c]
-        if m.any():
-            value[m] = col[rows[m]]
-    return rows, code, value
+        lost = pre[policy.relegated(snap, predictor, pre)]
+        on[_C["given_up"]] = True
+    v_rows, v_codes = _verdicts(snap, plan)
+    return kernels.ops().reason_codes(snap, got, lost, held, rescued, v_rows, v_codes, on, scalar, starve, skip)
 
 
 def _got(snap: Snapshot, plan: Plan, trace: dict[str, Any] | None) -> np.ndarray:
@@ -160,21 +120,15 @@ def _got(snap: Snapshot, plan: Plan, trace: dict[str, Any] | None) -> np.ndarray
     return got
 
 
-def _verdicts(snap: Snapshot, plan: Plan, rows: np.ndarray, code: np.ndarray, value: np.ndarray) -> None:
-    """The rejections and preemptions, which come before every rule."""
+def _verdicts(snap: Snapshot, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
+    """The rejections and preemptions, which come before every rule: (rows, codes)."""
+    if not plan.rejections and not plan.preemptions:
+        return _EMPTY, _NO_CODES
     index = snap.index_of
-    for r in plan.rejections:
-        k = int(np.searchsorted(rows, index[r.id]))
-        code[k] = _C[r.reason] if r.reason in _C else _C["ttft_unreachable"]
-    for rid in plan.preemptions:
-        code[int(np.searchsorted(rows, index[rid]))] = _C["preempted"]
-
-
-def _member(n: int, idx: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """Mask over ``rows``: which are in ``idx`` (both snapshot rows)."""
-    m = np.zeros(n, dtype=bool)
-    m[idx] = True
-    return m[rows]
+    rows = [index[r.id] for r in plan.rejections] + [index[r] for r in plan.preemptions]
+    codes = [_C[r.reason] if r.reason in _C else _C["ttft_unreachable"] for r in plan.rejections]
+    codes += [_C["preempted"]] * len(plan.preemptions)
+    return np.array(rows, dtype=np.int64), np.array(codes, dtype=np.int8)
 
 
 def token_budget(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor) -> int:
@@ -204,68 +158,70 @@ def kv_watermark(policy: Policy, snap: Snapshot, plan: Plan) -> int:
     return iters * holders
 
 
-def _limits(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor, plan: Plan, got: np.ndarray,
-            gone: np.ndarray, rows: np.ndarray, rules: _Rules) -> None:
-    """The hard limits: sequences, tokens, KV, the KV-growth watermark."""
+def _rule(on: np.ndarray, scalar: np.ndarray, code: str, value: float = 0.0) -> None:
+    on[_C[code]] = True
+    scalar[_C[code]] = value
+
+
+def _limits(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor, plan: Plan, on: np.ndarray,
+            scalar: np.ndarray) -> bool:
+    """The hard limits: sequences, tokens, KV, the KV-growth watermark; True when one
+    holds for every waiting request (no later rule can be reached)."""
     if len(plan.allocations) >= snap.max_num_seqs:
-        rules.add(got[rows] == 0, "max_num_seqs", float(snap.max_num_seqs))
+        _rule(on, scalar, "max_num_seqs", float(snap.max_num_seqs))
     budget = token_budget(policy, snap, predictor)
     if plan.token_budget >= budget:
-        rules.add(None, "token_budget", float(budget))
-    left = kv_left(policy, snap, plan, gone)
+        _rule(on, scalar, "token_budget", float(budget))
+        return True
+    left = kv_left(policy, snap, plan)
     if left is None:
-        return
+        return False
     if left < 1:
-        rules.add(None, "kv", float(left))
-        return
+        _rule(on, scalar, "kv", float(left))
+        return True
     mark = kv_watermark(policy, snap, plan)
     if left - mark < 1:  # no new admission; the prefill stream stops at the first new request
-        rules.add(~snap.is_decoding[rows], "kv_watermark", float(mark))
+        _rule(on, scalar, "kv_watermark", float(mark))
+    return False
 
 
-def _sliding(policy: Any, snap: Snapshot, predictor: BatchLatencyPredictor, plan: Plan,
-             got: np.ndarray, gone: np.ndarray, rows: np.ndarray, rules: _Rules,
-             trace: dict[str, Any] | None) -> None:
-    """SlidingServe's own rules, from the decision's trace or replayed."""
-    if rules.closed:
-        return
+def _sliding(policy: Any, snap: Snapshot, predictor: BatchLatencyPredictor, plan: Plan, got: np.ndarray,
+             on: np.ndarray, scalar: np.ndarray, trace: dict[str, Any] | None
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float]:
+    """SlidingServe's own rules, from the decision's trace or replayed: (lost, held,
+    rescued rows, the starvation bound, the decode skip), the rules switched ``on``."""
     p = policy.params
-    lost, held, rescued, W = _state(policy, snap, predictor, got, gone, trace)
-    d = snap.is_decoding[rows]
-    slack = snap.slack[rows]
+    lost, held, rescued, W = _state(policy, snap, predictor, plan, got, trace)
     if held is not None:
-        rules.add(_member(len(snap), held, rows), "class_reserve", _reserve_ms(snap, predictor))
+        _rule(on, scalar, "class_reserve", _reserve_ms(snap, predictor))
     if p.order == "mlps":
-        if len(lost):
-            rules.add(_member(len(snap), lost, rows), "given_up")
-        rules.add(~d & (slack <= 0), "expired")
-    if d.any():
-        dr = rows[d]
-        if rescued is not None:
-            rules.add(_member(len(snap), rescued, rows), "class_rescue", float(len(rescued)))
-        late = d & (slack <= 0)
-        if p.starve_after > 0:
-            late &= slack > -p.starve_after * snap.tbt_slo[rows]
-        rules.add(late, "late")
-        ahead = np.zeros(len(rows), dtype=bool)
-        ahead[d] = snap.slack[dr] > p.decode_skip_tbts * snap.step[dr]
-        rules.add(ahead, "ahead")
-        if not snap.one_class:
-            rules.add(d, "class_sit_out")
+        _rule(on, scalar, "given_up")
+        _rule(on, scalar, "expired")
+    if rescued is not None:
+        _rule(on, scalar, "class_rescue", float(len(rescued)))
+    _rule(on, scalar, "late")
+    _rule(on, scalar, "ahead")
+    if not snap.one_class:
+        _rule(on, scalar, "class_sit_out")
     if plan.path == "batch_constructor":
-        rules.add(~d, "not_chosen", float(np.count_nonzero((got > 0) & ~snap.is_decoding)))
+        _rule(on, scalar, "not_chosen", float(np.count_nonzero((got > 0) & ~snap.is_decoding)))
     elif W is not None:
-        rules.add(~d, "time_budget", float(W[0]))
+        _rule(on, scalar, "time_budget", float(W[0]))
+    return (lost, _EMPTY if held is None else held, _EMPTY if rescued is None else rescued,
+            float(p.starve_after), float(p.decode_skip_tbts))
 
 
-def _state(policy: Any, snap: Snapshot, predictor: BatchLatencyPredictor, got: np.ndarray,
-           gone: np.ndarray, trace: dict[str, Any] | None
+def _state(policy: Any, snap: Snapshot, predictor: BatchLatencyPredictor, plan: Plan, got: np.ndarray,
+           trace: dict[str, Any] | None
            ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, np.ndarray | None]:
     """Rows given up on, held by the class reserve (None: none), sat out by the class
     rescue (None: none), and the decode windows (None: no safe decode)."""
     p = policy.params
     if trace is not None:
         return trace["lost"], trace.get("held"), trace.get("rescued"), trace["W"]
+    gone = np.zeros(len(snap), dtype=bool)
+    if plan.preemptions:
+        gone[[snap.index_of[r] for r in plan.preemptions]] = True
     lost, held, rescued = policy.held_back(snap, predictor, gone)
     W = kernels.ops().window_limits(snap, np.flatnonzero(snap.is_decoding & (got > 0)), p.window, p.margin)
     return lost, held if len(held) else None, rescued if len(rescued) else None, W

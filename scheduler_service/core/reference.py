@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .features import X7, piece_features
+from .plan import CODES
 from .predictor import LinearModel
 from .snapshot import Snapshot
 
@@ -23,9 +24,9 @@ if TYPE_CHECKING:
     from .batch import BudgetCurve, CandidateQueue
 
 __all__ = [
-    "MAX_BOUNDARIES", "SCALAR_MINOR", "class_late_set", "grid_positions", "id_rank", "knapsack_pass", "late_set",
-    "lost_mask", "mlps_keys", "mlps_order", "ordered", "queue_arrays", "read_back", "sit_out", "sliding_chunk",
-    "window_limits", "window_limits_ms",
+    "MAX_BOUNDARIES", "REASON_RULES", "REASON_VALUE", "SCALAR_MINOR", "class_late_set", "grid_positions", "id_rank", "knapsack_pass", "late_set",
+    "lost_mask", "mlps_keys", "mlps_order", "ordered", "queue_arrays", "read_back", "reason_codes", "sit_out",
+    "sliding_chunk", "window_limits", "window_limits_ms",
 ]
 
 #: Up to this many minor entries in one call the reference predicts them one by one
@@ -395,3 +396,82 @@ def _step(
     rank = (first[src] * (len(grid) + 1) + src)[:, None]
     arg = np.argmax(np.where(near, rank, -1), axis=0)
     return tot[arg, np.arange(len(cols))], src[arg]
+
+
+# --------------------------------------------------------------------- reasons
+# Code indices (into :data:`.plan.CODES`) of the rules :func:`reason_codes` applies; the
+# compiled kernel imports them (numba treats module-level ints as constants).
+RC_MAX_NUM_SEQS, RC_TOKEN_BUDGET, RC_TIME_BUDGET, RC_KV, RC_KV_WATERMARK, RC_GIVEN_UP, RC_EXPIRED, RC_AHEAD, \
+    RC_LATE, RC_CLASS_SIT_OUT, RC_CLASS_RESCUE, RC_CLASS_RESERVE, RC_NOT_CHOSEN, RC_BEHIND = (
+        CODES.index(c) for c in ("max_num_seqs", "token_budget", "time_budget", "kv", "kv_watermark", "given_up",
+                                 "expired", "ahead", "late", "class_sit_out", "class_rescue", "class_reserve",
+                                 "not_chosen", "behind"))
+#: The rules in the order they are tried: a waiting request's reason is the first that
+#: holds (after its own verdict, a rejection or a preemption), ``behind`` when none does.
+REASON_RULES = (RC_MAX_NUM_SEQS, RC_TOKEN_BUDGET, RC_KV, RC_KV_WATERMARK, RC_CLASS_RESERVE, RC_GIVEN_UP,
+                RC_EXPIRED, RC_CLASS_RESCUE, RC_LATE, RC_AHEAD, RC_CLASS_SIT_OUT, RC_NOT_CHOSEN, RC_TIME_BUDGET)
+#: What a code's value is, per code: 0 the rule's own number (``scalar``), 1 the request's
+#: slack in ms, 2 its class (priority), 3 its KV tokens.
+REASON_VALUE = np.zeros(len(CODES), dtype=np.int8)
+REASON_VALUE[[CODES.index(c) for c in ("given_up", "expired", "ahead", "late", "ttft_expired", "e2e_expired",
+                                        "ttft_unreachable", "e2e_unreachable")]] = 1
+REASON_VALUE[CODES.index("class_sit_out")] = 2
+REASON_VALUE[CODES.index("preempted")] = 3
+REASON_VALUE.flags.writeable = False
+
+
+def reason_codes(got: np.ndarray, is_dec: np.ndarray, remaining: np.ndarray, slack: np.ndarray, tbt: np.ndarray,
+                 step: np.ndarray, prio: np.ndarray, kv: np.ndarray, lost: np.ndarray, held: np.ndarray,
+                 rescued: np.ndarray, v_rows: np.ndarray, v_codes: np.ndarray, on: np.ndarray, scalar: np.ndarray,
+                 starve: float, skip: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(waiting rows, their code indices, their values): the rows that get fewer tokens
+    (``got``) than they need (a decode one, a prefill what remains), each given the first
+    rule of :data:`REASON_RULES` that is ``on`` and holds for it, a verdict (``v_rows``
+    given ``v_codes``) overriding it.  The rules' predicates: ``max_num_seqs`` no token;
+    ``token_budget``, ``kv`` every row; ``kv_watermark`` a prefill; ``class_reserve`` in
+    ``held``; ``given_up`` in ``lost``; ``expired`` a prefill with slack <= 0;
+    ``class_rescue`` in ``rescued``; ``late`` a decode with slack <= 0 (and, ``starve`` >
+    0, above ``-starve`` TBTs); ``ahead`` a decode with slack > ``skip`` steps;
+    ``class_sit_out`` a decode; ``not_chosen``, ``time_budget`` a prefill.  Values per
+    :data:`REASON_VALUE`, ``scalar[code]`` for the rules' own."""
+    rows = np.flatnonzero(got < np.where(is_dec, 1, remaining))
+    if not len(rows):
+        return rows, np.zeros(0, dtype=np.int8), np.zeros(0)
+    n = len(got)
+    d = is_dec[rows]
+    s = slack[rows]
+
+    def member(idx: np.ndarray) -> np.ndarray:
+        m = np.zeros(n, dtype=bool)
+        m[idx] = True
+        return m[rows]
+
+    masks = {
+        RC_MAX_NUM_SEQS: lambda: got[rows] == 0,
+        RC_TOKEN_BUDGET: lambda: None,
+        RC_KV: lambda: None,
+        RC_KV_WATERMARK: lambda: ~d,
+        RC_CLASS_RESERVE: lambda: member(held),
+        RC_GIVEN_UP: lambda: member(lost),
+        RC_EXPIRED: lambda: ~d & (s <= 0),
+        RC_CLASS_RESCUE: lambda: member(rescued),
+        RC_LATE: lambda: d & (s <= 0) & ((s > -starve * tbt[rows]) if starve > 0 else True),
+        RC_AHEAD: lambda: d & (s > skip * step[rows]),
+        RC_CLASS_SIT_OUT: lambda: d,
+        RC_NOT_CHOSEN: lambda: ~d,
+        RC_TIME_BUDGET: lambda: ~d,
+    }
+    code = np.full(len(rows), RC_BEHIND, dtype=np.int8)
+    for c in reversed(REASON_RULES):  # the first rule that holds is written last
+        if on[c]:
+            m = masks[c]()
+            code[slice(None) if m is None else m] = c
+    if len(v_rows):
+        code[np.searchsorted(rows, v_rows)] = v_codes
+    kind = REASON_VALUE[code]
+    value = scalar[code]
+    for k, col in ((1, s * 1e3), (2, prio[rows]), (3, kv[rows])):
+        m = kind == k
+        if m.any():
+            value[m] = col[m]
+    return rows, code, value

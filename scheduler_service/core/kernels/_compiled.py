@@ -32,7 +32,25 @@ import numpy as np
 
 from ..features import DECODE as _DECODE
 from ..features import base_ms_one, piece_ms_one, segment_ms_one
-from ..reference import MAX_BOUNDARIES, SCALAR_MINOR
+from ..reference import (
+    MAX_BOUNDARIES,
+    RC_AHEAD,
+    RC_BEHIND,
+    RC_CLASS_RESCUE,
+    RC_CLASS_RESERVE,
+    RC_CLASS_SIT_OUT,
+    RC_EXPIRED,
+    RC_GIVEN_UP,
+    RC_KV,
+    RC_KV_WATERMARK,
+    RC_LATE,
+    RC_MAX_NUM_SEQS,
+    RC_NOT_CHOSEN,
+    RC_TIME_BUDGET,
+    RC_TOKEN_BUDGET,
+    REASON_VALUE,
+    SCALAR_MINOR,
+)
 from ._ops import CLASS_BITS, POS_BITS
 
 __all__ = [
@@ -45,6 +63,7 @@ __all__ = [
     "prefix_times",
     "queue_arrays",
     "read_back",
+    "reason_codes",
     "sit_out",
     "sliding_chunk",
     "window_limits",
@@ -754,3 +773,74 @@ def read_back(take: np.ndarray, w: np.ndarray, pa: int, c: int) -> np.ndarray:
             n += 1
             c -= w[p]
     return out[:n]
+
+
+# ----------------------------------------------------------------------- reasons
+@_jit
+def reason_codes(got, is_dec, remaining, slack, tbt, step, prio, kv, lost, held, rescued,  # type: ignore[no-untyped-def]
+                 v_rows, v_codes, on, scalar, starve, skip):
+    """``reference.reason_codes`` in one pass over the snapshot's rows: each waiting row's
+    first rule that holds, in :data:`..reference.REASON_RULES` order, as an if-chain."""
+    n = got.shape[0]
+    member = np.zeros(n, dtype=np.uint8)  # bit 1: lost, 2: held, 4: rescued
+    for i in lost:
+        member[i] |= 1
+    for i in held:
+        member[i] |= 2
+    for i in rescued:
+        member[i] |= 4
+    verdict = np.full(n, -1, dtype=np.int64)
+    for j in range(v_rows.shape[0]):
+        verdict[v_rows[j]] = v_codes[j]
+    rows = np.empty(n, dtype=np.int64)
+    codes = np.empty(n, dtype=np.int8)
+    values = np.empty(n, dtype=np.float64)
+    all_rows = on[RC_TOKEN_BUDGET] or on[RC_KV]
+    k = 0
+    for i in range(n):
+        d = is_dec[i]
+        g = got[i]
+        if g >= (1 if d else remaining[i]):
+            continue
+        s = slack[i]
+        c = RC_BEHIND
+        if on[RC_MAX_NUM_SEQS] and g == 0:
+            c = RC_MAX_NUM_SEQS
+        elif all_rows:
+            c = RC_TOKEN_BUDGET if on[RC_TOKEN_BUDGET] else RC_KV
+        elif on[RC_KV_WATERMARK] and not d:
+            c = RC_KV_WATERMARK
+        elif on[RC_CLASS_RESERVE] and member[i] & 2:
+            c = RC_CLASS_RESERVE
+        elif on[RC_GIVEN_UP] and member[i] & 1:
+            c = RC_GIVEN_UP
+        elif on[RC_EXPIRED] and not d and s <= 0:
+            c = RC_EXPIRED
+        elif on[RC_CLASS_RESCUE] and member[i] & 4:
+            c = RC_CLASS_RESCUE
+        elif on[RC_LATE] and d and s <= 0 and (starve <= 0 or s > -starve * tbt[i]):
+            c = RC_LATE
+        elif on[RC_AHEAD] and d and s > skip * step[i]:
+            c = RC_AHEAD
+        elif on[RC_CLASS_SIT_OUT] and d:
+            c = RC_CLASS_SIT_OUT
+        elif on[RC_NOT_CHOSEN] and not d:
+            c = RC_NOT_CHOSEN
+        elif on[RC_TIME_BUDGET] and not d:
+            c = RC_TIME_BUDGET
+        if verdict[i] >= 0:
+            c = verdict[i]
+        kind = REASON_VALUE[c]
+        if kind == 1:
+            v = s * 1e3
+        elif kind == 2:
+            v = float(prio[i])
+        elif kind == 3:
+            v = float(kv[i])
+        else:
+            v = scalar[c]
+        rows[k] = i
+        codes[k] = c
+        values[k] = v
+        k += 1
+    return rows[:k], codes[:k], values[:k]  # views: no copy of what a plan keeps anyway

@@ -45,6 +45,11 @@ _NO_MASK = np.zeros(0, dtype=bool)
 _NO_CLASS = np.zeros(0, dtype=np.int64)
 
 
+def _idx(a: np.ndarray) -> np.ndarray:
+    """Row indices as the compiled kernels take them (int64; no copy when they are)."""
+    return a if a.dtype == np.int64 else a.astype(np.int64)
+
+
 class QueueView(NamedTuple):
     """A candidate queue as the compiled kernels take it (one numba argument; its
     fields are read by name)."""
@@ -87,6 +92,15 @@ class NumpyOps:
 
     def window_limits(self, snap: Snapshot, decodes: np.ndarray, k: int, margin: float) -> np.ndarray | None:
         return ref.window_limits(snap, decodes, k, margin)
+
+    # ------------------------------------------------------------------ reasons
+    def reason_codes(self, snap: Snapshot, got: np.ndarray, lost: np.ndarray, held: np.ndarray,
+                     rescued: np.ndarray, v_rows: np.ndarray, v_codes: np.ndarray, on: np.ndarray,
+                     scalar: np.ndarray, starve: float, skip: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(waiting rows, code indices, values) of a plan (``reasons.explain``)."""
+        return ref.reason_codes(got, snap.is_decoding, snap.remaining_prefill, snap.slack, snap.tbt_slo, snap.step,
+                                snap.priority, snap.kv_tokens, lost, held, rescued, v_rows, v_codes, on, scalar,
+                                starve, skip)
 
     # -------------------------------------------------------- candidate queue
     def queue_arrays(self, snap: Snapshot, predictor: BatchLatencyPredictor, fast: int,
@@ -183,6 +197,14 @@ class NumbaOps(NumpyOps):
     def window_limits(self, snap: Snapshot, decodes: np.ndarray, k: int, margin: float) -> np.ndarray | None:
         W = self.k.window_limits(snap.slack, snap.step, decodes, k, margin)
         return W if len(W) else None
+
+    def reason_codes(self, snap: Snapshot, got: np.ndarray, lost: np.ndarray, held: np.ndarray,
+                     rescued: np.ndarray, v_rows: np.ndarray, v_codes: np.ndarray, on: np.ndarray,
+                     scalar: np.ndarray, starve: float, skip: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self.k.reason_codes(got, snap.is_decoding, snap.remaining_prefill, snap.slack,  # type: ignore[no-any-return]
+                                   snap.tbt_slo, snap.step, snap.priority, snap.kv_tokens, _idx(lost), _idx(held),
+                                   _idx(rescued), _idx(v_rows), np.asarray(v_codes, dtype=np.int8), on,
+                                   scalar, float(starve), float(skip))
 
     def queue_arrays(self, snap: Snapshot, predictor: BatchLatencyPredictor, fast: int,
                      queue: np.ndarray) -> tuple[np.ndarray, ...]:

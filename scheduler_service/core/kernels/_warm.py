@@ -64,12 +64,16 @@ def _risky() -> Snapshot:
 
 def exercise(create: Callable[..., Policy], names: Iterable[str], pred: BatchLatencyPredictor) -> None:
     """Plan every snapshot with every policy of ``names`` (built by ``create(name)``, the
-    registry's), SlidingServe with windows 1 to 4, predicting with ``pred``."""
+    registry's), SlidingServe with windows 1 to 4, predicting with ``pred``, and explain
+    each plan (the reasons' kernel)."""
+    from ..reasons import plan_explained  # deferred: reasons imports the kernels
+
     policies = [create(name) for name in names]
     policies += [create("slidingserve", {"window": k}) for k in (1, 3, 4)]
     for snap in [*snapshots(), _risky()]:
         for pol in policies:
             pol.plan(snap, pred)
+            len(plan_explained(pol, snap, pred).reasons)  # classified: the reasons kernel
         late_set(snap, prefill_indices(snap), 1000.0)  # the policy fuses it into lost_mask
 
 
