@@ -144,23 +144,34 @@ class ReasonLog:
     """What the explained plans say: ``counts`` (code → waiting requests) of the latest
     plan that carried reasons, and, when DEBUG is on for ``engine_adapter.reasons``, one
     line per request whenever its reason changes (``grep <id>`` shows its history); the
-    ids of finished requests (gone from the snapshot) are forgotten."""
+    ids of finished requests (gone from the snapshot) are forgotten.
 
-    def __init__(self) -> None:
+    A service set to ``reasons: every`` puts reasons in every plan; reading them stays off
+    the engine's hot path: the counts of a :class:`Reasons` (compact or computed here)
+    are one ``bincount`` over its code array, no object per request, and only one plan in
+    ``count_every`` is counted (``counts`` is a gauge: the latest counted plan's); the
+    per-request objects are built only while DEBUG is on."""
+
+    def __init__(self, count_every: int = 1) -> None:
         self.counts: dict[str, int] = {}
         self.explained = 0
+        self.count_every = max(1, count_every)
         self._last: dict[str, str] = {}  # request id -> its last code
 
     @staticmethod
     def carries(plan: Plan) -> bool:
-        """Whether ``plan`` was explained: reasons computed here (even none) or received."""
+        """Whether ``plan`` was explained: reasons computed here or received (even none)."""
         return isinstance(plan.reasons, Reasons) or bool(plan.reasons)
 
     def observe(self, snapshot: Snapshot, plan: Plan) -> None:
         self.explained += 1
+        debug = reason_log.isEnabledFor(logging.DEBUG)
+        if self.explained % self.count_every and not debug:
+            return
         self.counts = reason_counts(plan.reasons)
-        if not reason_log.isEnabledFor(logging.DEBUG):
-            self._last.clear()
+        if not debug:
+            if self._last:
+                self._last.clear()
             return
         now = {r.id: r for r in plan.reasons}
         live = set(snapshot.ids)
@@ -203,7 +214,10 @@ class AdapterCore:
         self._thread.start()
 
     # ------------------------------------------------------------- decisions
-    def decide(self, snapshot: Snapshot) -> Decision:
+    def decide(self, snapshot: Snapshot, grace_s: float = 0.0) -> Decision:
+        """Ask the scheduler, within the deadline plus ``grace_s``: a decision taken ahead,
+        while the engine's running step still has ``grace_s`` to go (the pipelined adapter),
+        is late only once the engine needs it, not a deadline after it was asked."""
         t0 = time.perf_counter()
         reason = ""
         if self._skip > 0:
@@ -211,7 +225,7 @@ class AdapterCore:
             reason = "circuit_open"
         else:
             try:
-                plan = self.backend.schedule(snapshot, self.settings.deadline_ms / 1e3)
+                plan = self.backend.schedule(snapshot, self.settings.deadline_ms / 1e3 + max(0.0, grace_s))
             except Exception as e:  # every remote failure mode ends in the fallback
                 self._timed(time.perf_counter() - t0)
                 reason = _classify(e)

@@ -19,9 +19,11 @@ from typing import Any
 from scheduler_service.core import FieldViolation, ValidationError
 from scheduler_service.settings import Checks, read_document, type_violations, unknown_keys
 
-__all__ = ["LOG_LEVELS", "ServerConfig", "read_document"]
+__all__ = ["LOG_LEVELS", "REASONS_MODES", "ServerConfig", "read_document"]
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+#: Which plans carry their reasons in the compact wire form (``ServerConfig.reasons``).
+REASONS_MODES = ("every", "sampled")
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +69,11 @@ class ServerConfig:
     #: Explain one decision in this many (0 = never): its plan carries the reasons why
     #: requests wait (returned to the engine) and sets ``slidingserve_requests_waiting_by_reason``.
     explain_every: int = 16
+    #: Which plans carry the reasons why requests wait in the compact wire form (plan
+    #: fields 16-19, docs/reasons.md): "every" plan, or only the "sampled" ones (one in
+    #: ``explain_every``, and those a request asks for).  Either way the sampled and asked
+    #: plans also carry them as PlanReason messages (field 15), as before.
+    reasons: str = "sampled"
     # deployments (scheduler_service/server/deployments.py)
     #: Policy config file (YAML/TOML/JSON): named deployments side by side, the default, a shadow.
     #: Re-read on change; a bad file is refused and the last good one keeps serving.  Empty:
@@ -143,6 +150,7 @@ class ServerConfig:
         check("grace_s", 0.0 <= self.grace_s <= 3600.0, "must be in [0, 3600]")
         check("max_workers", 1 <= self.max_workers <= 4096, "must be in [1, 4096]")
         check("explain_every", 0 <= self.explain_every <= 1_000_000, "must be in [0, 1000000]")
+        check("reasons", self.reasons in REASONS_MODES, f"must be one of {list(REASONS_MODES)}")
         check("log_level", self.log_level in LOG_LEVELS, f"must be one of {list(LOG_LEVELS)}")
         check("policy_config_poll_s", 0.05 <= self.policy_config_poll_s <= 3600, "must be in [0.05, 3600]")
         check("workers", 1 <= self.workers <= 256, "must be in [1, 256]")

@@ -110,6 +110,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         self._deployment_counters: dict[str, tuple[Any, Any]] = {}
         # one decision in explain_every is explained (next() on a count is atomic under the GIL)
         self._ticks = itertools.count()
+        self._every_plan = config.reasons == "every"  # compact reasons in every plan
         self._waiting: dict[str, dict[str, Any]] = {}  # deployment -> reason -> gauge child
         self._waiting_lock = threading.Lock()
 
@@ -122,12 +123,15 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         predictor = self._predictors.current(scoped_key(tenant, profile.key))
         every = self._cfg.explain_every
         sampled = every > 0 and next(self._ticks) % every == every - 1  # the N-th, 2N-th, ...
+        full = sampled or request.explain  # asked for (`slidingserve explain --server`) or sampled
         explained = False
-        if sampled or request.explain:  # asked for (`slidingserve explain --server`) or sampled
+        if full or self._every_plan:
             plan, explained = _explained(policy, snap, predictor)
         else:
             plan = policy.plan(snap, predictor)
-        resp = pb.ScheduleResponse(request_id=request.request_id, plan=encode_plan(plan, snap.ids))
+        # every explained plan carries the compact reasons; PlanReason messages only the
+        # sampled and asked ones, as before the compact form (what older engines read)
+        resp = pb.ScheduleResponse(request_id=request.request_id, plan=encode_plan(plan, snap.ids, full=full))
         if deployment:
             resp.plan.deployment = deployment
             counters = self._deployment_counters.get(deployment)

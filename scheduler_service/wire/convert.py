@@ -257,7 +257,9 @@ def _packed_fixed_columns(snap: Snapshot) -> bytes:
 # ------------------------------------------------------------------- plans
 def plan_to_pb(plan: Plan) -> pb.Plan:
     """Columnar: the allocations split into two tuples in one ``zip`` and handed to the
-    message constructor, which copies each repeated field at C speed."""
+    message constructor, which copies each repeated field at C speed.  Reasons go in
+    field 15 and, kept as :class:`Reasons` arrays, in the compact fields too (what
+    :func:`encode_plan` writes faster)."""
     ids, tokens = zip(*plan.allocations, strict=True) if plan.allocations else ((), ())
     msg = pb.Plan(
         policy=plan.policy,
@@ -281,21 +283,60 @@ def plan_to_pb(plan: Plan) -> pb.Plan:
         msg.preempt_ids.extend(plan.preemptions)
     if plan.reasons:
         msg.reasons.extend([pb.PlanReason(id=r.id, code=r.code, value=r.value) for r in plan.reasons])
+    if isinstance(plan.reasons, Reasons):  # kept as arrays: the compact form too
+        msg.MergeFromString(_compact_reasons(plan.reasons))
     return msg
 
 #: ``Plan.reasons`` (field 15) entries: each code's encoded ``code`` field, one-byte lengths.
 _CODE_FIELDS = [b"\x12" + bytes((len(c),)) + c.encode() for c in CODES]
+_PLAN_FIELDS = {f.name: f.number for f in pb.Plan.DESCRIPTOR.fields}
+_F_TABLE, _F_CODES, _F_ROWS, _F_VALUES = (
+    _PLAN_FIELDS[k] for k in ("reason_code_table", "reason_codes", "reason_rows", "reason_values"))
 
 
-def encode_plan(plan: Plan, ids: Sequence[str]) -> pb.Plan:
-    """``plan_to_pb(plan)`` of a plan made for a snapshot with ``ids``, with an explained
-    plan's reasons written straight from their arrays into wire bytes (``Reason`` and
-    ``PlanReason`` objects per waiting request cost about twice the decision itself)."""
+@functools.lru_cache(maxsize=16)
+def _table_bytes(names: tuple[str, ...]) -> bytes:
+    """``reason_code_table`` of ``names`` as wire bytes (built once per table)."""
+    return b"".join(_packed(_F_TABLE, c.encode()) for c in names)
+
+
+def _compact_reasons(reasons: Reasons) -> bytes:
+    """The compact reason fields (16-19) of ``reasons`` as wire bytes, straight from the
+    arrays: the code table (constant), one byte per code, the rows as little-endian
+    fixed32 and the values as doubles, each one numpy ``tobytes``."""
+    rows, codes, values = reasons.arrays()
+    parts = [_table_bytes(reasons.names)]
+    if len(rows):
+        parts += (_packed(_F_CODES, codes.astype(np.uint8, copy=False).tobytes()),
+                  _packed(_F_ROWS, rows.astype("<u4").tobytes()),
+                  _packed(_F_VALUES, values.astype("<f8", copy=False).tobytes()))
+    return b"".join(parts)
+
+
+def encode_plan(plan: Plan, ids: Sequence[str], *, full: bool = True) -> pb.Plan:
+    """``plan_to_pb(plan)`` of a plan made for a snapshot with ``ids``.  An explained plan
+    (reasons kept as :class:`Reasons` arrays) carries them in the compact fields (16-19)
+    and, with ``full``, also one ``PlanReason`` per waiting request (field 15, what
+    engines built before the compact form read), written straight from the arrays into
+    wire bytes (``Reason`` and ``PlanReason`` objects per waiting request cost about
+    twice the decision itself)."""
     reasons = plan.reasons
-    if not isinstance(reasons, Reasons) or not len(reasons):
+    if not isinstance(reasons, Reasons):
         return plan_to_pb(plan)
     msg = plan_to_pb(dataclasses.replace(plan, reasons=()))
+    parts = [_compact_reasons(reasons)]
     rows, codes, values = reasons.arrays()
+    if full and len(rows):
+        if reasons.names is not CODES:  # a table decoded from the wire: field 15 by protobuf itself
+            msg.reasons.extend([pb.PlanReason(id=r.id, code=r.code, value=r.value) for r in reasons])
+        else:
+            parts.append(_plan_reasons(rows, codes, values, ids))
+    msg.MergeFromString(b"".join(parts))
+    return msg
+
+
+def _plan_reasons(rows: np.ndarray, codes: np.ndarray, values: np.ndarray, ids: Sequence[str]) -> bytes:
+    """Field 15, one ``PlanReason`` per waiting request, as wire bytes (codes: :data:`CODES`)."""
     vals = values.astype("<f8").tobytes()
     fields = _CODE_FIELDS
     parts: list[bytes] = []
@@ -306,12 +347,18 @@ def encode_plan(plan: Plan, ids: Sequence[str]) -> pb.Plan:
         parts += (b"z", _varint(len(rid) + len(_varint(len(rid))) + len(code) + 10), b"\n", _varint(len(rid)), rid,
                   code, b"\x19", vals[k:k + 8])  # z: field 15, length-delimited; \n: field 1; \x19: field 3, double
         k += 8
-    msg.MergeFromString(b"".join(parts))
-    return msg
+    return b"".join(parts)
 
 
-
-def plan_from_pb(msg: pb.Plan) -> Plan:
+def plan_from_pb(msg: pb.Plan, ids: Sequence[str] | None = None) -> Plan:
+    """The plan of ``msg``.  Its reasons: with ``ids`` (those of the snapshot the plan
+    answers) and the compact fields set, a lazy :class:`Reasons` over them (no object per
+    request until read); else the ``PlanReason`` entries of field 15 (an older service's
+    plan, or a caller without the snapshot).  Compact fields that do not fit ``ids`` (rows
+    out of range, lengths that differ, an index past the table) are ignored for field 15."""
+    reasons: Sequence[Reason] = tuple(Reason(r.id, r.code, r.value) for r in msg.reasons)
+    if ids is not None and msg.reason_code_table:
+        reasons = _decode_reasons(msg, ids) or reasons
     return Plan(
         policy=msg.policy,
         policy_version=msg.policy_version,
@@ -327,8 +374,21 @@ def plan_from_pb(msg: pb.Plan) -> Plan:
         deployment=msg.deployment,
         rejections=tuple(map(Rejection, msg.reject_ids, msg.reject_reasons)),
         preemptions=tuple(msg.preempt_ids),
-        reasons=tuple(Reason(r.id, r.code, r.value) for r in msg.reasons),
+        reasons=reasons,
     )
+
+
+def _decode_reasons(msg: pb.Plan, ids: Sequence[str]) -> Reasons | None:
+    """The compact reason fields as :class:`Reasons` (None: they do not fit ``ids``)."""
+    table = tuple(msg.reason_code_table)
+    codes = np.frombuffer(msg.reason_codes, dtype=np.uint8)
+    rows = np.asarray(msg.reason_rows, dtype=np.int64)
+    values = np.asarray(msg.reason_values, dtype=np.float64)
+    if not len(codes) == len(rows) == len(values):
+        return None
+    if len(rows) and (int(rows.max()) >= len(ids) or int(codes.max()) >= len(table)):
+        return None
+    return Reasons(ids, rows, codes, values, names=CODES if table == CODES else table)
 
 
 # -------------------------------------------------------------- violations

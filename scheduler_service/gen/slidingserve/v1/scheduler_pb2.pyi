@@ -476,6 +476,10 @@ class Plan(_message.Message):
     REJECT_REASONS_FIELD_NUMBER: _builtins.int
     PREEMPT_IDS_FIELD_NUMBER: _builtins.int
     REASONS_FIELD_NUMBER: _builtins.int
+    REASON_CODE_TABLE_FIELD_NUMBER: _builtins.int
+    REASON_CODES_FIELD_NUMBER: _builtins.int
+    REASON_ROWS_FIELD_NUMBER: _builtins.int
+    REASON_VALUES_FIELD_NUMBER: _builtins.int
     policy: _builtins.str
     """Name of the policy that decided."""
     policy_version: _builtins.str
@@ -494,6 +498,8 @@ class Plan(_message.Message):
     """Name of the policy version (server policy config) that decided; empty when the request
     named a registry policy directly.  Added after v1.0: older services leave it empty.
     """
+    reason_codes: _builtins.bytes
+    """One byte per waiting request: its code, an index into reason_code_table."""
     @_builtins.property
     def allocation_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Ids of the scheduled requests."""
@@ -535,6 +541,31 @@ class Plan(_message.Message):
         only when the plan was explained.  Added after v1.0: older services send none.
         """
 
+    @_builtins.property
+    def reason_code_table(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The same reasons in a compact, columnar form (docs/reasons.md), one entry per waiting
+        request in each of reason_codes, reason_rows and reason_values, in snapshot row order.
+        The service sends it in every plan or in the explained ones only (server.yaml
+        `reasons`); `reasons` (field 15) is sent as before, in the explained ones.  A plan
+        carries reasons in this form when reason_code_table is not empty.  Added after v1.0:
+        older services send none.
+
+        The codes reason_codes indexes, in the service's code order (all of them, not only
+        those this plan uses: the same few hundred bytes every plan, built once, and no
+        per-plan remapping of the indices).  Engines should accept codes they do not know.
+        """
+
+    @_builtins.property
+    def reason_rows(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The waiting request's row in the snapshot this plan answers (its position in
+        columns.ids or rows.requests), ascending.  fixed32 rather than uint32: packed
+        little-endian words, written and read as one array copy instead of a varint loop.
+        """
+
+    @_builtins.property
+    def reason_values(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Its binding quantity, as PlanReason.value (unit set by the code)."""
+
     def __init__(
         self,
         *,
@@ -553,10 +584,14 @@ class Plan(_message.Message):
         reject_reasons: _abc.Iterable[_builtins.str] | None = ...,
         preempt_ids: _abc.Iterable[_builtins.str] | None = ...,
         reasons: _abc.Iterable[Global___PlanReason] | None = ...,
+        reason_code_table: _abc.Iterable[_builtins.str] | None = ...,
+        reason_codes: _builtins.bytes = ...,
+        reason_rows: _abc.Iterable[_builtins.int] | None = ...,
+        reason_values: _abc.Iterable[_builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocation_ids", b"allocation_ids", "allocation_tokens", b"allocation_tokens", "breakdown_us", b"breakdown_us", "decision_us", b"decision_us", "deployment", b"deployment", "path", b"path", "policy", b"policy", "policy_version", b"policy_version", "predicted_latency_ms", b"predicted_latency_ms", "predictor_version", b"predictor_version", "preempt_ids", b"preempt_ids", "reasons", b"reasons", "reject_ids", b"reject_ids", "reject_reasons", b"reject_reasons", "token_budget", b"token_budget"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocation_ids", b"allocation_ids", "allocation_tokens", b"allocation_tokens", "breakdown_us", b"breakdown_us", "decision_us", b"decision_us", "deployment", b"deployment", "path", b"path", "policy", b"policy", "policy_version", b"policy_version", "predicted_latency_ms", b"predicted_latency_ms", "predictor_version", b"predictor_version", "preempt_ids", b"preempt_ids", "reason_code_table", b"reason_code_table", "reason_codes", b"reason_codes", "reason_rows", b"reason_rows", "reason_values", b"reason_values", "reasons", b"reasons", "reject_ids", b"reject_ids", "reject_reasons", b"reject_reasons", "token_budget", b"token_budget"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
