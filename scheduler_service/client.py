@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import os
 import queue
 import threading
@@ -563,7 +564,8 @@ class ScheduleStream:
     The caller's thread reads the reply straight from the call (no reader thread: a thread
     hand-off per decision measurably costs latency on a loaded engine host).  Per-call
     deadlines are enforced by one watchdog thread that cancels the stream when a reply is
-    late; it sleeps until the newest deadline, so steady traffic costs it no wake-ups.  A
+    late; it sleeps until the pending deadline and is woken only for an earlier one (a call
+    with a shorter timeout than the last), so steady traffic costs it no wake-ups.  A
     broken or cancelled stream is reopened on the next call, so an engine keeps one object
     for its whole life.
     """
@@ -578,7 +580,8 @@ class ScheduleStream:
         self._send: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._seq = 0
         self._deadline: tuple[int, float, Any] | None = None
-        self._watch_idle = True
+        #: when the watchdog wakes next (inf: idle, waiting for a deadline)
+        self._watch_until = math.inf
         self._expired = -1
         self._closed = False
         self._watchdog = threading.Thread(target=self._watch, name="schedule-stream-watchdog", daemon=True)
@@ -589,12 +592,12 @@ class ScheduleStream:
             while not self._closed:
                 d = self._deadline
                 if d is None:
-                    self._watch_idle = True
+                    self._watch_until = math.inf
                     self._cv.wait()
-                    self._watch_idle = False
                     continue
                 left = d[1] - time.monotonic()
                 if left > 0:
+                    self._watch_until = d[1]
                     self._cv.wait(left)
                     continue
                 self._deadline = None
@@ -623,8 +626,9 @@ class ScheduleStream:
             self._seq += 1
             seq, call = self._seq, self._call
             with self._cv:
-                self._deadline = (seq, time.monotonic() + timeout, call)
-                if self._watch_idle:
+                due = time.monotonic() + timeout
+                self._deadline = (seq, due, call)
+                if due < self._watch_until:  # idle, or asleep until after this deadline
                     self._cv.notify()
             try:
                 self._send.put(req)

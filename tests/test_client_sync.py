@@ -70,6 +70,29 @@ def test_stream_reply_at_the_deadline_does_not_poison_the_next_call() -> None:
     assert set(codes) <= {"OK", "DEADLINE_EXCEEDED"}, codes
 
 
+def test_stream_deadline_shorter_than_the_last_is_enforced_in_time() -> None:
+    """The watchdog sleeps toward the pending deadline: a call with a shorter timeout than the
+    one before (the pipelined adapter's timeout is its deadline plus the running step's time,
+    which varies) must still be cut at its own deadline, not when the longer one would have
+    expired."""
+    import time
+
+    from tests.grpc_support import InjectedPolicy, inject
+
+    snap = mixed_snapshot(0, n_decode=4, n_prefill=4)
+    with make_server() as srv, SchedulerClient(srv.target, timeout_s=5) as c:
+        inject(srv, InjectedPolicy(name="slow", delay_s=0.3))
+        with c.stream() as s:
+            s.schedule(snap, timeout_s=5.0)  # connected; the watchdog sleeps toward 5 s
+            t0 = time.monotonic()
+            with pytest.raises(SchedulerError) as e:
+                s.schedule(snap, policy="slow", timeout_s=0.05)
+            took = time.monotonic() - t0
+            assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert took < 0.25, f"a 50 ms deadline took {took:.3f} s to fire"
+            s.schedule(snap, timeout_s=5.0)  # and the stream works again
+
+
 def test_stream_reply_for_another_request_is_a_clear_error() -> None:
     """A reply carrying the wrong request_id fails the call with INTERNAL naming both ids,
     and the next call opens a fresh stream (the same as the async client)."""

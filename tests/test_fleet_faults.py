@@ -34,6 +34,7 @@ from engine_adapter.sim.engine import SimResult, SimulatedEngine, Workload
 from engine_adapter.sim.groundtruth import DEFAULT_PROFILE, PROFILES, load_ground_truth
 from engine_adapter.sim.pacing import WallClockPacer
 from scheduler_service.client import SchedulerClient
+from scheduler_service.core import Snapshot
 from scheduler_service.server import SchedulerServer
 from tests.grpc_support import inject, make_server
 
@@ -185,6 +186,28 @@ def test_slow_service_falls_back_on_deadline_then_recovers(server: SchedulerServ
     late = [b - a for a, b in zip(run.marks["slow"]["decision_counts"], run.marks["fast"]["decision_counts"],
                                   strict=True)]
     assert sum(late[DECISION_BUCKETS.index(0.02) + 1:]) >= fb["deadline"]
+
+
+def test_a_decision_taken_ahead_is_late_only_when_the_engine_needs_it(server: SchedulerServer) -> None:
+    """The pipelined adapter asks for the next plan while the running step has ``grace_s``
+    to go: an answer that takes longer than the deadline but arrives before the step ends
+    is on time.  The network here is slowed (~40 ms round trip) past a 15 ms deadline."""
+    import json
+
+    snap = Snapshot.from_json(json.loads((Path(__file__).parents[1] / "deploy/examples/snapshot.json").read_text()))
+    with TcpProxy(server.target) as proxy:
+        s = AdapterSettings(policy="slidingserve", profile=PROFILE.key, deadline_ms=15.0, engine_id="grace-test",
+                            min_backoff_decisions=0, max_backoff_decisions=0)
+        adapter = AdapterCore(GrpcBackend(proxy.target, s, channel_factory=_fast_reconnect(proxy.target)), s)
+        try:
+            assert adapter.decide(snap, grace_s=5.0).source == "remote"  # connects (no delay yet)
+            proxy.delay_s = 0.02
+            late = adapter.decide(snap)
+            ahead = adapter.decide(snap, grace_s=0.5)  # the step has 0.5 s to go
+        finally:
+            adapter.close()
+    assert (late.source, late.reason) == ("fallback", "deadline")  # the local fallback policy decided
+    assert ahead.source == "remote" and ahead.plan is not None and ahead.elapsed_us > 15_000
 
 
 def test_network_cut_and_restored(server: SchedulerServer) -> None:

@@ -31,7 +31,7 @@ from engine_adapter.vllm.fit import (
     restored_order,
     split_blocked,
 )
-from engine_adapter.vllm.pipeline import Pipeline, Statuses, is_stale, room_for_arrivals
+from engine_adapter.vllm.pipeline import MAX_GRACE_S, Pipeline, Statuses, is_stale, room_for_arrivals
 from engine_adapter.vllm.settings import SettingsError, SettingsWatcher, VllmAdapterSettings
 from engine_adapter.vllm.snapshot import SloDefaults, SnapshotBuilder
 from engine_adapter.vllm.stats import AdapterStats, core_totals, deviations, iteration_sample
@@ -152,10 +152,12 @@ class FakeCore:
     error: Exception | None = None
     gate: threading.Event = field(default_factory=threading.Event)
     seen: list[Snapshot] = field(default_factory=list)
+    graces: list[float] = field(default_factory=list)
 
-    def decide(self, snap: Snapshot) -> Decision:
+    def decide(self, snap: Snapshot, grace_s: float = 0.0) -> Decision:
         self.gate.wait(10)
         self.seen.append(snap)
+        self.graces.append(grace_s)
         if self.error is not None:
             raise self.error
         return Decision(self.plan, "remote")
@@ -290,7 +292,15 @@ def test_ahead_projects_now_with_async_scheduling_and_in_the_background_without(
         assert taken[-1][:2] == (project, 0.025)
         on_engine_thread = taken[-1][2] == threading.current_thread().name
         assert on_engine_thread == project_now
+        assert core.graces[-1] == 0.025  # the deadline counts from when the step ends
         pipe.close()
+    pipe, _ = new_pipeline()
+    pipe.ahead_s = 30.0  # a wild prediction: the grace is capped
+    pipe.ahead(FakeLive(core), take_view, project_now=True)
+    pending = pipe.take()
+    assert pending is not None and pipe.collect(pending, finished_since=False) is not None
+    assert core.graces[-1] == MAX_GRACE_S
+    pipe.close()
 
 
 def test_ahead_starts_nothing_when_pipelining_is_off_or_there_is_no_view() -> None:

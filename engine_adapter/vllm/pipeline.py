@@ -25,7 +25,11 @@ from scheduler_service.core import Plan, Snapshot
 from .fit import View
 from .stats import AdapterStats
 
-__all__ = ["CoreSource", "Pending", "Pipeline", "Statuses", "is_stale", "room_for_arrivals"]
+__all__ = ["MAX_GRACE_S", "CoreSource", "Pending", "Pipeline", "Statuses", "is_stale", "room_for_arrivals"]
+
+#: The most a decision taken ahead may add to the deadline (the running step's predicted
+#: time, :attr:`Pipeline.ahead_s`): a wild prediction must not let the engine wait long.
+MAX_GRACE_S = 0.5
 
 _status_of = operator.attrgetter("status")
 
@@ -130,20 +134,25 @@ class Pipeline:
         if not live.settings.pipeline:
             return
         ahead_s = self.ahead_s
+        # the plan is needed when the running step ends, about ahead_s from now: the
+        # deadline counts from then (a service answering in 25 ms during a 40 ms step is
+        # on time; counted from the call, it was late and the engine scheduled natively)
+        grace_s = min(max(ahead_s, 0.0), MAX_GRACE_S)
         if not project_now:
-            self.start(core, take_view=lambda: take_view("sync", ahead_s))
+            self.start(core, take_view=lambda: take_view("sync", ahead_s), grace_s=grace_s)
             return
         try:
             view = take_view("async", ahead_s)
         except Exception:
             return  # the next schedule() decides synchronously and counts the error
         if len(view.snap):
-            self.start(core, view=view)
+            self.start(core, view=view, grace_s=grace_s)
 
     def start(self, core: AdapterCore, *, view: View | None = None,
-              take_view: Callable[[], View] | None = None) -> None:
+              take_view: Callable[[], View] | None = None, grace_s: float = 0.0) -> None:
         """Decide on ``view`` in the background, or on the view ``take_view`` takes there
-        (an error, or an empty snapshot, leaves nothing to collect)."""
+        (an error, or an empty snapshot, leaves nothing to collect), within the core's
+        deadline plus ``grace_s`` (the time left until the engine needs the plan)."""
         ex = self._executor
         if ex is None:  # created on first use: after vLLM forks the engine process
             ex = self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="slidingserve-decide")
@@ -160,7 +169,7 @@ class Pipeline:
                 snapped.set()
             if v is None or len(v.snap) == 0:
                 return None
-            return v, core.decide(v.snap)  # its plan check builds v.snap.index_of, here
+            return v, core.decide(v.snap, grace_s)  # its plan check builds v.snap.index_of, here
 
         if view is not None:
             snapped.set()
