@@ -17,10 +17,13 @@ slidingserve p50 <= 0.25 ms, p99 <= 1 ms.
 overhead at p50 (target: at most 5% for slidingserve).
 
 ``--encode`` also times what the service does with a plan: ``encode_plan`` to the wire
-message and its serialisation, for the plain plan and for the explained one (its reasons
-already classified, so that the figure is the encoding alone), and the whole service path
-(decide, encode, serialise) without and with reasons (``plan_explained``, the reasons
-classified while encoding).
+message and its serialisation, for the plain plan, for the explained one in the compact
+form only (what ``reasons: every`` sends in every plan) and with the PlanReason messages
+too (a sampled or asked plan), its reasons already classified, so that the figures are
+the encoding alone; and the whole service path (decide, encode, serialise) without
+reasons, with the compact ones (``reasons: every``: ``plan_explained``, classified while
+encoding) and with both forms, and the overhead of each at p50 (target for ``every``: at
+most 5%).
 """
 
 from __future__ import annotations
@@ -37,10 +40,21 @@ from scheduler_service.core.reasons import plan_explained
 from scheduler_service.wire.convert import encode_plan
 
 
-def _wire_ms(plan: Any, ids: Any) -> float:
+def _wire_ms(plan: Any, ids: Any, full: bool = True) -> float:
     """``encode_plan`` and the serialisation of its message (ms)."""
     t = time.perf_counter()
-    encode_plan(plan, ids).SerializeToString()
+    encode_plan(plan, ids, full=full).SerializeToString()
+    return (time.perf_counter() - t) * 1e3
+
+
+def _service_ms(pol: Any, s: Snapshot, pred: Any, reasons: str) -> float:
+    """Decide, encode, serialise (ms): ``reasons`` "" none, "compact" the compact form
+    (``reasons: every``), "full" both forms (a sampled or asked plan)."""
+    t = time.perf_counter()
+    if reasons:
+        encode_plan(plan_explained(pol, s, pred), s.ids, full=reasons == "full").SerializeToString()
+    else:
+        encode_plan(pol.plan(s, pred), s.ids).SerializeToString()
     return (time.perf_counter() - t) * 1e3
 
 
@@ -49,12 +63,15 @@ def _time_policy(name: str, snaps: list[Snapshot], iters: int, backends: list[st
     """Per backend: decision times (ms), paths taken, breakdown samples (us); with
     ``explained`` also the times of the decision with reasons (``"te"``: ``plan_explained``,
     the reasons not yet read; ``"tr"``: and every reason read), in turn with the others;
-    with ``encode`` the wire times (``"w"``: the plain plan, ``"wr"``: the explained one,
-    classified; ``"s"`` / ``"sr"``: decide + encode + serialise without / with reasons)."""
+    with ``encode`` the wire times (``"w"``: the plain plan, ``"wc"`` / ``"wr"``: the
+    explained one, classified, compact only / both forms; ``"s"``, ``"sc"``, ``"sr"``:
+    decide + encode + serialise without reasons, compact, both; ``"kb"``, ``"kbc"``,
+    ``"kbr"``: their message sizes)."""
     pred = default_predictor()
     pol = registry.create(name)
-    out: dict[str, Any] = {b: {"t": [], "te": [], "tr": [], "w": [], "wr": [], "s": [], "sr": [], "paths": {},
-                               "parts": {}} for b in backends}
+    out: dict[str, Any] = {b: {"t": [], "te": [], "tr": [], "w": [], "wc": [], "wr": [], "s": [], "sc": [],
+                               "sr": [], "kb": [], "kbc": [], "kbr": [], "paths": {}, "parts": {}}
+                           for b in backends}
     for b in backends:
         with kernels.using(b):
             for s in snaps:
@@ -76,13 +93,13 @@ def _time_policy(name: str, snaps: list[Snapshot], iters: int, backends: list[st
                 if encode:
                     r = out[b]
                     r["w"].append(_wire_ms(plan, s.ids))
+                    r["wc"].append(_wire_ms(told, s.ids, full=False))
                     r["wr"].append(_wire_ms(told, s.ids))
-                    t = time.perf_counter()
-                    encode_plan(pol.plan(s, pred), s.ids).SerializeToString()
-                    t1 = time.perf_counter()
-                    encode_plan(plan_explained(pol, s, pred), s.ids).SerializeToString()
-                    r["s"].append((t1 - t) * 1e3)
-                    r["sr"].append((time.perf_counter() - t1) * 1e3)
+                    for k, how in (("s", ""), ("sc", "compact"), ("sr", "full"))[::1 if i % 2 else -1]:
+                        r[k].append(_service_ms(pol, s, pred, how))  # in turn, the order alternating
+                    if i < len(snaps):
+                        for k, p, full in (("kb", plan, True), ("kbc", told, False), ("kbr", told, True)):
+                            r[k].append(len(encode_plan(p, s.ids, full=full).SerializeToString()) / 1024)
             r = out[b]
             r["t"].append(dt * 1e3)
             r["paths"][plan.path] = r["paths"].get(plan.path, 0) + 1
@@ -152,8 +169,9 @@ def main() -> None:
               "reason read, overhead at p50:")
         print("\n".join(explained))
     if wire:
-        print("p50 encode_plan + serialise, plain -> explained plan (reasons classified); and decide + encode + "
-              "serialise without -> with reasons (what the service does), overhead at p50:")
+        print("p50 encode_plan + serialise, plain -> compact reasons -> both forms (reasons classified), mean message "
+              "size; and decide + encode + serialise (what the service does) without reasons -> compact "
+              "(reasons: every) -> both forms (a sampled plan), overhead at p50:")
         print("\n".join(wire))
     if not args.no_native:
         print(_native(args.decodes, args.queued))
@@ -171,8 +189,10 @@ def _overhead(name: str, res: dict[str, Any], backends: list[str]) -> str:
 def _wire(name: str, res: dict[str, Any], backends: list[str]) -> str:
     cols = []
     for b in backends:
-        w, wr, s, sr = (float(np.percentile(res[b][k], 50)) for k in ("w", "wr", "s", "sr"))
-        cols.append(f"{b} encode {w:.3f} -> {wr:.3f} ms; service path {s:.3f} -> {sr:.3f} ms "
+        w, wc, wr, s, sc, sr = (float(np.percentile(res[b][k], 50)) for k in ("w", "wc", "wr", "s", "sc", "sr"))
+        kb, kbc, kbr = (float(np.mean(res[b][k])) for k in ("kb", "kbc", "kbr"))
+        cols.append(f"{b} encode {w:.3f} -> {wc:.3f} -> {wr:.3f} ms ({kb:.1f} -> {kbc:.1f} -> {kbr:.1f} KB); "
+                    f"service path {s:.3f} -> {sc:.3f} ms ({100 * (sc - s) / s:+.1f}%) -> {sr:.3f} ms "
                     f"({100 * (sr - s) / s:+.1f}%)")
     return f"  {name:22s}" + "; ".join(cols)
 

@@ -14,7 +14,6 @@ error names the field the caller actually set.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import re
 from collections.abc import Mapping, Sequence
@@ -228,6 +227,8 @@ _LEN = [bytes((n,)) for n in range(128)]
 def _varint(n: int) -> bytes:
     if n < 128:
         return _LEN[n]
+    if n < 16384:
+        return bytes(((n & 0x7F) | 0x80, n >> 7))
     out = bytearray()
     while n > 0x7F:
         out.append((n & 0x7F) | 0x80)
@@ -260,6 +261,16 @@ def plan_to_pb(plan: Plan) -> pb.Plan:
     message constructor, which copies each repeated field at C speed.  Reasons go in
     field 15 and, kept as :class:`Reasons` arrays, in the compact fields too (what
     :func:`encode_plan` writes faster)."""
+    msg = _plan_msg(plan)
+    if plan.reasons:
+        msg.reasons.extend([pb.PlanReason(id=r.id, code=r.code, value=r.value) for r in plan.reasons])
+    if isinstance(plan.reasons, Reasons):  # kept as arrays: the compact form too
+        msg.MergeFromString(_compact_reasons(plan.reasons))
+    return msg
+
+
+def _plan_msg(plan: Plan) -> pb.Plan:
+    """The plan's message without its reasons."""
     ids, tokens = zip(*plan.allocations, strict=True) if plan.allocations else ((), ())
     msg = pb.Plan(
         policy=plan.policy,
@@ -281,17 +292,16 @@ def plan_to_pb(plan: Plan) -> pb.Plan:
         msg.reject_reasons.extend([r.reason for r in plan.rejections])
     if plan.preemptions:
         msg.preempt_ids.extend(plan.preemptions)
-    if plan.reasons:
-        msg.reasons.extend([pb.PlanReason(id=r.id, code=r.code, value=r.value) for r in plan.reasons])
-    if isinstance(plan.reasons, Reasons):  # kept as arrays: the compact form too
-        msg.MergeFromString(_compact_reasons(plan.reasons))
     return msg
+
 
 #: ``Plan.reasons`` (field 15) entries: each code's encoded ``code`` field, one-byte lengths.
 _CODE_FIELDS = [b"\x12" + bytes((len(c),)) + c.encode() for c in CODES]
 _PLAN_FIELDS = {f.name: f.number for f in pb.Plan.DESCRIPTOR.fields}
 _F_TABLE, _F_CODES, _F_ROWS, _F_VALUES = (
     _PLAN_FIELDS[k] for k in ("reason_code_table", "reason_codes", "reason_rows", "reason_values"))
+#: The compact fields' tags (length-delimited).
+_TAG_CODES, _TAG_ROWS, _TAG_VALUES = (_varint((f << 3) | 2) for f in (_F_CODES, _F_ROWS, _F_VALUES))
 
 
 @functools.lru_cache(maxsize=16)
@@ -305,12 +315,13 @@ def _compact_reasons(reasons: Reasons) -> bytes:
     arrays: the code table (constant), one byte per code, the rows as little-endian
     fixed32 and the values as doubles, each one numpy ``tobytes``."""
     rows, codes, values = reasons.arrays()
-    parts = [_table_bytes(reasons.names)]
-    if len(rows):
-        parts += (_packed(_F_CODES, codes.astype(np.uint8, copy=False).tobytes()),
-                  _packed(_F_ROWS, rows.astype("<u4").tobytes()),
-                  _packed(_F_VALUES, values.astype("<f8", copy=False).tobytes()))
-    return b"".join(parts)
+    n = len(rows)
+    if not n:
+        return _table_bytes(reasons.names)
+    return b"".join((_table_bytes(reasons.names),
+                     _TAG_CODES, _varint(n), codes.astype(np.uint8, copy=False).tobytes(),
+                     _TAG_ROWS, _varint(4 * n), rows.astype("<u4").tobytes(),
+                     _TAG_VALUES, _varint(8 * n), values.astype("<f8", copy=False).tobytes()))
 
 
 def encode_plan(plan: Plan, ids: Sequence[str], *, full: bool = True) -> pb.Plan:
@@ -323,7 +334,7 @@ def encode_plan(plan: Plan, ids: Sequence[str], *, full: bool = True) -> pb.Plan
     reasons = plan.reasons
     if not isinstance(reasons, Reasons):
         return plan_to_pb(plan)
-    msg = plan_to_pb(dataclasses.replace(plan, reasons=()))
+    msg = _plan_msg(plan)
     parts = [_compact_reasons(reasons)]
     rows, codes, values = reasons.arrays()
     if full and len(rows):
