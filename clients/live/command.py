@@ -73,6 +73,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=int, default=512, help="--max-num-batched-tokens (default 512)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="--max-num-seqs (default 64)")
     p.add_argument("--prefix-caching", action="store_true", help="turn vLLM's prefix caching on (default off)")
+    p.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+                   help="the same N tokens (a system prompt) before every prompt, for runs with "
+                        "--prefix-caching; vLLM's bench serve judge replays prompts without it (default 0: none)")
     p.add_argument("--deadline-ms", type=float, default=20.0, help="the adapter's plan deadline (default 20)")
     p.add_argument("--judge-seeds", type=_ints, default=(1,), help="seeds whose runs vLLM's own `bench serve` "
                    "replays as an independent judge (default 1; 0 = none)")
@@ -92,12 +95,18 @@ def parser() -> argparse.ArgumentParser:
 
 def spec_of(args: argparse.Namespace) -> LiveSpec:
     """The sweep the command line asks for; ValueError on a bad value."""
+    engine = EngineArgs(max_num_batched_tokens=args.budget, max_num_seqs=args.max_num_seqs,
+                        prefix_caching=args.prefix_caching)
+    longest = args.shared_prefix + args.max_prompt + args.max_output
+    if args.shared_prefix > 0 and longest > engine.max_model_len:
+        raise ValueError(f"--shared-prefix {args.shared_prefix} + --max-prompt {args.max_prompt} + --max-output "
+                         f"{args.max_output} exceed the engine's {engine.max_model_len} tokens per request")
     return LiveSpec(
         configs=_configs(args.configs), rates=args.rates, seeds=args.seeds,
         workload=WorkloadSpec(requests=args.requests, warmup=args.warmup, max_prompt=args.max_prompt,
-                              max_output=args.max_output, vocab_size=int(TINY_LLAMA["vocab_size"])),
-        engine=EngineArgs(max_num_batched_tokens=args.budget, max_num_seqs=args.max_num_seqs,
-                          prefix_caching=args.prefix_caching),
+                              max_output=args.max_output, vocab_size=int(TINY_LLAMA["vocab_size"]),
+                              shared_prefix=args.shared_prefix),
+        engine=engine,
         slo=Slo(args.ttft_ms, args.tbt_ms), model=dict(TINY_LLAMA), deadline_ms=args.deadline_ms,
         judge_seeds=tuple(x for x in args.judge_seeds if x != 0))
 

@@ -4,6 +4,10 @@ Same ``(seed, rate)`` = same requests and same arrival times for every configura
 policies are compared seed by seed on identical arrivals.  The first ``warmup`` requests
 run (at the same rate) but are not measured: they let a switched policy load and the
 predictor see the engine before the measured requests arrive.
+
+``shared_prefix`` > 0 puts the same tokens (a system prompt) before every prompt, for runs
+with vLLM's prefix caching on: the requests are otherwise those of ``shared_prefix`` 0 (same
+lengths after the prefix, same arrivals), and the prefix is the same for every seed.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ class WorkloadSpec:
     #: Outputs shorter than this are lengthened to it (TPOT needs two tokens).
     min_output: int = 2
     vocab_size: int = 2048
+    #: Tokens of a common prefix (a system prompt) before every prompt; 0 = none.
+    shared_prefix: int = 0
 
     def __post_init__(self) -> None:
         if self.requests < 1 or self.warmup < 0:
@@ -35,6 +41,8 @@ class WorkloadSpec:
             raise ValueError("need 1 <= min_output <= max_output and max_prompt >= 1")
         if self.vocab_size < 16:
             raise ValueError(f"vocab_size must be >= 16, got {self.vocab_size}")
+        if self.shared_prefix < 0:
+            raise ValueError(f"shared_prefix must be >= 0, got {self.shared_prefix}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,10 +70,12 @@ def make_requests(spec: WorkloadSpec, rate: float, seed: int) -> list[LiveReques
     # token ids 3.. (0-2 are the tokenizer's special tokens); content is irrelevant to the
     # timing without prefix caching, and seeded so that runs repeat exactly
     ids = rng.integers(3, spec.vocab_size, int(prompts.sum()))
+    # the system prompt: its own stream, so that the rest is as without it
+    prefix = tuple(int(t) for t in np.random.default_rng(104729).integers(3, spec.vocab_size, spec.shared_prefix))
     out, pos = [], 0
     for i in range(n):
         p = int(prompts[i])
-        out.append(LiveRequest(i, float(at[i]), tuple(int(t) for t in ids[pos:pos + p]), int(outputs[i]),
+        out.append(LiveRequest(i, float(at[i]), prefix + tuple(int(t) for t in ids[pos:pos + p]), int(outputs[i]),
                                i < spec.warmup))
         pos += p
     return out
