@@ -13,7 +13,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_adapter.vllm.fit import Fit, KvRules, View, decodes_needing_block, execution_order, fit_plan
+from engine_adapter.vllm.fit import (
+    Fit,
+    KvRules,
+    View,
+    admission_blocks,
+    decodes_needing_block,
+    execution_order,
+    fit_plan,
+)
+from engine_adapter.vllm.snapshot import PrefixHits, SloDefaults, SnapshotBuilder
 from scheduler_service.core import Request, Snapshot
 from tests.reach import Reached
 
@@ -187,3 +196,119 @@ def test_finished_requests_are_dropped_first(free: int) -> None:
     view = View(snap, [Req("a", 8, 9), Req("b", 8, 9)], np.array([8, 8]), 2, set())
     fit = fit_plan(view, {"a": 1, "b": 1}, KvRules(block_size=8, lookahead=0, free_blocks=free, slots=0), {"a"})
     assert "a" not in fit.plan and bool(fit.why) == (free == 0)
+
+
+# ------------------------------------------------------------- prefix-cache hits
+def test_admission_blocks_count_a_hit_as_vllms_allocate_slots_does() -> None:
+    # 64 cached tokens (4 blocks of 16) and 40 new: blocks up to 104 tokens = 7, 4 of them the hit's
+    assert admission_blocks(64, 40, 104, 16, 0, 0) == (3, 3)
+    # evictable hit blocks (cached, held by no request) come out of the free queue too
+    assert admission_blocks(64, 40, 104, 16, 0, 4) == (7, 7)
+    # a lookahead reserves its slots; the whole prompt (full_isl) counts from the hit
+    assert admission_blocks(64, 40, 300, 16, 2, 1) == (4, 16)
+    # a hit ending inside a block: that block is copied (one more), as vLLM's partial-hit rule
+    assert admission_blocks(70, 10, 80, 16, 0, 0) == (1, 1)
+    # no hit: vLLM's rule for a request holding nothing
+    for n in (1, 15, 16, 17, 100):
+        assert admission_blocks(0, n, n, 16, 0, 0) == (-(-n // 16), -(-n // 16))
+
+
+def _waiting_view(hit: int, evictable: int, prompt: int = 104) -> View:
+    snap = Snapshot.from_requests([Request("d", 0.0, 8, 8, 3), Request("w", 0.0, prompt, hit)], now=0.0,
+                                  max_batch_tokens=512, max_num_seqs=8)
+    return View(snap, [Req("d", 10, 11), Req("w", 0, prompt)], np.array([10, 0]), 1, set(),
+                hits=np.array([0, hit]), evictable=np.array([0, evictable]))
+
+
+def test_an_admission_with_a_hit_needs_the_blocks_beyond_it() -> None:
+    plan = {"d": 1, "w": 40}  # the tokens beyond the 64-token hit
+    kv = KvRules(block_size=16, lookahead=0, free_blocks=3, slots=4)
+    fit = fit_plan(_waiting_view(64, 0), plan, kv)
+    assert fit.plan == plan and [r.request_id for r in fit.admit] == ["w"] and not fit.trimmed
+    # evictable hit blocks need free blocks: 3 + 4 > 3
+    refused = fit_plan(_waiting_view(64, 4), plan, kv)
+    assert refused.plan == {"d": 1} and refused.trimmed == 1
+    assert fit_plan(_waiting_view(64, 4), plan, KvRules(16, 0, 7, 4)).plan == plan
+    # the whole prompt must fit (scheduler_reserve_full_isl): 300 tokens = 19 blocks, 4 cached
+    full = KvRules(block_size=16, lookahead=0, free_blocks=14, slots=4, full_isl=True)
+    assert fit_plan(_waiting_view(64, 0, 300), plan, full).plan == {"d": 1}
+    assert fit_plan(_waiting_view(64, 0, 300), plan, KvRules(16, 0, 15, 4, full_isl=True)).plan == plan
+    # without the hit the whole prompt would have asked for 19 blocks
+    assert fit_plan(_waiting_view(0, 0, 300), {"d": 1, "w": 40}, KvRules(16, 0, 15, 4, full_isl=True)).plan == {"d": 1}
+
+
+@dataclass(eq=False)
+class Waiting:
+    """What :class:`PrefixHits` and the snapshot builder read of a vLLM request."""
+
+    request_id: str
+    num_tokens: int
+    num_computed_tokens: int = 0
+    num_output_placeholders: int = 0
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    max_tokens: int = 16
+    arrival_time: float = 0.0
+    sampling_params: None = None
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = self.num_prompt_tokens or self.num_tokens
+
+
+def test_prefix_hits_look_each_request_up_once_and_refresh_a_few_in_turn() -> None:
+    cache = {f"w{i}": 32 * (i % 3) for i in range(10)}
+    calls: list[str] = []
+
+    def lookup(r: Waiting) -> tuple[int, int]:
+        calls.append(r.request_id)
+        return cache[r.request_id], 1 if cache[r.request_id] else 0
+
+    hits = PrefixHits(lookup, new_per_build=4, refresh_per_build=2)
+    reqs = [Waiting(f"w{i}", 100) for i in range(10)]
+    tokens = np.full(10, 100)
+    h, e = hits(reqs, tokens)
+    # at most 4 new lookups a snapshot (the others show no hit yet)
+    assert calls == ["w0", "w1", "w2", "w3"] and list(h) == [0, 32, 64, 0] + [0] * 6 and list(e[:4]) == [0, 1, 1, 0]
+    calls.clear()
+    h, _ = hits(reqs, tokens)
+    assert calls == ["w4", "w5", "w6", "w7", "w0", "w1"] and list(h[:8]) == [0, 32, 64, 0, 32, 64, 0, 32]
+    calls.clear()
+    hits(reqs, tokens)
+    assert calls[:2] == ["w8", "w9"] and len(calls) == 4  # then 2 refreshes in turn
+    # a changed cache shows once the request's turn comes; forget() makes it come now
+    cache["w3"] = 96
+    hits.forget(["w3"])
+    calls.clear()
+    h, _ = hits(reqs, tokens)
+    assert calls[0] == "w3" and h[3] == 96
+    # a request whose tokens changed (preempted with outputs) is looked up again; hits stay below num_tokens
+    cache["w5"] = 500
+    reqs[5] = Waiting("w5", 120)
+    calls.clear()
+    h, _ = hits(reqs, np.array([100] * 5 + [120] + [100] * 4))
+    assert calls[0] == "w5" and h[5] == 119
+    assert hits.lookups == 4 + 6 + 4 + 3 + 3
+    hits.prune({})  # few requests: nothing to prune yet
+    assert len(hits._memo) == 10
+
+
+def test_the_snapshot_shows_a_waiting_requests_hit_as_computed_tokens() -> None:
+    running = [Waiting("r", 41, num_computed_tokens=40, num_prompt_tokens=30, num_output_tokens=11)]
+    waiting = [Waiting("a", 100), Waiting("b", 50)]
+    hits = PrefixHits(lambda r: {"a": (64, 2), "b": (0, 0)}[r.request_id])
+    builder = SnapshotBuilder(SloDefaults(), "m|h|tp1")
+    snap, rows = builder.build(running, waiting, max_batch_tokens=512, max_num_seqs=8, free_kv_tokens=1000,
+                               now=1.0, hits=hits)
+    assert list(snap.ids) == ["r", "a", "b"] and rows == [*running, *waiting]
+    assert list(snap.prompt_tokens) == [30, 100, 50] and list(snap.computed_tokens) == [30, 64, 0]
+    assert list(builder.last_hits) == [0, 64, 0] and list(builder.last_evictable) == [0, 2, 0]
+    assert list(builder.last_computed) == [40, 0, 0]  # vLLM's own counters are left alone
+    # a waiting request vLLM has computed tokens of (a KV transfer) is not looked up
+    moved = [Waiting("a", 100), Waiting("c", 80, num_computed_tokens=48)]
+    snap, _ = builder.build([], moved, max_batch_tokens=512, max_num_seqs=8, free_kv_tokens=1000, now=1.0,
+                            hits=hits)
+    assert list(snap.computed_tokens) == [64, 48] and list(builder.last_hits) == [64, 0]
+    # without hits: nothing computed, as before
+    snap, _ = builder.build([], waiting, max_batch_tokens=512, max_num_seqs=8, free_kv_tokens=1000, now=1.0)
+    assert list(snap.computed_tokens) == [0, 0] and not builder.last_hits.any()

@@ -19,10 +19,11 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
+from typing import Any
 
 from scheduler_service.settings import TRUE_WORDS
 
-__all__ = ["ALLOW_ENV", "SUPPORTED_VLLM_VERSIONS", "VllmVersionError", "check_vllm_version"]
+__all__ = ["ALLOW_ENV", "SUPPORTED_VLLM_VERSIONS", "VllmVersionError", "check_vllm_version", "prefix_lookup_off"]
 
 log = logging.getLogger(__name__)
 
@@ -56,3 +57,33 @@ def check_vllm_version(found: str, env: Mapping[str, str] | None = None) -> bool
     raise VllmVersionError(
         f"engine_adapter.vllm supports vLLM {supported}, found vLLM {found!s}; install a supported "
         f"version or set {ALLOW_ENV}=1 to run anyway")
+
+
+def prefix_lookup_off(scheduler: Any) -> str:
+    """Why the snapshot cannot look up waiting requests' prefix-cache hits as vLLM's
+    ``schedule()`` would on this scheduler ("" when it can; docs/vllm.md, Prefix caching).
+
+    The lookup is ``kv_cache_manager.coordinator.find_longest_cache_hit(block_hashes,
+    num_tokens - 1)``, what ``KVCacheManager.get_computed_blocks`` runs (same signature in
+    0.32 and 0.33).  It is left off where ``schedule()`` computes the hit some other way:
+    prefix caching off; more than one KV cache group (hybrid models: per-group hits, which
+    the adapter's block arithmetic does not model); a connector whose local hits may
+    diverge per group (``get_computed_blocks_for_connector``); 0.33's auxiliary-output
+    connector (it caps the hit, and asking it has side effects); a prefix-replay window
+    (sliding-window bounded replay recomputes part of every hit)."""
+    kvm = getattr(scheduler, "kv_cache_manager", None)
+    if kvm is None or not getattr(kvm, "enable_caching", False):
+        return "prefix caching is off"
+    coordinator = getattr(kvm, "coordinator", None)
+    if coordinator is None or not hasattr(coordinator, "find_longest_cache_hit"):
+        return "no KV cache coordinator to ask"
+    if len(getattr(coordinator, "single_type_managers", ())) != 1:
+        return "more than one KV cache group"
+    connector = getattr(scheduler, "connector", None)
+    if connector is not None and getattr(connector, "supports_divergent_local_hybrid_hits", False):
+        return "the KV connector's local hits may diverge per group"
+    if getattr(scheduler, "aux_output_connector", None) is not None:
+        return "an auxiliary-output connector caps the hits"
+    if getattr(scheduler, "prefix_replay_tokens", 0):
+        return "prefix replay recomputes part of every hit"
+    return ""

@@ -29,8 +29,8 @@ import numpy as np
 from scheduler_service.core import Snapshot
 
 __all__ = [
-    "Fit", "KvRules", "View", "decodes_at_block_boundary", "decodes_needing_block", "execution_order", "fit_plan",
-    "kv_headroom", "kv_short", "restored_order", "split_blocked",
+    "Fit", "KvRules", "View", "admission_blocks", "decodes_at_block_boundary", "decodes_needing_block",
+    "execution_order", "fit_plan", "kv_headroom", "kv_short", "restored_order", "split_blocked",
 ]
 
 
@@ -49,6 +49,11 @@ class View:
     #: running requests whose next token needs a new KV block (:func:`decodes_needing_block`);
     #: counted for projected views only
     kv_need: int = 0
+    #: per row: the prefix-cache hit (tokens) a waiting row shows as computed, and how many of
+    #: its blocks are evictable (cached, held by no request: taking them uses free blocks);
+    #: None = no hits (all 0)
+    hits: np.ndarray | None = None
+    evictable: np.ndarray | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,8 +97,10 @@ def fit_plan(view: View, plan: dict[str, int], kv: KvRules, finished: Collection
     are shrunk (last planned first), admissions vLLM's own admission control would refuse are
     dropped (free sequence slots; the whole prompt when ``full_isl``; the watermark), and
     ``why`` is set when even then the running requests need more blocks than are free.
-    Prefix-cache hits are ignored (conservative).  ``finished``: requests finished since the
-    view was taken (dropped first)."""
+    A waiting request's allocation is the tokens beyond its prefix-cache hit (``view.hits``):
+    its blocks are the hit's (no new ones, but the evictable ones come out of the free
+    blocks, as in vLLM's ``allocate_slots``) and new ones for the allocation.
+    ``finished``: requests finished since the view was taken (dropped first)."""
     plan = {k: v for k, v in plan.items() if k not in finished} if finished else dict(plan)
     fit = Fit(plan)
     idx, n, is_run = _rows(view, plan)
@@ -153,12 +160,20 @@ def _admit(fit: Fit, view: View, keys: list[str], idx: np.ndarray, n: np.ndarray
     """Admit the planned waiting requests in plan order while vLLM would; the free blocks left."""
     b, la = kv.block_size, kv.lookahead
     slots = kv.slots
+    hits, evictable = view.hits, view.evictable
     for j in np.flatnonzero(~is_run).tolist():
-        r = view.rows[idx[j]]
+        row = int(idx[j])
+        r = view.rows[row]
         comp = r.num_computed_tokens
-        held = _ceil_div(comp, b)
-        need = max(0, _ceil_div(comp + int(n[j]) + la, b) - held)
-        full = max(0, _ceil_div(r.num_tokens, b) - held) if kv.full_isl else 0
+        if comp == 0 and hits is not None and hits[row] > 0:
+            need, full = admission_blocks(int(hits[row]), int(n[j]), r.num_tokens, b, la,
+                                          int(evictable[row]) if evictable is not None else 0)
+            if not kv.full_isl:
+                full = 0
+        else:
+            held = _ceil_div(comp, b)
+            need = max(0, _ceil_div(comp + int(n[j]) + la, b) - held)
+            full = max(0, _ceil_div(r.num_tokens, b) - held) if kv.full_isl else 0
         if slots <= 0 or max(need, full) + kv.watermark > free:
             del fit.plan[keys[j]]
             fit.trimmed += 1
@@ -167,6 +182,21 @@ def _admit(fit: Fit, view: View, keys: list[str], idx: np.ndarray, n: np.ndarray
         free -= need
         fit.admit.append(r)
     return free
+
+
+def admission_blocks(hit: int, n: int, num_tokens: int, block_size: int, lookahead: int,
+                     evictable: int) -> tuple[int, int]:
+    """Free KV blocks vLLM's ``allocate_slots`` takes to admit a waiting request with a
+    prefix-cache hit of ``hit`` tokens and ``n`` new tokens, and (``full``) the blocks its
+    ``full_sequence_must_fit`` check asks for its whole ``num_tokens``.  The hit's blocks are
+    the request's without new allocations, but ``evictable`` of them (held by no request)
+    leave the free queue; a hit that ends inside a block needs one more (vLLM's
+    copy-on-write of the shared tail)."""
+    b = block_size
+    local = hit // b  # whole hit blocks; a partial tail block is counted as new below
+    need = max(0, _ceil_div(hit + n + lookahead, b) - local) + evictable
+    full = max(0, _ceil_div(num_tokens, b) - local) + evictable
+    return need, full
 
 
 def _decodes_instead(fit: Fit, view: View, free: int, kv: KvRules) -> None:

@@ -25,6 +25,14 @@ are dropped from the plan and counted (``trimmed_admissions``).  The reason is c
 logged at most once per ``log_every``.  After ``super().schedule()`` the
 scheduled tokens are compared with the plan and deviations counted.
 
+Prefix caching (``SLIDINGSERVE_PREFIX_LOOKUP``, on by default): a waiting request
+with nothing computed shows its prefix-cache hit as computed tokens (the lookup
+vLLM runs when it admits it, :meth:`_ss_prefix_hit`, remembered between snapshots
+by :class:`.snapshot.PrefixHits`), so a plan allocates the tokens beyond the hit,
+as vLLM's ``num_new_tokens`` counts them; the admissions' hits are looked up again
+for the KV fit.  A hit that changed before vLLM looks only changes how much of the
+allocation vLLM computes (``_cap``), never whether the request stays known to it.
+
 Pipelining (``SLIDINGSERVE_PIPELINE``, on by default): the decision for the
 next iteration is taken while the current one runs on the GPU.  Right after
 ``super().schedule()`` returns, vLLM has already advanced every scheduled
@@ -58,11 +66,12 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import vllm
 
-from .compat import check_vllm_version
+from .compat import check_vllm_version, prefix_lookup_off
 from .observe import MetricsEndpoint, attach_log_handler, serve_metrics
 
 # Before vLLM's internals are imported: on a version the adapter does not support they
@@ -96,7 +105,7 @@ from .fit import View as _View  # noqa: E402
 from .live import LiveCore, build_core  # noqa: E402
 from .pipeline import Pipeline, Statuses  # noqa: E402
 from .settings import SettingsWatcher, VllmAdapterSettings, default_engine_id, slo_defaults  # noqa: E402
-from .snapshot import SnapshotBuilder  # noqa: E402
+from .snapshot import PrefixHits, SnapshotBuilder  # noqa: E402
 from .stats import LOCAL_REASONS, AdapterStats, deviations, iteration_sample  # noqa: E402
 
 __all__ = ["LOCAL_REASONS", "RemoteScheduler", "RemoteSyncScheduler", "SlidingServeMixin", "build_core"]
@@ -192,6 +201,12 @@ class SlidingServeMixin:
         self._ss_unsupported = _unsupported(self.policy, self.waiting)
         if self._ss_unsupported:
             log.warning("slidingserve: %s; vLLM schedules natively", self._ss_unsupported)
+        #: waiting requests' prefix-cache hits for the snapshot, unless vLLM computes them
+        #: another way (asked at every snapshot: a connector may be attached after start)
+        self._ss_hits = PrefixHits(self._ss_prefix_hit)
+        off = prefix_lookup_off(self)
+        if off and getattr(self.kv_cache_manager, "enable_caching", False):
+            log.info("slidingserve: waiting requests' prefix-cache hits are not looked up (%s)", off)
         #: requests a plan rejected, finished in schedule(): their outputs go out with the step's
         self._ss_rejected_out: list[tuple[Any, str]] = []
         self._ss_last_update: float | None = None
@@ -214,6 +229,21 @@ class SlidingServeMixin:
     def _ss_free_blocks(self) -> int:
         return int(self.kv_cache_manager.block_pool.get_num_free_blocks())
 
+    def _ss_prefix_hit(self, request: Any) -> tuple[int, int]:
+        """(prompt tokens in the prefix cache, evictable blocks among them) of a waiting
+        request with nothing computed: the lookup of ``KVCacheManager.get_computed_blocks``
+        (``find_longest_cache_hit`` up to ``num_tokens - 1``), without its side effects
+        (prefix-cache stats, KV events).  A KV connector's external hits are not counted."""
+        kvm = self.kv_cache_manager
+        if not kvm.prefix_cache_lookup_enabled(request):
+            return 0, 0
+        if getattr(request, "resumable", False) and getattr(self, "num_hash_lookahead_tokens", 0):
+            return 0, 0  # vLLM rehashes such a request before its lookup
+        blocks, hit, _ = kvm.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)
+        if hit <= 0:
+            return 0, 0
+        return int(hit), sum(b.ref_cnt == 0 and not b.is_null for group in blocks for b in group)
+
     def _view(self, *, project: str = "", ahead_s: float = 0.0) -> _View:
         """The snapshot of the queues (``project``: "sync"/"async", as the next
         ``schedule()`` will find them, see :meth:`SnapshotBuilder.build`;
@@ -224,14 +254,18 @@ class SlidingServeMixin:
         # schedule() and schedules them uncapped from the budget the plan left (_cap).
         waiting, blocked = split_blocked([*self.kv_holding_waiting, *self.waiting], _SCHEDULABLE)
         builder = self._ss_builder
+        hits = self._ss_hits if self._ss_live.settings.prefix_lookup and not prefix_lookup_off(self) else None
         snap, rows = builder.build(
             self.running, waiting, max_batch_tokens=self.max_num_scheduled_tokens,
             max_num_seqs=self.max_num_running_reqs, free_kv_tokens=free_tokens,
-            now=time.time() + ahead_s, project=project)
+            now=time.time() + ahead_s, project=project, hits=hits)
         rr = builder.last_running_rows
         # a view taken now is checked with kv_short instead, before it is taken
         kv_need = decodes_needing_block(snap, builder.last_computed, rr, self.block_size) if project else 0
-        return _View(snap, rows, builder.last_computed, rr, blocked, kv_need)
+        if hits is None:
+            return _View(snap, rows, builder.last_computed, rr, blocked, kv_need)
+        return _View(snap, rows, builder.last_computed, rr, blocked, kv_need, builder.last_hits,
+                     builder.last_evictable)
 
     def _snapshot(self) -> tuple[Snapshot, list[Any], int]:
         """(snapshot, request objects per row, free KV blocks) of the queues now."""
@@ -248,7 +282,24 @@ class SlidingServeMixin:
             slots=min(self.max_num_running_reqs, self.max_num_active_reqs) - len(self.running),
             watermark=int(getattr(self.kv_cache_manager, "watermark_blocks", 0)) if self.running else 0,
             full_isl=bool(getattr(self, "scheduler_reserve_full_isl", False)))
+        if view.hits is not None:
+            view = self._ss_hits_now(view, plan)
         return fit_plan(view, plan, rules, self.finished_req_ids if stale else ())
+
+    def _ss_hits_now(self, view: _View, plan: dict[str, int]) -> _View:
+        """``view`` with the prefix-cache hits of the waiting requests ``plan`` admits looked
+        up again: blocks may have been cached, evicted or freed since the snapshot, and the
+        admission's KV blocks are counted as vLLM's lookup right after will find them."""
+        index, rr = view.snap.index_of, view.running_rows
+        rows = [i for i in map(index.get, plan) if i is not None and i >= rr]
+        if not rows or view.evictable is None:
+            return view
+        hits, ev = view.hits.copy(), view.evictable.copy()  # type: ignore[union-attr]
+        for i in rows:
+            r = view.rows[i]
+            if r.num_computed_tokens == 0 and not r.is_finished():
+                hits[i], ev[i] = self._ss_prefix_hit(r)
+        return replace(view, hits=hits, evictable=ev)
 
     def _fallback(self, reason: str, detail: str) -> None:
         self._ss_stats.fallback(reason, detail, self._ss_live.settings.log_every)
@@ -312,7 +363,7 @@ class SlidingServeMixin:
             return None
         if fit.trimmed:
             self._ss_counts["trimmed_admissions"] += fit.trimmed
-        if not fit.plan:  # finished meanwhile, or our estimate ignores prefix hits: vLLM decides
+        if not fit.plan:  # finished meanwhile, or vLLM would admit none of them: vLLM decides
             self._fallback("unallocatable", "no planned request fits vLLM's admission rules")
             return None
         self._ss_pipe.ahead_s = decided.predicted_latency_ms / 1e3
@@ -462,6 +513,9 @@ class SlidingServeMixin:
             self._plan = None
             self._ss_hidden = 0
             self._restore(running0, waiting0, planned_waiting)
+            if fit.admit:
+                # admitted (their hits are vLLM's now) or refused (the hit planned with may be stale)
+                self._ss_hits.forget([r.request_id for r in fit.admit])
         self._ss_counts["planned"] += 1
         self._ss_stats.deviated(deviations(plan, out.num_scheduled_tokens, self.requests))
         return out
@@ -506,6 +560,7 @@ class SlidingServeMixin:
         if not (self.running or self.waiting or self.kv_holding_waiting):
             self._ss_last_update = None  # the next gap would include idle time
         self._ss_builder.prune(self.requests)
+        self._ss_hits.prune(self.requests)
         self._ss_counts["own_us"] += int((time.perf_counter() - t_v2 + t_v - t_in) * 1e6)
         return result
 

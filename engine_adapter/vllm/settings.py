@@ -174,6 +174,11 @@ class VllmAdapterSettings:
     #: the GPU (from the queues as they will be after it), so that the decision's
     #: time is hidden; "false" decides synchronously inside ``schedule()``.
     pipeline: bool = True
+    #: Look up waiting requests' prefix-cache hits for the snapshot, as vLLM's
+    #: ``schedule()`` does when it admits them (docs/vllm.md, Prefix caching), so that the
+    #: policy plans only the tokens beyond the cached prefix; "false": waiting requests
+    #: show nothing computed until vLLM admits them.
+    prefix_lookup: bool = True
     #: Prometheus endpoint of the adapter's statistics, served from the engine-core
     #: process (port + the engine's data-parallel rank); 0 = off.  Read at start.
     metrics_port: int = 0

@@ -16,6 +16,10 @@ Formats) has prompt/computed/output columns instead, so each request maps to:
 
 Requests vLLM would not schedule at all this step (async: the in-flight step
 already reaches ``max_tokens``) are left out, so a plan cannot name them.
+
+A waiting request with nothing computed shows, as ``computed``, the prompt tokens vLLM's
+prefix cache already holds for it (:class:`PrefixHits`, given by the scheduler), so that
+the policy plans only the tokens beyond them, as vLLM will schedule it.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from __future__ import annotations
 import itertools
 import operator
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +37,7 @@ from scheduler_service.core import Snapshot
 from scheduler_service.core.columns import COLUMNS, COLUMNS_BY_NAME, COUNTER_COLUMNS
 from scheduler_service.core.snapshot import MAX_BATCH_TOKENS
 
-__all__ = ["ClassSlo", "RequestSlo", "SloDefaults", "SnapshotBuilder", "request_slo"]
+__all__ = ["ClassSlo", "PrefixHits", "RequestSlo", "SloDefaults", "SnapshotBuilder", "request_slo"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +160,75 @@ def _priority(r: Any) -> int:
     return int(_PRIORITY.clip(int(p) if isinstance(p, int) else 0))
 
 
+#: (hit tokens, hit blocks that are evictable, ``num_tokens`` looked up at) of a request
+_NOT_LOOKED_UP = (0, 0, -1)
+
+
+class PrefixHits:
+    """The prefix-cache hits of waiting requests, for the snapshot: per request, the prompt
+    tokens vLLM's prefix cache holds (``lookup(request)``: ``(hit tokens, evictable hit
+    blocks)``, the scheduler's own lookup, docs/vllm.md, Prefix caching), remembered between
+    snapshots so that a snapshot costs few lookups.
+
+    Each :meth:`__call__` looks up every request not seen before (or whose tokens changed:
+    preempted and back), at most ``new_per_build`` of them (the rest show 0 this time), and
+    refreshes ``refresh_per_build`` others in turn (the cache changes under them: blocks
+    cached by other requests, blocks evicted).  :meth:`forget` makes the next snapshot look a
+    request up again (the scheduler calls it for the waiting requests a plan named: vLLM
+    admitted them or refused them, in which case the hit it was planned with may be stale)."""
+
+    def __init__(self, lookup: Callable[[Any], tuple[int, int]], *, new_per_build: int = 64,
+                 refresh_per_build: int = 4) -> None:
+        self.lookup = lookup
+        self.new_per_build = new_per_build
+        self.refresh_per_build = refresh_per_build
+        self._memo: dict[str, tuple[int, int, int]] = {}
+        self._turn = 0
+        #: lookups done (a counter for tests and the benchmark)
+        self.lookups = 0
+
+    def forget(self, ids: Iterable[str]) -> None:
+        pop = self._memo.pop
+        for rid in ids:
+            pop(rid, None)
+
+    def prune(self, live: Any) -> None:
+        """Forget finished requests (``live``: the scheduler's request map)."""
+        if len(self._memo) > 2 * len(live) + 256:
+            self._memo = {k: v for k, v in self._memo.items() if k in live}
+
+    def __call__(self, reqs: list[Any], num_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Hit tokens and evictable hit blocks of ``reqs`` (waiting, nothing computed), whose
+        ``num_tokens`` are given; each hit is below its request's ``num_tokens``."""
+        n = len(reqs)
+        if n == 0:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        memo = self._memo
+        known = np.fromiter(_chain(map(memo.get, map(_ids_of, reqs), itertools.repeat(_NOT_LOOKED_UP))),
+                            np.int64, 3 * n).reshape(n, 3)
+        hit, ev = known[:, 0].copy(), known[:, 1].copy()
+        stale = known[:, 2] != num_tokens
+        hit[stale] = 0
+        ev[stale] = 0
+        todo = np.flatnonzero(stale)[: self.new_per_build].tolist()
+        fresh = np.flatnonzero(~stale)
+        k = min(self.refresh_per_build, len(fresh))
+        if k:
+            start = self._turn % len(fresh)
+            todo += np.take(fresh, np.arange(start, start + k), mode="wrap").tolist()
+            self._turn = start + k
+        lookup = self.lookup
+        for i in todo:
+            r = reqs[i]
+            h, e = lookup(r)
+            nt = int(num_tokens[i])
+            h = max(0, min(int(h), nt - 1))
+            memo[r.request_id] = (h, int(e), nt)
+            hit[i], ev[i] = h, e
+        self.lookups += len(todo)
+        return hit, ev
+
+
 class SnapshotBuilder:
     """Builds one snapshot per iteration, column-wise.
 
@@ -173,6 +246,9 @@ class SnapshotBuilder:
         self._pool = np.zeros((1024, _POOL_COLUMNS), np.float64)
         self.last_computed = np.zeros(0, np.int64)
         self.last_running_rows = 0
+        #: per row: prefix-cache hit tokens and evictable hit blocks (0 but for waiting rows)
+        self.last_hits = np.zeros(0, np.int64)
+        self.last_evictable = np.zeros(0, np.int64)
         #: some request had a TPOT objective: first tokens are timed (``first_token_time``)
         self._paced = False
 
@@ -213,7 +289,8 @@ class SnapshotBuilder:
 
     def build(self, running: Iterable[Any], waiting: Iterable[Any], *, max_batch_tokens: int,
               max_num_seqs: int, free_kv_tokens: int | None,
-              now: float | None = None, project: str = "") -> tuple[Snapshot, list[Any]]:
+              now: float | None = None, project: str = "",
+              hits: PrefixHits | None = None) -> tuple[Snapshot, list[Any]]:
         """The snapshot and, aligned with its rows, the vLLM request objects.
 
         ``project``: called right after ``schedule()``, describe the queues as the
@@ -222,11 +299,16 @@ class SnapshotBuilder:
         counts as an in-flight placeholder, as async scheduling books it.  ``"async"``
         (and ``"sync"``): a request whose in-flight tokens reach ``max_tokens`` drops
         out — vLLM skips it once the older in-flight step's output is applied (its
-        own rule, evaluated now, keeps it while two steps are in flight)."""
-        reqs, prompt, computed, output, comp_all, running_rows = _token_counts(list(running), list(waiting), project)
+        own rule, evaluated now, keeps it while two steps are in flight).
+
+        ``hits``: the waiting requests with nothing computed show their prefix-cache hits
+        as computed tokens (:attr:`last_hits`, :attr:`last_evictable`)."""
+        reqs, prompt, computed, output, comp_all, running_rows, hit, ev = _token_counts(
+            list(running), list(waiting), project, hits)
         #: vLLM's ``num_computed_tokens`` per row, and how many leading rows are running
         self.last_computed = comp_all
         self.last_running_rows = running_rows
+        self.last_hits, self.last_evictable = hit, ev
         ids = list(map(_ids_of, reqs))
         slots = list(map(self._slot.get, ids))
         if None in slots:
@@ -266,11 +348,13 @@ class SnapshotBuilder:
             self._pool[slots[new], _FIRST_AT] = now
 
 
-def _token_counts(run: list[Any], wait: list[Any], project: str) -> tuple[
-        list[Any], np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+def _token_counts(run: list[Any], wait: list[Any], project: str, hits: PrefixHits | None = None) -> tuple[
+        list[Any], np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, np.ndarray, np.ndarray]:
     """The requests a snapshot shows (``project``: see :meth:`SnapshotBuilder.build`) and
     their prompt, computed and output tokens as the core counts them, with vLLM's
-    ``num_computed_tokens`` per row and how many leading rows are running."""
+    ``num_computed_tokens`` per row, how many leading rows are running, and the prefix-cache
+    hit tokens and evictable hit blocks per row (``hits``; 0 but for waiting rows with
+    nothing computed, which show the hit as computed)."""
     nr, nw = len(run), len(wait)
     # running requests (and partly computed waiting ones): the general rule
     full = np.fromiter(_chain(map(_full, run)), np.int64, 6 * nr).reshape(nr, 6)
@@ -303,8 +387,17 @@ def _token_counts(run: list[Any], wait: list[Any], project: str) -> tuple[
         output = np.concatenate([output, np.zeros(nw, np.int64)])
         keep = np.concatenate([keep, np.ones(nw, np.bool_)])
     comp_all = comp if wp is None else np.concatenate([comp, np.zeros(nw, np.int64)])
+    hit = np.zeros(len(reqs), np.int64)
+    ev = np.zeros(len(reqs), np.int64)
+    if hits is not None and nw:
+        # waiting rows with nothing computed (vLLM looks their prefix up when it admits them)
+        rows = nr + (np.arange(nw) if wp is not None else np.flatnonzero((comp[nr:] == 0) & (ph[nr:] == 0)))
+        if len(rows):
+            picked = wait if wp is not None else [reqs[i] for i in rows.tolist()]
+            hit[rows], ev[rows] = hits(picked, prompt[rows])
+            computed[rows] = hit[rows]  # a fresh array (np.where or concatenate)
     if not keep.all():
         reqs = list(itertools.compress(reqs, keep.tolist()))
         prompt, computed, output = prompt[keep], computed[keep], output[keep]
-        comp_all = comp_all[keep]
-    return reqs, prompt, computed, output, comp_all, int(keep[:nr].sum())
+        comp_all, hit, ev = comp_all[keep], hit[keep], ev[keep]
+    return reqs, prompt, computed, output, comp_all, int(keep[:nr].sum()), hit, ev
