@@ -23,8 +23,14 @@ part that is *not* overlapped with the GPU step in a synchronous engine; ``decid
 the time to get the plan in ``schedule()``, ``wait`` the part of it spent waiting for
 a background decision, ``ahead`` the hand-over to the next background decision.
 
-Run: ``VLLM_TARGET_DEVICE=cpu python -m benchmarks.vllm_adapter_overhead [--steps 300] [--step-ms 30]``
-(needs the ``vllm`` extra).
+``--shared-prefix N`` prepends the same N tokens (a system prompt) to every prompt, so
+that with vLLM's prefix caching (on here) every waiting request has a cached prefix the
+adapter looks up for its snapshot (``SLIDINGSERVE_PREFIX_LOOKUP``, docs/vllm.md, Prefix
+caching); ``--cases`` runs only the cases whose names contain one of its comma-separated
+words (``native`` always runs: it is the reference).
+
+Run: ``VLLM_TARGET_DEVICE=cpu python -m benchmarks.vllm_adapter_overhead [--steps 300] [--step-ms 30]
+[--shared-prefix 512] [--cases inproc]`` (needs the ``vllm`` extra).
 """
 
 from __future__ import annotations
@@ -49,17 +55,20 @@ def _pct(xs: list[float]) -> tuple[float, float]:
     return float(np.percentile(a, 50)), float(np.percentile(a, 99))
 
 
-def run_case(cls: Any, mdir: str, steps: int, seed: int, warmup: int, step_ms: float) -> dict[str, list[float]]:
+def run_case(cls: Any, mdir: str, steps: int, seed: int, warmup: int, step_ms: float,
+             shared_prefix: int = 0) -> dict[str, list[float]]:
     # vLLM (the optional ``vllm`` extra) loads here, after main() has quieted its logs
     from engine_adapter.vllm.testbed import build_scheduler, fake_output, make_request
 
     rng = np.random.default_rng(seed)
     s = build_scheduler(cls, mdir, async_scheduling=False, num_blocks=60_000, max_num_batched_tokens=2048,
                         max_num_seqs=256, max_model_len=4096)
+    with_prefix = _prefixed(shared_prefix, seed) if shared_prefix > 0 else None
 
     def new_request() -> Any:
-        return make_request(int(rng.integers(32, 1024)), int(rng.integers(16, 400)),
-                            extra_args={"slo_ttft_ms": float(rng.uniform(300, 3000)), "slo_tbt_ms": 80})
+        r = make_request(int(rng.integers(32, 1024)), int(rng.integers(16, 400)),
+                         extra_args={"slo_ttft_ms": float(rng.uniform(300, 3000)), "slo_tbt_ms": 80})
+        return with_prefix(r) if with_prefix is not None else r
 
     for _ in range(1056):
         s.add_request(new_request())
@@ -99,12 +108,34 @@ def run_case(cls: Any, mdir: str, steps: int, seed: int, warmup: int, step_ms: f
     return times
 
 
+def _prefixed(n: int, seed: int) -> Any:
+    """A function: a request → the same request with the same ``n`` tokens before its prompt."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+
+    from engine_adapter.vllm.testbed import BLOCK
+
+    prefix = [int(t) for t in np.random.default_rng(seed + 1).integers(3, 990, n)]
+    hasher = get_request_block_hasher(BLOCK, sha256)  # make_request has set vLLM's hash seed
+
+    def with_prefix(r: Any) -> Any:
+        return Request(request_id=r.request_id, prompt_token_ids=prefix + list(r.prompt_token_ids),
+                       sampling_params=r.sampling_params, pooling_params=None, arrival_time=r.arrival_time,
+                       block_hasher=hasher)
+    return with_prefix
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--step-ms", type=float, default=30.0, help="simulated GPU step (sleep) per iteration")
+    ap.add_argument("--shared-prefix", type=int, default=0,
+                    help="tokens of a common prefix (a system prompt) before every prompt; 0 = none")
+    ap.add_argument("--cases", default="", help="comma-separated words: run only the cases naming one "
+                    "(native always runs)")
     args = ap.parse_args(argv)
     logging.getLogger("vllm").setLevel(logging.ERROR)
     # vLLM is heavy and optional (the ``vllm`` extra): it loads here, once its logs are quiet
@@ -119,22 +150,25 @@ def main(argv: list[str] | None = None) -> None:
     try:
         grpc = {"SLIDINGSERVE_ADDRESS": srv.target, "SLIDINGSERVE_DEADLINE_MS": "200"}
         cases: dict[str, Any] = {"native": Scheduler}
-        for where, extra in (("inproc", {}), ("grpc", grpc)):
+        for where, where_env in (("inproc", {}), ("grpc", grpc)):
             for policy in ("slidingserve", "vllm-fcfs"):
                 for pipe in ("on", "off"):
-                    env = {**extra, "SLIDINGSERVE_POLICY": policy, "SLIDINGSERVE_PIPELINE": pipe}
+                    env = {**where_env, "SLIDINGSERVE_POLICY": policy, "SLIDINGSERVE_PIPELINE": pipe}
                     cases[f"{where} {policy} pipe={pipe}"] = scheduler_class(RemoteSyncScheduler, env)
+        words = [w.strip() for w in args.cases.split(",") if w.strip()]
+        if words:
+            cases = {k: v for k, v in cases.items() if k == "native" or any(w in k for w in words)}
         res: dict[str, dict[str, list[float]]] = {}
         for name, cls in cases.items():
             print(f"  running {name} ...", flush=True)
-            res[name] = run_case(cls, mdir, args.steps, args.seed, args.warmup, args.step_ms)
+            res[name] = run_case(cls, mdir, args.steps, args.seed, args.warmup, args.step_ms, args.shared_prefix)
     finally:
         srv.stop()
     base50, base99 = _pct(res["native"]["total"])
     engine0 = _pct([a + b for a, b in zip(res["native"]["total"], res["native"]["update"], strict=True)])[0]
     update0 = _pct(res["native"]["update"])[0]
     print(f"schedule() with ~256 running + ~800 waiting, 2048-token budget, GPU step {args.step_ms:g} ms, "
-          f"{args.steps} calls each (ms)")
+          f"shared prefix {args.shared_prefix} tokens, {args.steps} calls each (ms)")
     print(f"{'case':32s} {'p50':>7s} {'p99':>7s} {'ratio50':>8s} {'ratio99':>8s} {'engine+':>8s} {'update+':>8s} {'own50':>7s} {'own99':>7s} {'decide50':>9s} "
           f"{'wait50':>7s} {'ahead50':>8s} {'running':>8s} {'waiting':>8s}  planned/pipelined/native/deviating")
     for name, t in res.items():
