@@ -435,10 +435,16 @@ def _wrong_reply(resp: pb.ScheduleResponse, req: pb.ScheduleRequest) -> Schedule
                           f"expected {req.request_id!r}")
 
 
-def _plan(resp: pb.ScheduleResponse) -> Plan:
+def _ids(snapshot: Any) -> Sequence[str] | None:
+    """The request ids, in the order sent, of a :class:`Snapshot` (the compact reasons of the
+    reply refer to rows); None for other snapshot forms (the reasons of field 15 are read)."""
+    return snapshot.ids if isinstance(snapshot, Snapshot) else None
+
+
+def _plan(resp: pb.ScheduleResponse, ids: Sequence[str] | None = None) -> Plan:
     if resp.HasField("error"):
         raise SchedulerError.from_pb(resp.error)
-    return plan_from_pb(resp.plan)
+    return plan_from_pb(resp.plan, ids)
 
 
 def _summary(msg: pb.ReportSummary) -> ReportSummary:
@@ -512,7 +518,7 @@ class SchedulerClient:
         the decision is the same, and a service older than the field ignores it."""
         req = self._enc.request(snapshot, policy, params, request_id, explain)
         try:
-            return _plan(self._stub.Schedule(req, timeout=self._t(timeout_s), metadata=self._enc.md()))
+            return _plan(self._stub.Schedule(req, timeout=self._t(timeout_s), metadata=self._enc.md()), _ids(snapshot))
         except grpc.RpcError as e:
             raise SchedulerError.from_rpc_error(e) from None
 
@@ -654,7 +660,7 @@ class ScheduleStream:
             if resp.request_id != req.request_id:  # cannot happen on an in-order stream
                 self._reset()
                 raise _wrong_reply(resp, req)
-            return _plan(resp)
+            return _plan(resp, _ids(snapshot))
 
     def close(self) -> None:
         with self._lock:
@@ -696,7 +702,8 @@ class AsyncSchedulerClient:
                        request_id: str | None = None, explain: bool = False) -> Plan:
         req = self._enc.request(snapshot, policy, params, request_id, explain)
         try:
-            return _plan(await self._stub.Schedule(req, timeout=self._t(timeout_s), metadata=self._enc.md()))
+            return _plan(await self._stub.Schedule(req, timeout=self._t(timeout_s), metadata=self._enc.md()),
+                         _ids(snapshot))
         except grpc.RpcError as e:
             raise SchedulerError.from_rpc_error(e) from None
 
@@ -790,7 +797,7 @@ class AsyncScheduleStream:
             if resp.request_id != req.request_id:  # cannot happen on an in-order stream
                 self._drop()
                 raise _wrong_reply(resp, req)
-            return _plan(resp)
+            return _plan(resp, _ids(snapshot))
 
     def _drop(self) -> None:
         if self._call is not None:

@@ -10,6 +10,7 @@ import logging
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from hypothesis import given, settings
@@ -217,3 +218,58 @@ def test_the_reason_log_reads_compact_plans(caplog: pytest.LogCaptureFixture) ->
     lines = [r.getMessage() for r in caplog.records if r.name == "engine_adapter.reasons"]
     assert len(lines) == len(plan.reasons) and all(" waits: " in x for x in lines)
     assert isinstance(plan.reasons[0], Reason)
+
+
+# ------------------------------------------------------------- engines: client and plan check
+def test_the_client_hands_the_engine_compact_reasons(snap: Snapshot) -> None:
+    """``SchedulerClient`` decodes the compact form with the snapshot it sent (unary and
+    stream), so a remote engine under ``reasons: every`` has a reason in every plan, checked
+    on arrays by ``plan_violations``."""
+    from scheduler_service.client import SchedulerClient
+    from scheduler_service.core import plan_violations
+
+    want = plan_explained(registry.create("slidingserve"), snap, default_predictor())
+    with make_server(reasons="every", explain_every=0) as srv, \
+            SchedulerClient(srv.target, timeout_s=10) as c, c.stream() as s:
+        for plan in (c.schedule(snap, policy="slidingserve"), s.schedule(snap, policy="slidingserve")):
+            assert isinstance(plan.reasons, Reasons) and list(plan.reasons) == list(want.reasons)
+            assert plan_violations(snap, plan) == []
+        # a snapshot given as JSON: no rows to read, so the reasons are field 15's (none here)
+        assert c.schedule(snap.to_dict(), policy="slidingserve").reasons == ()
+
+
+@settings(max_examples=120, deadline=None, derandomize=True, database=None)
+@given(st.sampled_from([*POLICIES, "slidingserve"]), waiting_snapshots(), st.data())
+def test_the_array_check_of_reasons_agrees_with_the_per_reason_one(name: str, snap: Snapshot,
+                                                                    data: st.DataObject) -> None:
+    """Reasons as arrays are checked without objects (``_reason_arrays_hold``): on the
+    reasons ``explain`` gives they hold, and each way of breaking them (a waiting request
+    without a reason, two reasons for one, a reason for a fully served request, an unknown
+    code) fails the array check and is named by the per-reason one."""
+    from scheduler_service.core import plan_violations
+    from scheduler_service.core.check import _reason_arrays_hold
+
+    if not len(snap):
+        return  # no request, no reasons (nothing for either check)
+    policy = registry.create(name)
+    plan = explain(policy, snap, default_predictor(), policy.plan(snap, default_predictor()))
+    assert isinstance(plan.reasons, Reasons)
+    assert _reason_arrays_hold(snap, plan) and plan_violations(snap, plan) == []
+    rows, codes, values = plan.reasons.arrays()
+    served = sorted(set(range(len(snap))) - set(rows.tolist()))
+    breaks = []
+    if len(rows) > 1:  # (a plan left with no reason at all is an unexplained plan: not checked)
+        breaks.append((rows[1:], codes[1:], values[1:], "waits without a reason"))
+    if len(rows):
+        breaks.append((np.r_[rows, rows[:1]], np.r_[codes, codes[:1]], np.r_[values, values[:1]], "two reasons"))
+    if served:
+        i = data.draw(st.sampled_from(served))
+        breaks.append((np.r_[rows, i], np.r_[codes, 0], np.r_[values, 0.0], "fully serves"))
+    for r, c, v, what in breaks:
+        bad = dataclasses.replace(plan, reasons=Reasons(snap.ids, r, c, v))
+        assert not _reason_arrays_hold(snap, bad), what
+        assert any(what in p for p in plan_violations(snap, bad, limit=1000)), (what, plan_violations(snap, bad))
+    if len(rows):
+        unknown = dataclasses.replace(plan, reasons=Reasons(snap.ids, rows, codes, values,
+                                                            names=(*CODES[:-1], "not_a_code")))
+        assert codes.max() < len(CODES) - 1 or not _reason_arrays_hold(snap, unknown)

@@ -6,7 +6,9 @@ untrusted input) and the property tests run it on every plan a policy makes.
 
 from __future__ import annotations
 
-from .plan import CODES, Plan
+import numpy as np
+
+from .plan import CODES, Plan, Reasons
 from .snapshot import Snapshot
 
 __all__ = ["plan_violations"]
@@ -110,6 +112,8 @@ def _check_rejections(snapshot: Snapshot, plan: Plan, seen: set[str], preempted:
 
 def _check_reasons(snapshot: Snapshot, plan: Plan, problems: list[str]) -> None:
     """Each reason (appended to ``problems``), then the requests left without one."""
+    if _reason_arrays_hold(snapshot, plan):
+        return  # the common case, on arrays; any problem is found and named below
     index = snapshot.index_of
     got = plan.tokens_by_id()
     codes = set(CODES)
@@ -131,3 +135,31 @@ def _check_reasons(snapshot: Snapshot, plan: Plan, problems: list[str]) -> None:
         need = 1 if snapshot.is_decoding[i] else int(snapshot.remaining_prefill[i])
         if got.get(rid, 0) < need and rid not in explained:
             problems.append(f"request {rid!r} waits without a reason")
+
+
+def _reason_arrays_hold(snapshot: Snapshot, plan: Plan) -> bool:
+    """Whether reasons kept as arrays over this snapshot's rows (decoded from the compact
+    wire form, or classified here) pass every check of :func:`_check_reasons` — on numpy,
+    without a :class:`~.plan.Reason` per request, so that an engine can check a reason in
+    every plan.  False when they are not such arrays, or when something is wrong (the
+    per-reason loop then names it)."""
+    rs = plan.reasons
+    if not isinstance(rs, Reasons) or (rs.ids is not snapshot.ids and list(rs.ids) != list(snapshot.ids)):
+        return False
+    rows, codes, _ = rs.arrays()
+    n = len(snapshot)
+    if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= n):
+        return False
+    if not set(rs.names[int(c)] for c in np.unique(codes)) <= set(CODES):
+        return False
+    need = np.where(snapshot.is_decoding, 1, snapshot.remaining_prefill)
+    got = np.zeros(n, np.int64)
+    index = snapshot.index_of
+    for a in plan.allocations:
+        i = index.get(a.id)
+        if i is not None:
+            got[i] = a.tokens
+    waiting = np.zeros(n, np.int64)
+    np.add.at(waiting, rows, 1)
+    # each waiting request exactly once, and nothing else
+    return bool(np.array_equal(waiting, (got < need).astype(np.int64)))

@@ -104,6 +104,11 @@ class Reasons(Sequence[Reason]):
         self._items: tuple[Reason, ...] | None = None
         self.names: tuple[str, ...] = CODES if names is None else tuple(names)
 
+    @property
+    def ids(self) -> Sequence[str]:
+        """The snapshot's request ids the rows refer to."""
+        return self._ids
+
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(snapshot rows, code indices into :attr:`names`, values), computed if need be."""
         if self._arrays is None:
