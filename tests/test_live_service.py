@@ -16,7 +16,7 @@ import pytest
 
 from clients.live.procs import ServiceProcess, _threads
 from clients.live.report import timing_table
-from clients.live.runner import Config, _decision_path
+from clients.live.runner import Config, _decision_path, _timing_means
 
 
 def test_service_nice_is_a_remote_configuration_setting_not_a_policy_parameter() -> None:
@@ -100,3 +100,13 @@ def test_a_runs_decision_histogram_becomes_its_mean_and_tail_shares() -> None:
     quiet = {"iterations": 0.0, "decision_seconds_count": 0.0, "decision_seconds_sum": 0.0, "decision_le_0.01": 0.0}
     _decision_path(quiet)
     assert quiet == {"iterations": 0.0}  # no answers: no mean, no shares
+
+
+def test_a_runs_prefix_cache_hit_rate_is_read_from_vllms_counters() -> None:
+    """vLLM's ``prefix_cache_queries``/``hits`` counters over a run: the share of looked-up
+    prompt tokens the cache held (the shared-prefix sweeps need it to be trusted)."""
+    before = {"prefix_queries": 1000.0, "prefix_hits": 100.0, "ttft_sum": 1.0, "ttft_count": 10.0}
+    after = {"prefix_queries": 5000.0, "prefix_hits": 3100.0, "ttft_sum": 3.0, "ttft_count": 20.0}
+    out = _timing_means(before, after)
+    assert out["prefix_hit_rate"] == pytest.approx(0.75) and out["ttft_mean_ms"] == pytest.approx(200.0)
+    assert "prefix_hit_rate" not in _timing_means(before, before)  # no lookups: no rate

@@ -189,7 +189,12 @@ def _vllm_timings(v: VllmProcess) -> dict[str, float]:
             base = name.removesuffix(suffix)
             if name.endswith(suffix) and base in _VLLM_TIMINGS:
                 out[_VLLM_TIMINGS[base] + suffix] = out.get(_VLLM_TIMINGS[base] + suffix, 0.0) + val
+        if name in _PREFIX_CACHE:  # prompt tokens looked up in / found in vLLM's prefix cache
+            out[_PREFIX_CACHE[name]] = out.get(_PREFIX_CACHE[name], 0.0) + val
     return out
+
+
+_PREFIX_CACHE = {"vllm:prefix_cache_queries_total": "prefix_queries", "vllm:prefix_cache_hits_total": "prefix_hits"}
 
 
 def _timing_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -199,6 +204,9 @@ def _timing_means(before: dict[str, float], after: dict[str, float]) -> dict[str
         n = after.get(key + "_count", 0.0) - before.get(key + "_count", 0.0)
         if n > 0:
             out[key + "_mean_ms"] = 1e3 * (after.get(key + "_sum", 0.0) - before.get(key + "_sum", 0.0)) / n
+    q = after.get("prefix_queries", 0.0) - before.get("prefix_queries", 0.0)
+    if q > 0:  # the share of looked-up prompt tokens vLLM's prefix cache held over the run
+        out["prefix_hit_rate"] = (after.get("prefix_hits", 0.0) - before.get("prefix_hits", 0.0)) / q
     return out
 
 

@@ -777,18 +777,38 @@ def read_back(take: np.ndarray, w: np.ndarray, pa: int, c: int) -> np.ndarray:
 
 # ----------------------------------------------------------------------- reasons
 @_jit
-def reason_codes(got, is_dec, remaining, slack, tbt, step, prio, kv, lost, held, rescued,  # type: ignore[no-untyped-def]
-                 v_rows, v_codes, on, scalar, starve, skip):
-    """``reference.reason_codes`` in one pass over the snapshot's rows: each waiting row's
-    first rule that holds, in :data:`..reference.REASON_RULES` order, as an if-chain."""
-    n = got.shape[0]
-    member = np.zeros(n, dtype=np.uint8)  # bit 1: lost, 2: held, 4: rescued
+def _membership(n, lost, held, rescued):  # type: ignore[no-untyped-def]
+    """Per row, bit 1: in the lost set, 2: held by the class reserve, 4: rescued."""
+    member = np.zeros(n, dtype=np.uint8)
     for i in lost:
         member[i] |= 1
     for i in held:
         member[i] |= 2
     for i in rescued:
         member[i] |= 4
+    return member
+
+
+@_jit
+def _reason_value(kind, slack, prio, kv, scalar):  # type: ignore[no-untyped-def]
+    """A reason's value by its kind (:data:`REASON_VALUE`): the slack in ms, the class
+    priority, the request's KV tokens, or the plan-wide quantity."""
+    if kind == 1:
+        return slack * 1e3
+    if kind == 2:
+        return float(prio)
+    if kind == 3:
+        return float(kv)
+    return scalar
+
+
+@_jit
+def reason_codes(got, is_dec, remaining, slack, tbt, step, prio, kv, lost, held, rescued,  # type: ignore[no-untyped-def]
+                 v_rows, v_codes, on, scalar, starve, skip):
+    """``reference.reason_codes`` in one pass over the snapshot's rows: each waiting row's
+    first rule that holds, in :data:`..reference.REASON_RULES` order, as an if-chain."""
+    n = got.shape[0]
+    member = _membership(n, lost, held, rescued)
     verdict = np.full(n, -1, dtype=np.int64)
     for j in range(v_rows.shape[0]):
         verdict[v_rows[j]] = v_codes[j]
@@ -830,17 +850,8 @@ def reason_codes(got, is_dec, remaining, slack, tbt, step, prio, kv, lost, held,
             c = RC_TIME_BUDGET
         if verdict[i] >= 0:
             c = verdict[i]
-        kind = REASON_VALUE[c]
-        if kind == 1:
-            v = s * 1e3
-        elif kind == 2:
-            v = float(prio[i])
-        elif kind == 3:
-            v = float(kv[i])
-        else:
-            v = scalar[c]
         rows[k] = i
         codes[k] = c
-        values[k] = v
+        values[k] = _reason_value(REASON_VALUE[c], s, prio[i], kv[i], scalar[c])
         k += 1
     return rows[:k], codes[:k], values[:k]  # views: no copy of what a plan keeps anyway
