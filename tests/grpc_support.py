@@ -42,6 +42,19 @@ def mixed_snapshot(seed: int = 0, n_decode: int = 24, n_prefill: int = 48, *, no
     )
 
 
+@dataclass
+class UnknownId:
+    """A policy whose plan names a request the snapshot does not have (the engine's plan
+    check refuses it): it cannot be explained."""
+
+    name: str = "unknown-id"
+    version: str = "test"
+    params: object = None
+
+    def plan(self, snapshot: Snapshot, predictor: object) -> Plan:
+        return Plan(self.name, self.version, "p", "decode_only", 1, 0.0, (Allocation("not-a-request", 1),))
+
+
 @dataclass(frozen=True)
 class InjectedPolicy:
     """Schedules every decode for one token after ``delay_s``; raises when ``fail``."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -21,13 +20,13 @@ from benchmarks.snapshots import busy_snapshot
 from clients.cli import main
 from clients.explain import decided_by, table
 from scheduler_service.client import EngineProfile, IterationReport, SchedulerClient
-from scheduler_service.core import Allocation, Plan, Snapshot, batch_features, default_predictor, registry
+from scheduler_service.core import Allocation, Snapshot, batch_features, default_predictor, registry
 from scheduler_service.core.reasons import plan_explained
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler_service.server import SchedulerServer
 from scheduler_service.wire.convert import plan_from_pb, snapshot_to_pb
-from tests.grpc_support import inject, make_server, mixed_snapshot
+from tests.grpc_support import UnknownId, inject, make_server, mixed_snapshot
 
 PROFILE = EngineProfile("llama-3-8b", "a100", 1)
 GAUGE = "slidingserve_requests_waiting_by_reason"
@@ -185,18 +184,6 @@ def test_the_stream_explains_what_asks(busy: Snapshot) -> None:
     for r in resps:  # the wire fields of the decision, whichever asked
         assert (list(r.plan.allocation_ids), list(r.plan.allocation_tokens), r.plan.path) == (
             list(resps[0].plan.allocation_ids), list(resps[0].plan.allocation_tokens), resps[0].plan.path)
-
-
-@dataclass
-class UnknownId:
-    """A policy whose plan names a request the snapshot does not have: it cannot be explained."""
-
-    name: str = "unknown-id"
-    version: str = "test"
-    params: object = None
-
-    def plan(self, snapshot: Snapshot, predictor: object) -> Plan:
-        return Plan(self.name, self.version, "p", "decode_only", 1, 0.0, (Allocation("not-a-request", 1),))
 
 
 def test_asking_never_fails_a_decision(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

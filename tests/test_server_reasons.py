@@ -102,19 +102,8 @@ def test_the_fast_reason_encoding_is_the_wire_format(policy: str) -> None:
 def test_a_plan_that_cannot_be_explained_still_goes_back() -> None:
     """A policy whose plan names a request the snapshot does not have (the engine's plan
     check refuses it) is answered, unexplained: an explanation never fails a decision."""
-    from dataclasses import dataclass
-
-    from scheduler_service.core import Allocation, Plan
-    from tests.grpc_support import inject
-
-    @dataclass
-    class UnknownId:
-        name: str = "unknown-id"
-        version: str = "test"
-        params: object = None
-
-        def plan(self, snapshot: Snapshot, predictor: object) -> Plan:
-            return Plan(self.name, self.version, "p", "decode_only", 1, 0.0, (Allocation("not-a-request", 1),))
+    from scheduler_service.core import Allocation
+    from tests.grpc_support import UnknownId, inject
 
     snap = mixed_snapshot(3, n_decode=4, n_prefill=4)
     with make_server(explain_every=1) as srv, SchedulerClient(srv.target, timeout_s=10.0) as client:

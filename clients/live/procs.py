@@ -245,25 +245,23 @@ class ServiceProcess:
                                    "service_nice needs root") from None
         self.nice = want
 
-    def decisions(self) -> tuple[float, float]:
-        """(sum of seconds, count) of the service's ``slidingserve_decision_seconds``."""
+    def _sum_count(self, histogram: str) -> tuple[float, float]:
+        """(sum, count) of one of the service's histograms, over all its label values."""
         s = c = 0.0
         for name, _, v in scrape(self.metrics_port):
-            if name == "slidingserve_decision_seconds_sum":
+            if name == histogram + "_sum":
                 s += v
-            elif name == "slidingserve_decision_seconds_count":
+            elif name == histogram + "_count":
                 c += v
         return s, c
 
+    def decisions(self) -> tuple[float, float]:
+        """(sum of seconds, count) of the service's ``slidingserve_decision_seconds``."""
+        return self._sum_count("slidingserve_decision_seconds")
+
     def predictor_error(self) -> tuple[float, float]:
         """(sum, count) of the service's ``slidingserve_predictor_abs_error_ms`` over every profile."""
-        s = c = 0.0
-        for name, _, v in scrape(self.metrics_port):
-            if name == "slidingserve_predictor_abs_error_ms_sum":
-                s += v
-            elif name == "slidingserve_predictor_abs_error_ms_count":
-                c += v
-        return s, c
+        return self._sum_count("slidingserve_predictor_abs_error_ms")
 
     def overruns(self) -> dict[str, float]:
         """Reports measured above the prediction (``none``) and above it × the learned margin
