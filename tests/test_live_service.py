@@ -14,7 +14,7 @@ from typing import Any
 import psutil
 import pytest
 
-from clients.live.procs import ServiceProcess, _threads
+from clients.live.procs import CpuUse, ServiceProcess, _threads
 from clients.live.report import timing_table
 from clients.live.runner import Config, _decision_path, _timing_means
 
@@ -110,3 +110,86 @@ def test_a_runs_prefix_cache_hit_rate_is_read_from_vllms_counters() -> None:
     out = _timing_means(before, after)
     assert out["prefix_hit_rate"] == pytest.approx(0.75) and out["ttft_mean_ms"] == pytest.approx(200.0)
     assert "prefix_hit_rate" not in _timing_means(before, before)  # no lookups: no rate
+
+
+def test_service_cores_is_a_remote_configuration_setting_not_a_policy_parameter() -> None:
+    c = Config.parse("remote:slidingserve:service_cores=worker,window=3")
+    assert (c.service_cores, dict(c.params)) == ("worker", {"window": "3"})
+    assert "service_cores" not in c.settings("h:1", _slo())["params"]
+    assert Config.parse("remote:slidingserve").service_cores == "others"
+    with pytest.raises(ValueError, match="service_cores applies to remote configurations only"):
+        Config.parse("inproc:slidingserve:service_cores=worker")
+    with pytest.raises(ValueError, match="service_cores must be 'others' or 'worker', got 'all'"):
+        Config.parse("remote:slidingserve:service_cores=all")
+
+
+def _busy_tree() -> subprocess.Popen[bytes]:
+    """A process with a spinning thread and a spinning child (as the service with gRPC threads
+    and worker processes, or vLLM's API server and its engine core)."""
+    spin = "import time\nend = time.monotonic() + 60\nwhile time.monotonic() < end: pass\n"
+    code = ("import subprocess, sys, threading, time\n"
+            f"threading.Thread(target=exec, args=({spin!r},), daemon=True).start()\n"
+            f"subprocess.Popen([sys.executable, '-c', {spin!r}])\n"
+            "time.sleep(60)\n")
+    return subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    for p in psutil.Process(proc.pid).children(recursive=True):
+        p.kill()
+    proc.kill()
+    proc.wait()
+
+
+def test_place_moves_every_thread_of_the_service_and_its_workers(tmp_path: Path) -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    proc = _busy_tree()
+    try:
+        end = time.monotonic() + 30
+        while len(_threads(proc.pid)) < 3 and time.monotonic() < end:
+            time.sleep(0.05)
+        s = ServiceProcess(tmp_path, set(cores))
+        s.proc = proc  # type: ignore[assignment]
+        s.place({cores[-1]})
+        assert {frozenset(os.sched_getaffinity(t)) for t in _threads(proc.pid)} == {frozenset({cores[-1]})}
+        assert s.cores == {cores[-1]}
+    finally:
+        _kill(proc)
+
+
+def test_cpu_use_accounts_each_process_tree_and_the_cores() -> None:
+    """A real spinning tree as "vllm" (its root's thread: the API server; its child: the engine
+    core), bound to one core: the run's record splits its CPU seconds that way."""
+    cores = sorted(os.sched_getaffinity(0))
+    worker = cores[-1]
+    proc = _busy_tree()
+    try:
+        time.sleep(0.5)
+        for t in _threads(proc.pid):
+            os.sched_setaffinity(t, {worker})
+        start = CpuUse(worker, set(cores[:-1]) or {worker}, {"vllm": proc.pid}).sample()
+        time.sleep(1.5)
+        use = CpuUse(worker, set(cores[:-1]) or {worker}, {"vllm": proc.pid}).sample().since(start)
+    finally:
+        _kill(proc)
+    assert 1.3 < use["wall_s"] < 5
+    # two spinning threads share the one core: about half the run each
+    assert 0.2 * use["wall_s"] < use["api_server_s"] < 1.1 * use["wall_s"]
+    assert 0.2 * use["wall_s"] < use["engine_s"] < 1.1 * use["wall_s"]
+    assert use["engine_on_worker_s"] == pytest.approx(use["engine_s"], rel=0.2)
+    assert use["worker_core_busy"] > 0.8 and 0.0 <= use["other_cores_busy"] <= 1.0
+    assert use["client_s"] >= 0.0
+
+
+def test_the_timing_table_says_where_the_cpu_went() -> None:
+    base = {"rate": 3.0, "vllm_timings": {"ttft_mean_ms": 200.0}}
+    runs = [{**base, "config": "inproc:slidingserve", "seed": 1,
+             "cpu": {"worker_core_busy": 0.9, "other_cores_busy": 0.7, "api_server_s": 20.0, "engine_s": 40.0,
+                     "engine_on_worker_s": 39.0, "client_s": 15.0}},
+            {**base, "config": "remote:slidingserve", "seed": 1,
+             "cpu": {"worker_core_busy": 0.8, "other_cores_busy": 0.95, "api_server_s": 21.0, "engine_s": 41.0,
+                     "engine_on_worker_s": 38.0, "service_s": 6.5, "client_s": 16.0}}]
+    text = timing_table(runs)
+    assert "| inproc:slidingserve | 3 | 90% | 70% | 20.0 s | 40.0 s (39.0 s) | — | 15.0 s |" in text
+    assert "| remote:slidingserve | 3 | 80% | 95% | 21.0 s | 41.0 s (38.0 s) | 6.5 s | 16.0 s |" in text
+    assert "Where the CPU went" not in timing_table([{**base, "config": "vllm", "seed": 1}])

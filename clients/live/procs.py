@@ -19,9 +19,10 @@ import time
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
 
-__all__ = ["EngineArgs", "ServiceProcess", "VllmProcess", "free_port", "pin", "scrape", "worker_cores"]
+__all__ = ["CpuUse", "EngineArgs", "ServiceProcess", "VllmProcess", "free_port", "pin", "scrape", "worker_cores"]
 
 #: vLLM's OpenAI-compatible server, the module ``vllm serve`` runs (the CPU build's ``vllm``
 #: command cannot start: docs/vllm.md).
@@ -199,6 +200,73 @@ def _threads(pid: int) -> list[int]:
     return out
 
 
+def _tree_cpu(pid: int, worker_core: int) -> tuple[float, float, dict[int, float]]:
+    """CPU seconds (user + system) of process ``pid`` itself, of its descendants, and per
+    thread of its descendants bound to ``worker_core`` alone (tid: seconds)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        kids = root.children(recursive=True)
+        own = sum(root.cpu_times()[:2])
+    except psutil.NoSuchProcess:
+        return 0.0, 0.0, {}
+    rest, bound = 0.0, {}
+    for p in kids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            rest += sum(p.cpu_times()[:2])
+            for t in p.threads():
+                with contextlib.suppress(OSError):
+                    if os.sched_getaffinity(t.id) == {worker_core}:
+                        bound[t.id] = t.user_time + t.system_time
+    return own, rest, bound
+
+
+@dataclass
+class CpuUse:
+    """Where the CPU went during a run: busy seconds per core (the worker's, the others'),
+    and the CPU seconds of vLLM's API server, of its engine core (and of the engine's
+    threads bound to the worker's core: the forward pass and what it starts), of the
+    scheduling service and of the client (this process).  :meth:`since` gives the run's share."""
+
+    worker_core: int
+    other_cores: set[int]
+    pids: dict[str, int]
+    cores: dict[str, float] = dataclass_field(default_factory=dict)
+    procs: dict[str, float] = dataclass_field(default_factory=dict)
+    bound: dict[int, float] = dataclass_field(default_factory=dict)
+    at: float = 0.0
+
+    def sample(self) -> CpuUse:
+        import psutil
+
+        self.at = time.monotonic()
+        for i, t in enumerate(psutil.cpu_times(percpu=True)):
+            if i != self.worker_core and i not in self.other_cores:
+                continue
+            key = "worker_core" if i == self.worker_core else "other_cores"
+            self.cores[key] = self.cores.get(key, 0.0) + sum(t) - t.idle - getattr(t, "iowait", 0.0)
+        self.procs["client"] = sum(psutil.Process().cpu_times()[:2])
+        for name, pid in self.pids.items():
+            own, rest, bound = _tree_cpu(pid, self.worker_core)
+            if name == "vllm":
+                self.procs["api_server"], self.procs["engine"], self.bound = own, rest, bound
+            else:
+                self.procs[name] = own + rest
+        return self
+
+    def since(self, start: CpuUse) -> dict[str, float]:
+        """Busy shares of the cores and CPU seconds per process over ``[start, self]``."""
+        wall = max(self.at - start.at, 1e-9)
+        out = {"wall_s": wall, "worker_core_busy": (self.cores["worker_core"] - start.cores["worker_core"]) / wall}
+        n_other = max(len(self.other_cores - {self.worker_core}), 1)
+        out["other_cores_busy"] = (self.cores.get("other_cores", 0.0) - start.cores.get("other_cores", 0.0)) / (
+            wall * n_other)
+        out |= {f"{k}_s": v - start.procs.get(k, 0.0) for k, v in self.procs.items()}
+        out["engine_on_worker_s"] = sum(v - start.bound[t] for t, v in self.bound.items() if t in start.bound)
+        return out
+
+
 class ServiceProcess:
     """``slidingserve serve`` on loopback, pinned off the worker's core."""
 
@@ -225,6 +293,16 @@ class ServiceProcess:
                                          env=_clean_env(), start_new_session=True)
         pin(self.proc.pid, self.cores)
         _wait("slidingserve serve", lambda: bool(scrape(self.metrics_port)), timeout_s, self.proc, self.log)
+
+    def place(self, cores: set[int]) -> None:
+        """Run every thread of the service (and of its worker processes) on ``cores``."""
+        assert self.proc is not None
+        if cores == self.cores:
+            return
+        for tid in _threads(self.proc.pid):
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(tid, cores)
+        self.cores = cores
 
     def renice(self, nice: int | None) -> None:
         """Run the service at nice ``nice`` (absolute), or at the sweep's own priority for None."""

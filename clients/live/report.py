@@ -141,27 +141,53 @@ def timing_table(runs: Sequence[dict[str, Any]]) -> str:
              "| adapter / iteration | answer, engine-side | service / decision |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
 
-    def mean(rs: Sequence[dict[str, Any]], *path: str, fmt: str = "{:.0f}") -> str:
-        xs = []
-        for r in rs:
-            v: Any = r
-            for k in path:
-                v = v.get(k) if isinstance(v, dict) else None
-            if v is not None:
-                xs.append(float(v))
-        return fmt.format(np.mean(xs)) if xs else "—"
-
     for c in _configs(rows):
         for rate in sorted({float(r["rate"]) for r in rows if r["config"] == c}):
             rs = [r for r in rows if r["config"] == c and float(r["rate"]) == rate]
-            lines.append(f"| {c} | {rate:g} | {mean(rs, 'client', 'ttft_mean_ms')} | "
-                         f"{mean(rs, 'vllm_timings', 'ttft_mean_ms')} | {mean(rs, 'vllm_timings', 'queue_mean_ms')} | "
-                         f"{mean(rs, 'vllm_timings', 'prefill_mean_ms')} | {mean(rs, 'vllm_timings', 'itl_mean_ms')} | "
-                         f"{mean(rs, 'client', 'send_late_mean_ms')} / {mean(rs, 'client', 'send_late_max_ms')} | "
-                         f"{mean(rs, 'adapter', 'own_ms_per_iter', fmt='{:.2f}')} | "
-                         f"{mean(rs, 'adapter', 'decision_ms_mean', fmt='{:.2f}')} / "
-                         f"{mean(rs, 'adapter', 'decision_over_20ms', fmt='{:.1%}')} | "
-                         f"{mean(rs, 'service_decision_ms', fmt='{:.2f}')} |")
+            lines.append(f"| {c} | {rate:g} | {_path_mean(rs, 'client', 'ttft_mean_ms')} | "
+                         f"{_path_mean(rs, 'vllm_timings', 'ttft_mean_ms')} | {_path_mean(rs, 'vllm_timings', 'queue_mean_ms')} | "
+                         f"{_path_mean(rs, 'vllm_timings', 'prefill_mean_ms')} | {_path_mean(rs, 'vllm_timings', 'itl_mean_ms')} | "
+                         f"{_path_mean(rs, 'client', 'send_late_mean_ms')} / {_path_mean(rs, 'client', 'send_late_max_ms')} | "
+                         f"{_path_mean(rs, 'adapter', 'own_ms_per_iter', fmt='{:.2f}')} | "
+                         f"{_path_mean(rs, 'adapter', 'decision_ms_mean', fmt='{:.2f}')} / "
+                         f"{_path_mean(rs, 'adapter', 'decision_over_20ms', fmt='{:.1%}')} | "
+                         f"{_path_mean(rs, 'service_decision_ms', fmt='{:.2f}')} |")
+    return "\n".join(lines) + "\n" + _cpu_table(rows)
+
+
+def _path_mean(rs: Sequence[dict[str, Any]], *path: str, fmt: str = "{:.0f}") -> str:
+    """The mean of ``r[path[0]][path[1]]...`` over the runs that have it, formatted; "—" for none."""
+    xs = []
+    for r in rs:
+        v: Any = r
+        for k in path:
+            v = v.get(k) if isinstance(v, dict) else None
+        if v is not None:
+            xs.append(float(v))
+    return fmt.format(np.mean(xs)) if xs else "—"
+
+
+def _cpu_table(runs: Sequence[dict[str, Any]]) -> str:
+    """Where the CPU went during the runs that recorded it (``cpu``): how busy the worker's
+    core and the others were, and the CPU seconds of each process per run."""
+    rows = [r for r in runs if r.get("cpu")]
+    if not rows:
+        return ""
+    lines = ["", "Where the CPU went (means over runs): the share of the run's time the worker's core and the "
+             "other cores were busy, and the CPU seconds per run of vLLM's API server, of its engine core (of "
+             "which on the worker's core: the forward pass and the threads bound with it), of the scheduling "
+             "service and of the client:", "",
+             "| configuration | rate | worker core busy | other cores busy | API server | engine core "
+             "(on the worker's core) | service | client |", "|---|---|---|---|---|---|---|---|"]
+    for c in _configs(rows):
+        for rate in sorted({float(r["rate"]) for r in rows if r["config"] == c}):
+            rs = [r for r in rows if r["config"] == c and float(r["rate"]) == rate]
+            lines.append(f"| {c} | {rate:g} | {_path_mean(rs, 'cpu', 'worker_core_busy', fmt='{:.0%}')} | "
+                         f"{_path_mean(rs, 'cpu', 'other_cores_busy', fmt='{:.0%}')} | "
+                         f"{_path_mean(rs, 'cpu', 'api_server_s', fmt='{:.1f} s')} | "
+                         f"{_path_mean(rs, 'cpu', 'engine_s', fmt='{:.1f} s')} "
+                         f"({_path_mean(rs, 'cpu', 'engine_on_worker_s', fmt='{:.1f} s')}) | "
+                         f"{_path_mean(rs, 'cpu', 'service_s', fmt='{:.1f} s')} | {_path_mean(rs, 'cpu', 'client_s', fmt='{:.1f} s')} |")
     return "\n".join(lines) + "\n"
 
 

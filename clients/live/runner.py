@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from .client import LoopLag, run_requests
 from .judge import run_judge, write_dataset
 from .measure import RequestResult, Slo, summarize
-from .procs import EngineArgs, ServiceProcess, VllmProcess, pin, scrape, worker_cores
+from .procs import CpuUse, EngineArgs, ServiceProcess, VllmProcess, pin, scrape, worker_cores
 from .workload import LiveRequest, WorkloadSpec, make_requests
 
 if TYPE_CHECKING:
@@ -45,6 +45,12 @@ OBJECTIVES = ("formula1", "tpot")
 #: priority otherwise).  It tests whether remote plans lose to in-process ones because the
 #: service shares a core with the client and the API server (negative values need root).
 SERVICE_NICE = "service_nice"
+#: ``service_cores=worker`` in a remote configuration's text: the service's threads run on
+#: vLLM's worker core (where, in process, the policy runs: on the engine core's main
+#: thread and the decision thread it starts, both bound there with the forward pass);
+#: ``others`` (the default) on the cores the API server and the client share.  It tests
+#: whether remote loses to in process because of where its CPU time lands.
+SERVICE_CORES = "service_cores"
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +62,8 @@ class Config:
     objective: str = "formula1"
     #: the service's nice value for this configuration's runs (None: the sweep's own)
     service_nice: int | None = None
+    #: where the service's threads run for this configuration's runs: "others" or "worker"
+    service_cores: str = "others"
 
     @classmethod
     def parse(cls, text: str) -> Config:
@@ -78,11 +86,12 @@ class Config:
             raise ValueError(f"configuration {text!r}: objective must be one of {', '.join(OBJECTIVES)}, "
                              f"got {objective!r}")
         nice = _service_nice(text, mode, dict(kv).get(SERVICE_NICE))
-        kv = [(k, v) for k, v in kv if k not in ("objective", SERVICE_NICE)]
+        cores = _service_cores(text, mode, dict(kv).get(SERVICE_CORES))
+        kv = [(k, v) for k, v in kv if k not in ("objective", SERVICE_NICE, SERVICE_CORES)]
         from scheduler_service.core import registry
 
         registry.create(policy, dict(kv))  # fails here, with the policy's own message, on a bad name or value
-        return cls(text, mode, policy, tuple(kv), objective, nice)
+        return cls(text, mode, policy, tuple(kv), objective, nice, cores)
 
     def xargs(self, slo: Slo) -> dict[str, Any] | None:
         """What each request of this configuration carries in ``vllm_xargs``."""
@@ -105,6 +114,16 @@ def _service_nice(text: str, mode: str, value: str | None) -> int | None:
     if not -20 <= nice <= 19:
         raise ValueError(f"configuration {text!r}: {SERVICE_NICE} must be an integer from -20 to 19, got {value!r}")
     return nice
+
+
+def _service_cores(text: str, mode: str, value: str | None) -> str:
+    if value is None:
+        return "others"
+    if mode != "remote":
+        raise ValueError(f"configuration {text!r}: {SERVICE_CORES} applies to remote configurations only")
+    if value not in ("others", "worker"):
+        raise ValueError(f"configuration {text!r}: {SERVICE_CORES} must be 'others' or 'worker', got {value!r}")
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,6 +330,7 @@ class _Bench:
             time.sleep(1.2)  # the adapter checks its settings file once a second
         if self.service is not None:
             self.service.renice(c.service_nice)
+            self.service.place({self.worker} if c.service_cores == "worker" else self.others)
         before = _counters(server) if c.mode != "native" else {}
         dec0 = self.service.decisions() if self.service is not None else (0.0, 0.0)
         err0 = self.service.predictor_error() if self.service is not None else (0.0, 0.0)
@@ -318,8 +338,10 @@ class _Bench:
         refits0 = self.service.refits() if self.service is not None else {}
         reqs = make_requests(self.spec.workload, rate, seed)
         timings0 = _vllm_timings(server)
+        cpu0 = self._cpu(server)
         lag = LoopLag()
         results = run_requests(server.base_url, "live", reqs, xargs=c.xargs(self.spec.slo), lag=lag)
+        cpu = self._cpu(server).since(cpu0)
         measured = [r for r in results if not reqs[r.index].warmup]
         summary = summarize(measured, self.spec.slo)
         rec: dict[str, Any] = {"config": c.label, "mode": c.mode, "policy": c.policy or NATIVE, "rate": rate,
@@ -328,7 +350,9 @@ class _Bench:
                                "loadavg": os.getloadavg()[0],
                                # what vLLM's server saw of the same requests (warm-up ones included)
                                "vllm_timings": _timing_means(timings0, _vllm_timings(server)),
-                               "client": _client_side(results) | lag.summary()}
+                               "client": _client_side(results) | lag.summary(),
+                               # where the CPU went: the cores' busy shares, each process's seconds
+                               "cpu": cpu}
         self._save_frontend(c, rate, seed, results, lag, rec)
         if c.mode != "native":
             info = server.adapter_info()
@@ -352,6 +376,7 @@ class _Bench:
             # adapter's time per iteration: the rest of a remote decision is transport and waiting
             rec["service_decision_ms"] = 1e3 * (s - dec0[0]) / (n - dec0[1]) if n > dec0[1] else None
             rec["service_nice"] = self.service.nice
+            rec["service_cores"] = c.service_cores
             over = self.service.overruns()
             dn = over["reports"] - over0.get("reports", 0.0)
             # the share of this run's iterations that ran over the promise plans were built on
@@ -361,6 +386,12 @@ class _Bench:
         if seed in self.spec.judge_seeds:
             rec["judge"] = self.judge(server, [r for r in reqs if not r.warmup], c, rate, seed)
         return rec
+
+    def _cpu(self, server: VllmProcess) -> CpuUse:
+        pids = {"vllm": server.proc.pid} if server.proc is not None else {}
+        if self.service is not None and self.service.proc is not None:
+            pids["service"] = self.service.proc.pid
+        return CpuUse(self.worker, self.others, pids).sample()
 
     def _save_frontend(self, c: Config, rate: float, seed: int, results: Sequence[RequestResult], lag: LoopLag,
                        rec: dict[str, Any]) -> None:
