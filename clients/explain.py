@@ -43,7 +43,7 @@ HEADER = ("id", "state", "remaining", "slack_ms", "tokens", "reason", "value")
 
 def _state(snap: Snapshot) -> list[str]:
     dec = snap.is_decoding
-    part = ~dec & (snap.computed_tokens > 0)
+    part = ~dec & snap.started
     return np.where(dec, "decode", np.where(part, "prefill", "waiting")).tolist()
 
 

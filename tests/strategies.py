@@ -25,9 +25,12 @@ def requests_st(draw: st.DrawFn, *, max_n: int = 10, max_prompt: int = 64, tight
     for rid in ids:
         prompt = draw(st.integers(1, max_prompt))
         kind = draw(st.sampled_from(["waiting", "prefilling", "decoding"]))
-        computed, output = 0, 0
+        computed, output, cached = 0, 0, 0
         if kind == "prefilling" and prompt > 1:
             computed = draw(st.integers(1, prompt - 1))
+        elif kind == "waiting" and prompt > 1 and draw(st.booleans()):
+            # waiting, with a prefix-cache hit shown as computed (cached_tokens)
+            computed = cached = draw(st.integers(1, prompt - 1))
         elif kind == "decoding":
             computed, output = prompt, draw(outs)
         out.append(Request(
@@ -39,6 +42,7 @@ def requests_st(draw: st.DrawFn, *, max_n: int = 10, max_prompt: int = 64, tight
             ttft_slo=draw(ttfts),
             tbt_slo=draw(tbts),
             protected=draw(st.booleans()),
+            cached_tokens=cached,
         ))
     return out
 
@@ -46,7 +50,8 @@ def requests_st(draw: st.DrawFn, *, max_n: int = 10, max_prompt: int = 64, tight
 @st.composite
 def snapshots(draw: st.DrawFn, *, max_n: int = 10, max_prompt: int = 64, max_bmax: int = 64) -> Snapshot:
     """Valid snapshots including tight max_num_seqs, tiny free_kv_tokens,
-    small B_max, expired requests and protected flags."""
+    small B_max, expired requests, protected flags and waiting requests with a cached
+    prefix."""
     reqs = draw(requests_st(max_n=max_n, max_prompt=max_prompt, tight=draw(st.booleans())))
     return Snapshot.from_requests(
         reqs,

@@ -127,7 +127,7 @@ def _admissible(s: Snapshot, t_dec_ms: float, beta: float, i: int) -> bool:
     """Whether the reserve lets request ``i`` start: decodes, partial prefills and the top
     class always; the k-th class below the top only while T̂_dec ≤ beta^k × the tightest
     TBT of every class above each level down to its own."""
-    if s.is_decoding[i] or s.computed_tokens[i] > 0:
+    if s.started[i]:
         return True
     levels = np.unique(s.priority).tolist()
     for k, level in enumerate(levels[1:], start=1):

@@ -149,7 +149,7 @@ def _vllm_priority_serves_each_group_in_priority_order(seed: int, budget: int | 
         s = replace(s, max_batch_tokens=budget, _cache={})
     plan = registry.create("vllm-priority").plan(s, default_predictor())
     got = plan.tokens_by_id()
-    for group, name in ((s.computed_tokens > 0, "running"), (s.computed_tokens == 0, "waiting")):
+    for group, name in ((s.started, "running"), (~s.started, "waiting")):
         idx = np.flatnonzero(group)
         order = idx[np.lexsort((s.arrival[idx], s.priority[idx]))]
         need = [1 if s.is_decoding[i] else int(s.remaining_prefill[i]) for i in order]

@@ -77,6 +77,12 @@ def _sample(c: Column) -> Snapshot:
     """A valid snapshot in which ``c`` is not all default (the counters are not in busy
     snapshots; the other columns are set to an extreme value in range)."""
     snap = busy_snapshot(2, 3, seed=11)
+    if c.name == "cached_tokens":  # a counter busy snapshots leave at 0: the last (waiting) row,
+        # moved first, with prefix-cache hits (the row rule: at most its computed tokens)
+        order = np.roll(np.arange(len(snap)), 1)
+        cols = {k: v[order] for k, v in _columns(snap).items()}
+        cols["computed_tokens"][0] = cols["cached_tokens"][0] = min(7, int(cols["prompt_tokens"][0]) - 1)
+        return Snapshot.from_columns(ids=[snap.ids[i] for i in order], **_scalars(snap), **cols)
     if c.name in COUNTER_COLUMNS:
         return snap
     cols = _with(snap, c.name, _in_bounds(c), 0)

@@ -95,20 +95,20 @@ def _check(s: Snapshot, plan: Plan, pred: object) -> None:
     pre = np.flatnonzero(~s.is_decoding)
     rho = s.prefill_throughput or pred.prefill_throughput(s.max_batch_tokens)  # type: ignore[attr-defined]
     lost = pol._lost(s, pred, pre, rho)  # type: ignore[attr-defined]
-    live_new = pre[(s.slack[pre] > 0) & ~lost & (s.computed_tokens[pre] == 0)]
+    live_new = pre[(s.slack[pre] > 0) & ~lost & ~s.started[pre]]
     assert len(live_new)
     top = s.priority[live_new].min()
     given_up = set(pre[lost | (s.slack[pre] <= 0)].tolist())
     for rid in plan.preemptions:
         i = s.index_of[rid]
         # a partly prefilled request of a lower class than a live new one, given up or late
-        assert not s.is_decoding[i] and s.computed_tokens[i] > 0
+        assert not s.is_decoding[i] and s.started[i]
         assert s.priority[i] > top and i in given_up
         assert not s.sheddable[i]  # a sheddable one is rejected, not preempted
     # lowest class first, then the most KV first, and only as many as needed
     p = pol.params  # type: ignore[attr-defined]
     chosen = [s.index_of[r] for r in plan.preemptions]
-    cand = [i for i in given_up if s.computed_tokens[i] > 0 and s.priority[i] > top and not s.sheddable[i]]
+    cand = [i for i in given_up if s.started[i] and s.priority[i] > top and not s.sheddable[i]]
     key = {i: (-int(s.priority[i]), -int(s.kv_tokens[i])) for i in cand}
     assert all(key[u] >= key[v] for u in set(cand) - set(chosen) for v in chosen)
     chosen.sort(key=key.__getitem__)

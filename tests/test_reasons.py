@@ -109,7 +109,7 @@ def _holds(policy: Any, snap: Snapshot, pred: BatchLatencyPredictor, plan: Plan,
     elif code in ("class_sit_out", "class_rescue"):
         assert dec and not snap.one_class and snap.priority[i] > snap.priority.min()
     elif code == "class_reserve":
-        assert not dec and snap.computed_tokens[i] == 0 and snap.priority[i] > snap.priority.min()
+        assert not dec and not snap.started[i] and snap.priority[i] > snap.priority.min()
     elif code == "not_chosen":
         assert not dec and plan.path == "batch_constructor"
     elif code == "time_budget":

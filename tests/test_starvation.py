@@ -90,8 +90,8 @@ def prefill_room(snap: Snapshot, plan: Plan, row: int, params: Any) -> int:
     room = min(int(snap.remaining_prefill[row]), snap.max_batch_tokens - n_dec)
     if snap.free_kv_tokens is not None:
         kv = snap.free_kv_tokens - n_dec - params.kv_decode_reserve * int(snap.is_decoding.sum())
-        if snap.computed_tokens[row] == 0:
-            kv -= params.kv_growth_iters * int(np.count_nonzero(snap.computed_tokens > 0))
+        if not snap.started[row]:
+            kv -= params.kv_growth_iters * int(np.count_nonzero(snap.started))
         room = min(room, kv)
     return max(room, 0)
 

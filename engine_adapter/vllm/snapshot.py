@@ -19,7 +19,9 @@ already reaches ``max_tokens``) are left out, so a plan cannot name them.
 
 A waiting request with nothing computed shows, as ``computed``, the prompt tokens vLLM's
 prefix cache already holds for it (:class:`PrefixHits`, given by the scheduler), so that
-the policy plans only the tokens beyond them, as vLLM will schedule it.
+the policy plans only the tokens beyond them, as vLLM will schedule it; the same count as
+``cached``, so that the policy does not take it for a started request holding KV of its
+own (``Snapshot.started``).
 """
 
 from __future__ import annotations
@@ -302,7 +304,8 @@ class SnapshotBuilder:
         own rule, evaluated now, keeps it while two steps are in flight).
 
         ``hits``: the waiting requests with nothing computed show their prefix-cache hits
-        as computed tokens (:attr:`last_hits`, :attr:`last_evictable`)."""
+        as computed tokens and as cached tokens (not started; :attr:`last_hits`,
+        :attr:`last_evictable`)."""
         reqs, prompt, computed, output, comp_all, running_rows, hit, ev = _token_counts(
             list(running), list(waiting), project, hits)
         #: vLLM's ``num_computed_tokens`` per row, and how many leading rows are running
@@ -322,7 +325,9 @@ class SnapshotBuilder:
         if self._paced and slots:
             self._time_first_tokens(np.array(slots, np.int64), output, now)
         c = self._pool[np.array(slots, np.int64)].T.copy() if slots else np.zeros((_POOL_COLUMNS, 0), np.float64)
-        columns = {"prompt_tokens": prompt, "computed_tokens": computed, "output_tokens": output}
+        columns = {"prompt_tokens": prompt, "computed_tokens": computed, "output_tokens": output,
+                   # the hits shown as computed: not started (Snapshot.started)
+                   "cached_tokens": hit.copy()}  # (the snapshot's columns become read-only)
         for k, col in enumerate(_POOL):
             columns[col.name] = c[k] if col.dtype == np.float64 else (
                 c[k] != 0 if col.dtype == np.bool_ else c[k].astype(col.dtype))

@@ -1,7 +1,8 @@
 """Baseline policies, on the same snapshot, predictor and limits as SlidingServe.
 
 * ``vllm-fcfs`` — vLLM V1's default: running requests (decodes and started
-  prefills) first, then waiting ones, each in arrival order, each taking what
+  prefills, ``Snapshot.started``: a waiting request's prefix-cache hits do not
+  start it) first, then waiting ones, each in arrival order, each taking what
   it still needs from a fixed ``max_batch_tokens`` budget (chunked prefill).
 * ``vllm-priority`` — vLLM V1 with ``--scheduling-policy priority``: as
   ``vllm-fcfs``, each group ordered by (priority, arrival) — smaller priority
@@ -78,8 +79,8 @@ class VllmFcfsPolicy:
     def plan(self, snapshot: Snapshot, predictor: BatchLatencyPredictor) -> Plan:
         snap = snapshot
         t0 = time.perf_counter_ns()
-        started = np.flatnonzero(snap.computed_tokens > 0)
-        waiting = np.flatnonzero(snap.computed_tokens == 0)
+        started = np.flatnonzero(snap.started)
+        waiting = np.flatnonzero(~snap.started)
         order = np.concatenate([self._order(snap, started), self._order(snap, waiting)])
         n_dec_all = int(snap.is_decoding.sum())
         budget = snap.max_batch_tokens
@@ -136,8 +137,8 @@ class SarathiPolicy:
         if self.edf:
             queue = edf_order(snap, pre)
         else:
-            started = pre[snap.computed_tokens[pre] > 0]
-            waiting = pre[snap.computed_tokens[pre] == 0]
+            started = pre[snap.started[pre]]
+            waiting = pre[~snap.started[pre]]
             queue = np.concatenate([fcfs_order(snap, started), fcfs_order(snap, waiting)])
         t1 = time.perf_counter_ns()
         cq = CandidateQueue.build(
@@ -204,7 +205,7 @@ class QoServePolicy:
     def relegated(self, snap: Snapshot, predictor: BatchLatencyPredictor, pre: np.ndarray) -> np.ndarray:
         """Mask over ``pre``: not started, and now + remaining / rho passes the TTFT deadline."""
         rho = snap.prefill_throughput or predictor.prefill_throughput(snap.max_batch_tokens)
-        return (snap.computed_tokens[pre] == 0) & (snap.now + snap.remaining_prefill[pre] / rho
+        return ~snap.started[pre] & (snap.now + snap.remaining_prefill[pre] / rho
                                                    > snap.ttft_deadline[pre])
 
     def plan(self, snapshot: Snapshot, predictor: BatchLatencyPredictor) -> Plan:

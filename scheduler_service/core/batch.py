@@ -13,12 +13,11 @@ Limits: the first iteration's fill is capped by the token budget left after
 decodes, by ``max_num_seqs`` (number of requests) and by the KV headroom:
 prefill tokens ≤ free_kv_tokens − scheduled decodes − ``kv_decode_reserve``
 × all decodes (room for the decodes' next tokens, which the paper ignores).
-Admitting a *new* request (nothing computed yet) must also leave
-``kv_growth_reserve`` tokens free (a KV-growth watermark: the requests already
-holding KV grow by a token per iteration, and a cache filled by admissions
-forces the engine to preempt and recompute them).  Requests already partly
-prefilled are not held back by it: their KV is allocated and they only
-finish.
+Admitting a *new* request (not started, ``Snapshot.started``: nothing computed but
+prefix-cache hits) must also leave ``kv_growth_reserve`` tokens free (a KV-growth
+watermark: the requests already holding KV grow by a token per iteration, and a cache
+filled by admissions forces the engine to preempt and recompute them).  Requests already
+partly prefilled are not held back by it: their KV is allocated and they only finish.
 """
 
 from __future__ import annotations
@@ -179,7 +178,7 @@ class CandidateQueue:
         kv_cap = max(0, kv_cont - kv_growth_reserve)
         kv_first = kv_cont
         if kv_cap < kv_cont:
-            new = np.flatnonzero(u0 == 0)
+            new = np.flatnonzero(~snap.started[queue])
             # The stream may run up to its first new request on the partial
             # prefills' headroom; past it, only up to the watermark.
             kv_first = min(kv_cont, max(kv_cap, int(R[new[0]]))) if len(new) else kv_cont

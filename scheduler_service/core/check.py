@@ -78,7 +78,7 @@ def _check_preemptions(snapshot: Snapshot, plan: Plan, seen: set[str],
         i = index.get(rid)
         if i is None:
             problems.append(f"preempts unknown request {rid!r}")
-        elif snapshot.computed_tokens[i] <= 0:
+        elif not snapshot.started[i]:
             problems.append(f"preempts request {rid!r}, which holds no KV")
         elif rid in seen:
             problems.append(f"preempts request {rid!r} and also allocates it tokens")

@@ -159,11 +159,15 @@ COLUMNS: tuple[Column, ...] = (
     Column("first_token_time", np.float64, 0.0, "When the first output token came out (s, engine clock); "
            "read for a decoding request with a tpot_slo, whose pace is counted from it.", optional=True,
            lo=-MAX_SECONDS, hi=MAX_SECONDS, bounds_message=f"must be finite, |first_token_time| <= {MAX_SECONDS:g}"),
+    Column("cached_tokens", np.int64, 0, "The part of computed_tokens that are prefix-cache hits of a request "
+           "the engine has not admitted yet (0 <= cached_tokens <= computed_tokens): context for the "
+           "predictor, not work, but the request holds no KV of its own and has not started "
+           "(``Snapshot.started``).", optional=True, lo=0, hi=MAX_TOKENS, bounds_message="must be >= 0"),
 )
 COLUMNS_BY_NAME: dict[str, Column] = {c.name: c for c in COLUMNS}
 #: The columns an engine derives from its token counters each iteration (the rest are
 #: per-request constants, set once when the request arrives).
-COUNTER_COLUMNS = ("prompt_tokens", "computed_tokens", "output_tokens")
+COUNTER_COLUMNS = ("prompt_tokens", "computed_tokens", "output_tokens", "cached_tokens")
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +202,8 @@ ROW_RULES: tuple[Rule, ...] = (
     Rule("first_token_time", "must be set (>= arrival) for a decoding request with a tpot_slo",
          lambda a: (_get(a, "tpot_slo") > 0) & (a["output_tokens"] > 0) & (_get(a, "first_token_time") < a["arrival"]),
          reads=("tpot_slo", "first_token_time")),
+    Rule("cached_tokens", "exceeds computed_tokens (cached tokens are a part of the computed ones)",
+         lambda a: (a["cached_tokens"] > 0) & (a["cached_tokens"] > a["computed_tokens"]), reads=("cached_tokens",)),
 )
 
 

@@ -154,7 +154,7 @@ def kv_watermark(policy: Policy, snap: Snapshot, plan: Plan) -> int:
     iters = int(getattr(policy.params, "kv_growth_iters", 0))
     if not iters:
         return 0
-    holders = int(np.count_nonzero(snap.computed_tokens > 0)) - len(plan.preemptions)
+    holders = int(np.count_nonzero(snap.started)) - len(plan.preemptions)
     return iters * holders
 
 
@@ -229,7 +229,7 @@ def _state(policy: Any, snap: Snapshot, predictor: BatchLatencyPredictor, plan: 
 
 def _reserve_ms(snap: Snapshot, predictor: BatchLatencyPredictor) -> float:
     """T̂_dec of the class reserve: the decodes plus the partial prefills, decode-only."""
-    partial = np.flatnonzero(~snap.is_decoding & (snap.computed_tokens > 0))
+    partial = np.flatnonzero(~snap.is_decoding & snap.started)
     dec_all = np.flatnonzero(snap.is_decoding)
     k = len(dec_all) + len(partial)
     u = float(snap.kv_tokens[dec_all].sum() + snap.prompt_tokens[partial].sum())

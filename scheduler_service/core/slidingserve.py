@@ -334,7 +334,7 @@ class SlidingServePolicy:
         cq = CandidateQueue.build(
             snap, predictor, decodes, queue,
             n_all_decodes=len(dec_all), kv_decode_reserve=p.kv_decode_reserve,
-            kv_growth_reserve=p.kv_growth_iters * int(np.count_nonzero(snap.computed_tokens > 0)),
+            kv_growth_reserve=p.kv_growth_iters * int(np.count_nonzero(snap.started)),
         )
         curve = cq.budget_curve()
         W = self._windows(snap, decodes)
@@ -386,14 +386,15 @@ class SlidingServePolicy:
 def _reserve(snap: Snapshot, predictor: BatchLatencyPredictor, dec_all: np.ndarray, pre: np.ndarray,
              lost: np.ndarray, beta: float) -> tuple[np.ndarray, np.ndarray]:
     """Request classes, class reserve (docs/policies.md): ``pre`` and ``lost`` without the
-    new requests (nothing computed) of the classes that wait this iteration.
+    new requests (not started: nothing computed but prefix-cache hits, ``Snapshot.started``)
+    of the classes that wait this iteration.
 
     T̂_dec is the decode-only time of the decodes plus the partial prefills (each with its
     whole prompt as context: they decode next).  Walking the classes present from the
     second highest down, the k-th waits, with every class below it, when
     T̂_dec > beta^k × the tightest TBT of the classes above it.  The top class and the
     requests already partly prefilled never wait."""
-    new = snap.computed_tokens[pre] == 0
+    new = ~snap.started[pre]
     if not new.any():
         return pre, lost
     partial = pre[~new]
@@ -523,28 +524,28 @@ def _kv_victims(snap: Snapshot, pre: np.ndarray, lost: np.ndarray, n_dec: int, g
     """Snapshot indices of the requests to preempt so that KV admits the highest class's
     live new prefills (docs/policies.md, Request classes); empty when KV already does.
 
-    c is the highest class with a live new prefill (nothing computed, slack left, not
-    given up); it needs min(their remaining tokens, max_batch_tokens) of KV beyond what
+    c is the highest class with a live new prefill (not started, slack left, not given
+    up); it needs min(their remaining tokens, max_batch_tokens) of KV beyond what
     the KV-growth watermark keeps.  Victims are requests of a lower class than c that were
     given up, or whose TTFT passed, part-way through their prefill: they hold KV and
     wait behind every live request (sheddable ones are rejected instead when ``shed``).
     Lowest class first, then the most KV first, until the need is met (each also frees
     its share of the watermark); all of them when that is not enough."""
-    comp = snap.computed_tokens[pre]
+    started = snap.started[pre]
     live = (snap.slack[pre] > 0) & ~lost
-    new = live & (comp == 0)
+    new = live & ~started
     if not new.any():
         return np.zeros(0, np.int64)
     prio = snap.priority[pre]
     c = prio[new].min()
-    parked = (comp > 0) & (lost | (snap.slack[pre] <= 0)) & (prio > c)
+    parked = started & (lost | (snap.slack[pre] <= 0)) & (prio > c)
     if shed and snap.any_sheddable:
         parked &= ~snap.sheddable[pre]
     if not parked.any():
         return np.zeros(0, np.int64)
     assert snap.free_kv_tokens is not None
     need = int(min(snap.remaining_prefill[pre][new & (prio == c)].sum(), snap.max_batch_tokens))
-    holders = int(np.count_nonzero(snap.computed_tokens > 0))
+    holders = int(np.count_nonzero(snap.started))
     avail = snap.free_kv_tokens - growth_iters * holders - decode_reserve * n_dec
     if avail >= need:
         return np.zeros(0, np.int64)

@@ -7,12 +7,18 @@ its own clock, so a snapshot replays to the same plan byte for byte.
 
 Request states (docs/usage.md, Formats):
 
-* waiting    — ``computed_tokens == 0``
+* waiting    — ``computed_tokens == 0``, or all of them ``cached_tokens``
 * prefilling — ``0 < computed_tokens < prompt_tokens``
 * decoding   — ``computed_tokens == prompt_tokens`` (then ``output_tokens >= 1``)
 
 ``output_tokens`` must be 0 until the prompt is fully computed; an engine that
 recomputes a preempted request folds its generated tokens into the prompt.
+
+``cached_tokens`` (optional, default 0, ``<= computed_tokens``) is the part of
+``computed_tokens`` that are prefix-cache hits of a request the engine has not admitted:
+context, not work (``remaining_prefill`` excludes them), but no KV of the request's own.
+Such a request has not *started*: :attr:`Snapshot.started` (``computed_tokens >
+cached_tokens``, or decoding) is the mask of the requests that have, and hold KV.
 """
 
 from __future__ import annotations
@@ -129,7 +135,8 @@ class Snapshot:
     Invariants (checked by :meth:`validate`): all columns have ``len(ids)``
     rows; ids are unique non-empty strings; ``0 <= computed_tokens <=
     prompt_tokens``; ``prompt_tokens >= 1``; ``output_tokens == 0`` while
-    ``computed_tokens < prompt_tokens`` and ``>= 1`` once equal; times and SLOs
+    ``computed_tokens < prompt_tokens`` and ``>= 1`` once equal; ``0 <= cached_tokens <=
+    computed_tokens``; times and SLOs
     finite, SLOs > 0 (``e2e_slo`` >= 0, 0 = none); ``max_batch_tokens >= 1``,
     ``max_num_seqs >= 1``.
     """
@@ -346,6 +353,13 @@ class Snapshot:
     @property
     def is_decoding(self) -> np.ndarray:
         return self._memo("is_decoding", lambda: self.computed_tokens == self.prompt_tokens)
+
+    @property
+    def started(self) -> np.ndarray:
+        """Requests that have started and hold KV of their own: decoding, or more tokens
+        computed than the prefix-cache hits of a request not admitted (``cached_tokens``);
+        ``computed_tokens > 0`` when no request has cached tokens."""
+        return self._memo("started", lambda: (self.computed_tokens > self.cached_tokens) | self.is_decoding)
 
     @property
     def remaining_prefill(self) -> np.ndarray:

@@ -88,6 +88,8 @@ def test_a_waiting_request_shows_vllms_own_hit_and_the_plan_computes_the_rest(ba
     native = s.kv_cache_manager.get_computed_blocks(second)[1]
     assert native == 192  # 12 whole blocks of the 200 shared tokens
     assert snap.computed_tokens[row] == native and snap.prompt_tokens[row] == 270
+    # ... and as cached: context, but the request has not started (it holds no KV of its own)
+    assert snap.cached_tokens[row] == native and not snap.started[row]
     execs = _record_executions(s)
     so = s.schedule()
     # the plan allocates the tokens beyond the hit, which is exactly what vLLM scheduled
@@ -136,6 +138,9 @@ def test_shared_prefixes_many_iterations_nothing_lost_or_stalled(base: type, asy
             # a hit shows as computed tokens of a waiting row, below its prompt
             assert (v.snap.computed_tokens[wait] >= v.hits[wait]).all()
             assert (v.hits < v.snap.prompt_tokens).all()
+            # the same hits as cached tokens, on waiting rows only: no running request has any
+            assert np.array_equal(v.snap.cached_tokens[wait], v.hits[wait])
+            assert not v.snap.cached_tokens[~wait].any()
         return v
 
     s._view = view

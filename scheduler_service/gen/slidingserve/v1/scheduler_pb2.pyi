@@ -112,6 +112,7 @@ class RequestColumns(_message.Message):
     E2E_SLO_FIELD_NUMBER: _builtins.int
     TPOT_SLO_FIELD_NUMBER: _builtins.int
     FIRST_TOKEN_TIME_FIELD_NUMBER: _builtins.int
+    CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Unique, non-empty request ids (at most 256 characters each)."""
@@ -174,6 +175,14 @@ class RequestColumns(_message.Message):
         for a decoding request with a tpot_slo (its pace is counted from it). Empty = all 0.
         """
 
+    @_builtins.property
+    def cached_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The part of computed_tokens that are prefix-cache hits of a request the engine has not
+        admitted yet (0 <= cached_tokens <= computed_tokens): context, not work, but the request
+        holds no KV of its own and has not started. Empty = all 0 (every computed token is the
+        request's own). Added after v1.3.
+        """
+
     def __init__(
         self,
         *,
@@ -190,10 +199,11 @@ class RequestColumns(_message.Message):
         e2e_slo: _abc.Iterable[_builtins.float] | None = ...,
         tpot_slo: _abc.Iterable[_builtins.float] | None = ...,
         first_token_time: _abc.Iterable[_builtins.float] | None = ...,
+        cached_tokens: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrival", b"arrival", "computed_tokens", b"computed_tokens", "e2e_slo", b"e2e_slo", "first_token_time", b"first_token_time", "ids", b"ids", "output_tokens", b"output_tokens", "priority", b"priority", "prompt_tokens", b"prompt_tokens", "protected", b"protected", "sheddable", b"sheddable", "tbt_slo", b"tbt_slo", "tpot_slo", b"tpot_slo", "ttft_slo", b"ttft_slo"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrival", b"arrival", "cached_tokens", b"cached_tokens", "computed_tokens", b"computed_tokens", "e2e_slo", b"e2e_slo", "first_token_time", b"first_token_time", "ids", b"ids", "output_tokens", b"output_tokens", "priority", b"priority", "prompt_tokens", b"prompt_tokens", "protected", b"protected", "sheddable", b"sheddable", "tbt_slo", b"tbt_slo", "tpot_slo", b"tpot_slo", "ttft_slo", b"ttft_slo"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -218,6 +228,7 @@ class Request(_message.Message):
     E2E_SLO_FIELD_NUMBER: _builtins.int
     TPOT_SLO_FIELD_NUMBER: _builtins.int
     FIRST_TOKEN_TIME_FIELD_NUMBER: _builtins.int
+    CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Unique, non-empty request id."""
     arrival: _builtins.float
@@ -244,6 +255,8 @@ class Request(_message.Message):
     """Mean time-per-output-token objective (seconds; 0 = none)."""
     first_token_time: _builtins.float
     """First output token's time (seconds, engine clock; with a tpot_slo)."""
+    cached_tokens: _builtins.int
+    """Prefix-cache hits of a request not admitted yet, part of computed_tokens."""
     def __init__(
         self,
         *,
@@ -260,10 +273,11 @@ class Request(_message.Message):
         e2e_slo: _builtins.float = ...,
         tpot_slo: _builtins.float = ...,
         first_token_time: _builtins.float = ...,
+        cached_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrival", b"arrival", "computed_tokens", b"computed_tokens", "e2e_slo", b"e2e_slo", "first_token_time", b"first_token_time", "id", b"id", "output_tokens", b"output_tokens", "priority", b"priority", "prompt_tokens", b"prompt_tokens", "protected", b"protected", "sheddable", b"sheddable", "tbt_slo", b"tbt_slo", "tpot_slo", b"tpot_slo", "ttft_slo", b"ttft_slo"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrival", b"arrival", "cached_tokens", b"cached_tokens", "computed_tokens", b"computed_tokens", "e2e_slo", b"e2e_slo", "first_token_time", b"first_token_time", "id", b"id", "output_tokens", b"output_tokens", "priority", b"priority", "prompt_tokens", b"prompt_tokens", "protected", b"protected", "sheddable", b"sheddable", "tbt_slo", b"tbt_slo", "tpot_slo", b"tpot_slo", "ttft_slo", b"ttft_slo"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
