@@ -121,8 +121,42 @@ def test_shared_prefix_puts_one_system_prompt_before_the_same_requests() -> None
     # the command line: --shared-prefix, within the engine's tokens per request
     assert spec_of(parser().parse_args(["--shared-prefix", "512", "--prefix-caching"])).workload.shared_prefix == 512
     assert spec_of(parser().parse_args([])).workload.shared_prefix == 0
-    with pytest.raises(ValueError, match="exceed the engine's 2048 tokens per request"):
+    with pytest.raises(ValueError, match="over the engine's 2048"):
         spec_of(parser().parse_args(["--shared-prefix", "1000"]))
+
+
+def test_multi_turn_chats_send_each_turn_after_the_one_before() -> None:
+    """``turns`` > 1: request c*turns+k is turn k of conversation c; a later turn names the
+    request before it, carries only its new user message (the client puts the history first)
+    and a think time; the lengths and tokens are those of the single-turn requests."""
+    one = WorkloadSpec(requests=60, warmup=6, max_prompt=200, max_output=20, shared_prefix=32)
+    chat = WorkloadSpec(requests=60, warmup=6, max_prompt=200, max_output=20, shared_prefix=32, turns=3, think_s=0.5)
+    plain, turns = make_requests(one, 3.0, 5), make_requests(chat, 3.0, 5)
+    assert turns == make_requests(chat, 3.0, 5) and turns != make_requests(chat, 3.0, 6)
+    assert [r.index for r in turns] == list(range(66)) and sum(r.warmup for r in turns) == 6
+    for i, (a, b) in enumerate(zip(plain, turns, strict=True)):
+        first = i % 3 == 0
+        assert b.prev == (-1 if first else i - 1) and (b.think_s == 0.0) == first
+        assert b.prompt == (a.prompt if first else a.prompt[32:]) and b.output_len == a.output_len
+        assert b.at_s == turns[i - i % 3].at_s  # a later turn: its conversation's start
+    starts = [r.at_s for r in turns[::3]]
+    assert starts[0] == 0.0 and starts == sorted(starts)
+    long = make_requests(WorkloadSpec(requests=900, warmup=0, turns=3, think_s=2.0), 3.0, 1)
+    assert np.mean(np.diff([r.at_s for r in long[::3]])) == pytest.approx(1.0, rel=0.15)  # rate / turns
+    assert np.mean([r.think_s for r in long if r.prev >= 0]) == pytest.approx(2.0, rel=0.15)
+    assert chat.longest_request() == 32 + 3 * 220
+    with pytest.raises(ValueError, match="turns must be >= 1"):
+        WorkloadSpec(turns=0)
+    # the command line: --turns and --think-s, the whole history within the engine's context
+    args = ["--turns", "3", "--max-prompt", "400", "--max-output", "64", "--think-s", "0.5"]
+    spec = spec_of(parser().parse_args(args))
+    assert (spec.workload.turns, spec.workload.think_s, spec.judge_seeds) == (3, 0.5, ())
+    with pytest.raises(ValueError, match="may hold 3456 tokens"):
+        spec_of(parser().parse_args(["--turns", "3"]))
+    with pytest.raises(ValueError, match="--judge-seeds 0"):
+        spec_of(parser().parse_args([*args, "--judge-seeds", "1"]))
+    with pytest.raises(ValueError, match="not with --turns"):
+        spec_of(parser().parse_args([*args, "--sim"]))
 
 
 def test_config_parse() -> None:
@@ -257,6 +291,14 @@ def test_a_sweep_resumes_only_into_runs_measured_with_the_same_settings(tmp_path
     # more rates, seeds or configurations extend the sweep
     check_resumable(out, spec_of(parser().parse_args([*base[:5], "1,2", *base[6:]])))
     check_resumable(out, spec_of(parser().parse_args(["--configs", "vllm inproc:slidingserve", *base[2:]])))
+    # a folder written before a workload field existed was measured with its default
+    old = json.loads((out / "spec.json").read_text())
+    for k in ("turns", "think_s"):
+        del old["workload"][k]
+    (out / "spec.json").write_text(json.dumps(old))
+    check_resumable(out, spec_of(parser().parse_args(base)))
+    with pytest.raises(ValueError, match="workload differ"):
+        check_resumable(out, spec_of(parser().parse_args([*base, "--turns", "2", "--max-prompt", "512"])))
 
 
 def test_ratio_counts_the_seeds_where_the_baseline_has_no_goodput() -> None:

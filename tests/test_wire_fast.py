@@ -26,7 +26,9 @@ COLUMNS = ("arrival", "prompt_tokens", "computed_tokens", "output_tokens", "ttft
 
 
 def _arrays(snap: Snapshot) -> dict[str, np.ndarray]:
-    return {k: np.array(getattr(snap, k)) for k in COLUMNS}
+    """The always-sent columns, and cached_tokens where the strategy drew cached prefixes."""
+    extra = ("cached_tokens",) if snap.cached_tokens.any() else ()
+    return {k: np.array(getattr(snap, k)) for k in COLUMNS + extra}
 
 
 def _scalars(snap: Snapshot) -> dict[str, object]:

@@ -3,7 +3,8 @@ arrival time, every output token timestamped as its chunk arrives.
 
 Prompts go as token ids (``/v1/completions`` accepts a list of ints) with ``ignore_eos`` so
 that each request produces exactly its trace's output length; ``return_token_ids`` gives
-the number of tokens in each chunk.  One connection per request: a kept-alive connection
+the tokens of each chunk.  A later turn of a multi-turn chat is sent once the turn before it
+finished and its think time passed, with that turn's prompt and output before its own.  One connection per request: a kept-alive connection
 that the server closes while the pool reuses it would fail a request for a reason that has
 nothing to do with scheduling.
 
@@ -60,16 +61,34 @@ class LoopLag:
                 "loop_stalled_s": float(lags[lags > 0.05].sum())}
 
 
+async def _history(req: LiveRequest, prev: asyncio.Task[RequestResult] | None) -> list[int] | str:
+    """The prompt to send: ``req.prompt``, after the conversation's history for a later turn
+    (awaited, then a think time); a string when the previous turn failed."""
+    if prev is None:
+        return list(req.prompt)
+    before = await prev
+    if not before.complete or len(before.output_ids) != len(before.token_times):
+        return f"the conversation's previous turn (request {before.index}) failed"
+    await asyncio.sleep(req.think_s)
+    return before.prompt_ids + before.output_ids + list(req.prompt)
+
+
 async def _one(client: Any, model: str, req: LiveRequest, t0: float, timeout_s: float,
-               xargs: dict[str, Any] | None) -> RequestResult:
+               xargs: dict[str, Any] | None, prev: asyncio.Task[RequestResult] | None = None) -> RequestResult:
     await asyncio.sleep(max(0.0, t0 + req.at_s - time.monotonic()))
-    res = RequestResult(req.index, time.monotonic(), req.output_len, due=t0 + req.at_s)
+    prompt = await _history(req, prev)
+    now = time.monotonic()
+    res = RequestResult(req.index, now, req.output_len, due=t0 + req.at_s if prev is None else now)
+    if isinstance(prompt, str):
+        res.error = prompt
+        return res
+    res.prompt_ids = prompt
     body: dict[str, Any] = {"ignore_eos": True, "min_tokens": req.output_len, "return_token_ids": True}
     if xargs:
         body["vllm_xargs"] = xargs
     try:
         stream = await client.completions.create(
-            model=model, prompt=list(req.prompt), max_tokens=req.output_len, stream=True,
+            model=model, prompt=prompt, max_tokens=req.output_len, stream=True,
             temperature=0.0, timeout=timeout_s,
             extra_body=body,
         )
@@ -81,6 +100,7 @@ async def _one(client: Any, model: str, req: LiveRequest, t0: float, timeout_s: 
                     ids = choice.model_extra.get("token_ids")
                 n = len(ids) if ids is not None else (1 if choice.text else 0)
                 res.token_times.extend([now] * n)
+                res.output_ids.extend(ids or ())
     except Exception as e:  # the run goes on; the request counts as a miss
         res.error = f"{type(e).__name__}: {e}"[:300]
     return res
@@ -98,9 +118,11 @@ async def _run(base_url: str, model: str, requests: Sequence[LiveRequest], timeo
         t0 = time.monotonic() + 0.05
         stop = asyncio.Event()
         watch = asyncio.create_task(lag.watch(t0, stop)) if lag is not None else None
-        tasks = [asyncio.create_task(_one(client, model, r, t0, timeout_s, xargs)) for r in requests]
+        tasks: dict[int, asyncio.Task[RequestResult]] = {}
+        for r in requests:  # a later turn waits for its conversation's previous request
+            tasks[r.index] = asyncio.create_task(_one(client, model, r, t0, timeout_s, xargs, tasks.get(r.prev)))
         out = []
-        for fut in asyncio.as_completed(tasks):
+        for fut in asyncio.as_completed(tasks.values()):
             out.append(await fut)
             if on_done is not None:
                 on_done(len(out))

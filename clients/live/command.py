@@ -76,9 +76,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--shared-prefix", type=int, default=0, metavar="N",
                    help="the same N tokens (a system prompt) before every prompt, for runs with "
                         "--prefix-caching; vLLM's bench serve judge replays prompts without it (default 0: none)")
+    p.add_argument("--turns", type=int, default=1, metavar="K",
+                   help="multi-turn chat: K requests per conversation, each later one sent after the one "
+                        "before finished, with the history as its prompt (default 1: independent requests)")
+    p.add_argument("--think-s", type=float, default=1.0,
+                   help="mean think time between a conversation's turns, seconds (default 1)")
     p.add_argument("--deadline-ms", type=float, default=20.0, help="the adapter's plan deadline (default 20)")
-    p.add_argument("--judge-seeds", type=_ints, default=(1,), help="seeds whose runs vLLM's own `bench serve` "
-                   "replays as an independent judge (default 1; 0 = none)")
+    p.add_argument("--judge-seeds", type=_ints, default=None, help="seeds whose runs vLLM's own `bench serve` "
+                   "replays as an independent judge (default 1, none with --turns; 0 = none)")
     p.add_argument("--out", type=Path, default=Path("live-bench"), help="output folder (default ./live-bench); "
                    "runs already in its runs.jsonl are not repeated")
     p.add_argument("--report-only", action="store_true", help="only rebuild the report from runs.jsonl")
@@ -97,18 +102,23 @@ def spec_of(args: argparse.Namespace) -> LiveSpec:
     """The sweep the command line asks for; ValueError on a bad value."""
     engine = EngineArgs(max_num_batched_tokens=args.budget, max_num_seqs=args.max_num_seqs,
                         prefix_caching=args.prefix_caching)
-    longest = args.shared_prefix + args.max_prompt + args.max_output
-    if args.shared_prefix > 0 and longest > engine.max_model_len:
-        raise ValueError(f"--shared-prefix {args.shared_prefix} + --max-prompt {args.max_prompt} + --max-output "
-                         f"{args.max_output} exceed the engine's {engine.max_model_len} tokens per request")
+    workload = WorkloadSpec(requests=args.requests, warmup=args.warmup, max_prompt=args.max_prompt,
+                            max_output=args.max_output, vocab_size=int(TINY_LLAMA["vocab_size"]),
+                            shared_prefix=args.shared_prefix, turns=args.turns, think_s=args.think_s)
+    if (args.shared_prefix > 0 or args.turns > 1) and workload.longest_request() > engine.max_model_len:
+        raise ValueError(f"a request may hold {workload.longest_request()} tokens (--shared-prefix + --turns x "
+                         f"(--max-prompt + --max-output)), over the engine's {engine.max_model_len}")
+    if args.turns > 1 and (args.sim or args.sim_only is not None):
+        raise ValueError("--sim and --sim-only replay independent requests: not with --turns > 1")
+    judge = tuple(x for x in (args.judge_seeds or ((1,) if args.turns == 1 else ())) if x != 0)
+    if args.turns > 1 and judge:
+        raise ValueError("vLLM's bench serve replays independent requests: give --judge-seeds 0 with --turns > 1")
     return LiveSpec(
         configs=_configs(args.configs), rates=args.rates, seeds=args.seeds,
-        workload=WorkloadSpec(requests=args.requests, warmup=args.warmup, max_prompt=args.max_prompt,
-                              max_output=args.max_output, vocab_size=int(TINY_LLAMA["vocab_size"]),
-                              shared_prefix=args.shared_prefix),
+        workload=workload,
         engine=engine,
         slo=Slo(args.ttft_ms, args.tbt_ms), model=dict(TINY_LLAMA), deadline_ms=args.deadline_ms,
-        judge_seeds=tuple(x for x in args.judge_seeds if x != 0))
+        judge_seeds=judge)
 
 
 def _configs(text: str) -> tuple[Config, ...]:

@@ -44,6 +44,9 @@ class RequestResult:
     error: str | None = None
     #: monotonic time it was due (``sent`` minus this: how late the client's event loop sent it)
     due: float = math.nan
+    #: What went and came back, kept for a multi-turn chat's next turn (its history).
+    prompt_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
 
     @property
     def complete(self) -> bool:

@@ -60,6 +60,25 @@ def test_live_bench_small_sweep(tmp_path: Path) -> None:
     assert again.returncode == 0 and "already in" in again.stdout, again.stdout + again.stderr
 
 
+@pytest.mark.timeout(900)
+def test_multi_turn_chat_with_prefix_caching(tmp_path: Path) -> None:
+    """``--turns``: each later turn is sent after the one before it finished, with that turn's
+    prompt and output before its own, so vLLM's prefix cache holds most of it; the adapter
+    sees the hits as cached tokens and every request is answered in full."""
+    out = tmp_path / "chat"
+    r = _live(["--configs", "vllm inproc:slidingserve", "--rates", "2", "--seeds", "1", "--requests", "12",
+               "--warmup", "3", "--turns", "3", "--think-s", "0.2", "--max-prompt", "200", "--max-output", "24",
+               "--prefix-caching", "--shared-prefix", "64", "--out", str(out)], timeout=800)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    runs = [json.loads(x) for x in (out / "runs.jsonl").read_text().splitlines()]
+    assert sorted(x["config"] for x in runs) == ["inproc:slidingserve", "vllm"]
+    for x in runs:
+        assert (x["requests"], x["completed"], x["errors"]) == (12, 12, 0), x
+        # two of three turns resend a history the cache holds: far more hits than the system prompt alone
+        assert x["vllm_timings"]["prefix_hit_rate"] > 0.4, x["vllm_timings"]
+    assert json.loads((out / "spec.json").read_text())["workload"]["turns"] == 3
+
+
 def test_sim_only_replays_settings_without_an_engine(tmp_path: Path) -> None:
     """``--sim-only``: the sweep on a live engine's cost model (the one in docs/results/live),
     for trying settings before measuring them."""
