@@ -157,6 +157,8 @@ class VllmProcess:
             "HF_HOME": str(self.workdir / "hf-home"), "VLLM_CACHE_ROOT": str(self.workdir / "vllm-cache"),
             "PYTHONUNBUFFERED": "1",
         })
+        if self.engine.prefix_caching:  # for POST /reset_prefix_cache between runs (loopback only)
+            env["VLLM_SERVER_DEV_MODE"] = "1"
         if self.settings is not None:
             env.update({"SLIDINGSERVE_CONFIG": str(self.settings), "SLIDINGSERVE_ENGINE_ID": f"live-{self.name}",
                         "SLIDINGSERVE_METRICS_PORT": str(self.metrics_port)})
@@ -170,6 +172,22 @@ class VllmProcess:
         _wait(f"vllm serve ({self.name})", lambda: _get(f"http://127.0.0.1:{self.port}/health") is not None,
               timeout_s, self.proc, self.log)
         pin(self.proc.pid, other_cores)  # the API server; the engine core keeps the worker's core
+
+    def reset_prefix_cache(self, timeout_s: float = 30.0) -> None:
+        """Empty vLLM's prefix cache (``POST /reset_prefix_cache``, a dev-mode route), so that a
+        run does not find the prompts of the run before it on the same engine (the same
+        requests, replayed for each configuration); retried while blocks are still held."""
+        import json
+
+        end = time.monotonic() + timeout_s
+        while True:
+            req = urllib.request.Request(f"http://127.0.0.1:{self.port}/reset_prefix_cache", method="POST")
+            with contextlib.suppress(OSError, ValueError), urllib.request.urlopen(req, timeout=10) as r:
+                if json.loads(r.read().decode()).get("success"):
+                    return
+            if time.monotonic() > end:
+                raise RuntimeError(f"vllm serve ({self.name}) did not empty its prefix cache within {timeout_s:g} s")
+            time.sleep(0.5)
 
     def adapter_info(self) -> dict[str, str]:
         """The adapter's ``slidingserve_adapter_info`` labels (address, policy, ...)."""

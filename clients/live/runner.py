@@ -337,6 +337,8 @@ class _Bench:
         over0 = self.service.overruns() if self.service is not None else {}
         refits0 = self.service.refits() if self.service is not None else {}
         reqs = make_requests(self.spec.workload, rate, seed)
+        if self.spec.engine.prefix_caching:  # every configuration starts from an empty cache
+            server.reset_prefix_cache()
         timings0 = _vllm_timings(server)
         cpu0 = self._cpu(server)
         lag = LoopLag()
@@ -353,6 +355,8 @@ class _Bench:
                                "client": _client_side(results) | lag.summary(),
                                # where the CPU went: the cores' busy shares, each process's seconds
                                "cpu": cpu}
+        if self.spec.engine.prefix_caching:
+            rec["prefix_cache_reset"] = True  # sweeps from before the reset ran on a warm cache
         self._save_frontend(c, rate, seed, results, lag, rec)
         if c.mode != "native":
             info = server.adapter_info()

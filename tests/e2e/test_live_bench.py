@@ -63,19 +63,24 @@ def test_live_bench_small_sweep(tmp_path: Path) -> None:
 @pytest.mark.timeout(900)
 def test_multi_turn_chat_with_prefix_caching(tmp_path: Path) -> None:
     """``--turns``: each later turn is sent after the one before it finished, with that turn's
-    prompt and output before its own, so vLLM's prefix cache holds most of it; the adapter
-    sees the hits as cached tokens and every request is answered in full."""
+    prompt and output before its own, so vLLM's prefix cache holds most of it, and every
+    request is answered in full; each run starts from an empty cache."""
     out = tmp_path / "chat"
-    r = _live(["--configs", "vllm inproc:slidingserve", "--rates", "2", "--seeds", "1", "--requests", "12",
+    r = _live(["--configs", "inproc:vllm-fcfs inproc:slidingserve", "--rates", "2", "--seeds", "1", "--requests", "12",
                "--warmup", "3", "--turns", "3", "--think-s", "0.2", "--max-prompt", "200", "--max-output", "24",
                "--prefix-caching", "--shared-prefix", "64", "--out", str(out)], timeout=800)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     runs = [json.loads(x) for x in (out / "runs.jsonl").read_text().splitlines()]
-    assert sorted(x["config"] for x in runs) == ["inproc:slidingserve", "vllm"]
+    assert sorted(x["config"] for x in runs) == ["inproc:slidingserve", "inproc:vllm-fcfs"]
     for x in runs:
         assert (x["requests"], x["completed"], x["errors"]) == (12, 12, 0), x
         # two of three turns resend a history the cache holds: far more hits than the system prompt alone
         assert x["vllm_timings"]["prefix_hit_rate"] > 0.4, x["vllm_timings"]
+        assert x["prefix_cache_reset"], x
+    # the cache was emptied before each run: the same chats hit alike in both (without the
+    # reset, the second configuration on the engine found the first one's prompts cached)
+    rates = [x["vllm_timings"]["prefix_hit_rate"] for x in runs]
+    assert abs(rates[0] - rates[1]) < 0.1, rates
     assert json.loads((out / "spec.json").read_text())["workload"]["turns"] == 3
 
 
