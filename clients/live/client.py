@@ -68,7 +68,7 @@ async def _history(req: LiveRequest, prev: asyncio.Task[RequestResult] | None) -
         return list(req.prompt)
     before = await prev
     if not before.complete or len(before.output_ids) != len(before.token_times):
-        return f"the conversation's previous turn (request {before.index}) failed"
+        return f"the conversation's previous turn (request {before.index}) failed or returned no token ids"
     await asyncio.sleep(req.think_s)
     return before.prompt_ids + before.output_ids + list(req.prompt)
 
