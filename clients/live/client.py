@@ -4,9 +4,9 @@ arrival time, every output token timestamped as its chunk arrives.
 Prompts go as token ids (``/v1/completions`` accepts a list of ints) with ``ignore_eos`` so
 that each request produces exactly its trace's output length; ``return_token_ids`` gives
 the tokens of each chunk.  A later turn of a multi-turn chat is sent once the turn before it
-finished and its think time passed, with that turn's prompt and output before its own.  One connection per request: a kept-alive connection
-that the server closes while the pool reuses it would fail a request for a reason that has
-nothing to do with scheduling.
+finished and its think time passed, with that turn's prompt and output before its own.
+One connection per request: a kept-alive connection that the server closes while the pool
+reuses it would fail a request for a reason that has nothing to do with scheduling.
 
 The client shares a core with vLLM's API server (and, remote, the scheduling service), so
 its event loop is sometimes late: a token read late is timestamped late, and a request due

@@ -10,6 +10,7 @@ and a tokenizer, weights are drawn at load (``--load-format dummy``), no hub is 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -177,8 +178,6 @@ class VllmProcess:
         """Empty vLLM's prefix cache (``POST /reset_prefix_cache``, a dev-mode route), so that a
         run does not find the prompts of the run before it on the same engine (the same
         requests, replayed for each configuration); retried while blocks are still held."""
-        import json
-
         end = time.monotonic() + timeout_s
         while True:
             req = urllib.request.Request(f"http://127.0.0.1:{self.port}/reset_prefix_cache", method="POST")

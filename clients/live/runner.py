@@ -469,7 +469,7 @@ def check_resumable(out: Path, spec: LiveSpec) -> None:
         return
     old, new = json.loads(path.read_text()), json.loads(json.dumps(_spec_dict(spec)))
     # a folder from before a workload field existed was measured with its default
-    old["workload"] = {**json.loads(json.dumps(asdict(WorkloadSpec()))), **old.get("workload", {})}
+    old["workload"] = {**asdict(WorkloadSpec()), **old.get("workload", {})}
     diff = [k for k in _MEASURED_WITH if old.get(k) != new.get(k)]
     if diff:
         raise ValueError(f"{out} holds runs measured with other settings ({', '.join(diff)} differ); "
