@@ -3,26 +3,28 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
-from .plan import Allocation, Plan
+from .plan import Allocation, Plan, Reason
 from .policy import Policy
 from .predictor import BatchLatencyPredictor, batch_features
+from .reasons import assembled_reasons
 from .snapshot import Snapshot
 
 __all__ = ["assemble_plan", "in_queue_order"]
 
 
-def in_queue_order(chosen: Iterable[int], queue: np.ndarray) -> list[int]:
-    """``chosen`` snapshot indices sorted by their position in ``queue``."""
+def in_queue_order(chosen: Iterable[int], queue: np.ndarray) -> np.ndarray:
+    """``chosen`` snapshot indices sorted by their position in ``queue`` (int64)."""
     c = np.fromiter(chosen, dtype=np.int64)
     if len(c) == 0 or len(queue) == 0:
-        return []
+        return c[:0]
     member = np.zeros(max(int(queue.max()), int(c.max())) + 1, dtype=bool)  # np.isin without its sort
     member[c] = True
-    return queue[member[queue]].tolist()
+    return queue[member[queue]]
 
 
 #: ``Allocation(id, 1)`` of running decodes, shared between decisions: a decode keeps its
@@ -55,9 +57,13 @@ def assemble_plan(
     t0: int,
     breakdown_ns: dict[str, int],
     predicted_ms: float | None = None,
+    reasons: Sequence[Reason] = (),
+    facts: dict[str, Any] | None = None,
 ) -> Plan:
     """Build the plan and predict the latency of exactly the batch it names
-    (``predicted_ms`` when the caller already knows it)."""
+    (``predicted_ms`` when the caller already knows it); ``reasons``: the plan's, when
+    the decision explains itself; ``facts`` (a dict, possibly empty): explain the plan
+    from them and from the rows it serves (``reasons.assembled_reasons``)."""
     ids = snap.ids
     dec = decodes.tolist()
     if predicted_ms is not None:
@@ -72,7 +78,11 @@ def assemble_plan(
         pred = 0.0
     allocs = _decode_allocations(list(map(ids.__getitem__, dec)))
     allocs += [Allocation(ids[i], t) for i, t in pre_alloc]
-    return Plan(
+    if facts is not None and len(snap):
+        pairs = np.array(pre_alloc, dtype=np.int64).reshape(-1, 2).T.copy()  # rows contiguous
+        facts.update(decodes=np.asarray(decodes, dtype=np.int64), pre_rows=pairs[0], pre_toks=pairs[1])
+        reasons = assembled_reasons(policy, snap, predictor, facts)
+    plan = Plan(
         policy=policy.name,
         policy_version=policy.version,
         predictor_version=predictor.version,
@@ -82,4 +92,8 @@ def assemble_plan(
         allocations=tuple(allocs),
         decision_us=(time.perf_counter_ns() - t0) // 1000,
         breakdown_us={k: v // 1000 for k, v in breakdown_ns.items()},
+        reasons=reasons,
     )
+    if facts is not None:
+        facts["plan"] = plan
+    return plan

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -65,6 +66,8 @@ class VllmFcfsParams:
 
 @dataclass(frozen=True, slots=True)
 class VllmFcfsPolicy:
+    #: ``plan(..., explain=True)`` explains from the decision (``reasons.plan_explained``).
+    explains: ClassVar[bool] = True
     name: str
     version: str
     params: VllmFcfsParams
@@ -76,7 +79,9 @@ class VllmFcfsPolicy:
             return ordered(snap, idx, snap.priority[idx])
         return fcfs_order(snap, idx)
 
-    def plan(self, snapshot: Snapshot, predictor: BatchLatencyPredictor) -> Plan:
+    def plan(self, snapshot: Snapshot, predictor: BatchLatencyPredictor, *, explain: bool = False) -> Plan:
+        """Decide one iteration; with ``explain`` the plan carries its reasons
+        (``reasons.plan_explained``)."""
         snap = snapshot
         t0 = time.perf_counter_ns()
         started = np.flatnonzero(snap.started)
@@ -103,7 +108,7 @@ class VllmFcfsPolicy:
         t1 = time.perf_counter_ns()
         return assemble_plan(
             self, snap, predictor, np.array(decodes, dtype=np.int64), pre, self.name, t0,
-            {"sorter": t1 - t0},
+            {"sorter": t1 - t0}, facts={} if explain else None,
         )
 
 
@@ -116,6 +121,8 @@ class SarathiParams:
 
 @dataclass(frozen=True, slots=True)
 class SarathiPolicy:
+    #: ``plan(..., explain=True)`` explains from the decision (``reasons.plan_explained``).
+    explains: ClassVar[bool] = True
     name: str
     version: str
     params: SarathiParams
@@ -125,7 +132,9 @@ class SarathiPolicy:
         """The iteration's total token budget (for explaining a plan)."""
         return min(self.params.chunk_size, snap.max_batch_tokens)
 
-    def plan(self, snapshot: Snapshot, predictor: BatchLatencyPredictor) -> Plan:
+    def plan(self, snapshot: Snapshot, predictor: BatchLatencyPredictor, *, explain: bool = False) -> Plan:
+        """Decide one iteration; with ``explain`` the plan carries its reasons
+        (``reasons.plan_explained``)."""
         snap = snapshot
         t0 = time.perf_counter_ns()
         dec_all = np.flatnonzero(snap.is_decoding)
@@ -146,7 +155,8 @@ class SarathiPolicy:
             kv_decode_reserve=self.params.kv_decode_reserve, budget=budget,
         )
         return assemble_plan(
-            self, snap, predictor, decodes, cq.fill(cq.first_cap), self.name, t0, {"sorter": t1 - t0}
+            self, snap, predictor, decodes, cq.fill(cq.first_cap), self.name, t0, {"sorter": t1 - t0},
+            facts={"budget": budget} if explain else None,
         )
 
 
@@ -165,6 +175,8 @@ class QoServeParams:
 
 @dataclass(frozen=True, slots=True)
 class QoServePolicy:
+    #: ``plan(..., explain=True)`` explains from the decision (``reasons.plan_explained``).
+    explains: ClassVar[bool] = True
     name: str
     version: str
     params: QoServeParams
@@ -208,7 +220,9 @@ class QoServePolicy:
         return ~snap.started[pre] & (snap.now + snap.remaining_prefill[pre] / rho
                                                    > snap.ttft_deadline[pre])
 
-    def plan(self, snapshot: Snapshot, predictor: BatchLatencyPredictor) -> Plan:
+    def plan(self, snapshot: Snapshot, predictor: BatchLatencyPredictor, *, explain: bool = False) -> Plan:
+        """Decide one iteration; with ``explain`` the plan carries its reasons
+        (``reasons.plan_explained``)."""
         p = self.params
         snap = snapshot
         t0 = time.perf_counter_ns()
@@ -231,4 +245,5 @@ class QoServePolicy:
         return assemble_plan(
             self, snap, predictor, decodes, cq.fill(p1), self.name, t0,
             {"sorter": t1 - t0, "chunker": t2 - t1},
+            facts={"budget": min(total, snap.max_batch_tokens), "lost": pre[relegated]} if explain else None,
         )

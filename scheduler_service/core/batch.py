@@ -410,9 +410,13 @@ class CandidateQueue:
     def fill(self, prefill_tokens: int) -> list[tuple[int, int]]:
         """(snapshot index, tokens) of the greedy fill of ``prefill_tokens``: every
         request that starts before it takes min(r, what is left)."""
+        rows, takes = self.fill_arrays(prefill_tokens)
+        return list(zip(rows.tolist(), takes.tolist(), strict=True))
+
+    def fill_arrays(self, prefill_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`fill` as arrays: (snapshot indices, tokens)."""
         n = min(len(self.queue), int(np.searchsorted(self.R, prefill_tokens, side="left")))
-        takes = np.minimum(self.r[:n], prefill_tokens - self.R[:n])
-        return list(zip(self.queue[:n].tolist(), takes.tolist(), strict=True))
+        return self.queue[:n], np.minimum(self.r[:n], prefill_tokens - self.R[:n])
 
 
 class BudgetCurve:

@@ -33,21 +33,34 @@ from .features import DECODE
 from .plan import CODES, REASON_CODES, Plan, Reason, Reasons
 from .policy import Policy
 from .predictor import BatchLatencyPredictor
+from .reference import reason_tokens
 from .snapshot import Snapshot
 from .sorter import prefill_indices
 
-__all__ = ["CODES", "REASON_CODES", "Reason", "Reasons", "explain", "kv_left", "kv_watermark", "plan_explained",
-           "reason_counts", "token_budget"]
+__all__ = ["CODES", "REASON_CODES", "Reason", "Reasons", "assembled_reasons", "explain", "kv_left", "kv_watermark", "plan_explained",
+           "reason_counts", "reserve_ms", "token_budget",
+           "traced_reasons"]
 
 _C = {c: k for k, c in enumerate(CODES)}
 
 
 def plan_explained(policy: Policy, snapshot: Snapshot, predictor: BatchLatencyPredictor) -> Plan:
-    """``policy.plan(snapshot, predictor)`` with its reasons: SlidingServe explains from
-    what its decision knew (``plan(..., explain=True)``), any other policy by the post-pass."""
-    if hasattr(policy, "held_back"):  # SlidingServe
+    """``policy.plan(snapshot, predictor)`` with its reasons: a policy whose class sets
+    ``explains`` (every registered one) explains from what its decision knew
+    (``plan(..., explain=True)``), any other by the post-pass (:func:`explain`)."""
+    if getattr(policy, "explains", False):
         return policy.plan(snapshot, predictor, explain=True)  # type: ignore[call-arg]
     return explain(policy, snapshot, predictor, policy.plan(snapshot, predictor))
+
+
+def assembled_reasons(policy: Policy, snapshot: Snapshot, predictor: BatchLatencyPredictor,
+                      facts: dict[str, Any]) -> Reasons:
+    """The reasons of a plan being assembled (``assemble.assemble_plan``) from what the
+    decision knew, ``facts``: its ``decodes``, ``pre_rows`` and ``pre_toks`` (what each
+    row gets, so that no allocation is looked up by id), optionally the ``budget`` it
+    used and the rows it relegated (``lost``), and, set before the reasons are read,
+    the ``plan`` itself.  Classified when first read, as :func:`explain`'s."""
+    return Reasons(snapshot.ids, compute=lambda: _classify(policy, snapshot, predictor, facts["plan"], None, facts))
 
 
 def reason_counts(reasons: Sequence[Reason]) -> dict[str, int]:
@@ -75,49 +88,116 @@ def explain(policy: Policy, snapshot: Snapshot, predictor: BatchLatencyPredictor
                 plan.rejections, plan.preemptions, reasons)
 
 
+def traced_reasons(policy: Policy, snapshot: Snapshot, trace: dict[str, Any]) -> Reasons:
+    """The reasons of the plan a SlidingServe decision is assembling, from what it
+    records in ``trace``, classified when first read: by then ``trace`` holds the facts
+    of the plan the decision returned (the last one it assembled) and, as
+    ``trace["plan"]``, that plan itself."""
+    return Reasons(snapshot.ids, compute=lambda: _traced(policy, snapshot, trace["plan"], trace))
+
+
 _EMPTY = np.zeros(0, dtype=np.int64)
 _NO_CODES = np.zeros(0, dtype=np.int8)
+(_MAX_NUM_SEQS, _TOKEN_BUDGET, _KV, _KV_WATERMARK, _CLASS_RESERVE, _CLASS_RESCUE, _CLASS_SIT_OUT, _NOT_CHOSEN,
+ _TIME_BUDGET, _BEHIND) = (_C[c] for c in ("max_num_seqs", "token_budget", "kv", "kv_watermark", "class_reserve",
+                                            "class_rescue", "class_sit_out", "not_chosen", "time_budget", "behind"))
+_OFF = np.zeros(len(CODES), dtype=bool)
+#: The rules SlidingServe always applies when no hard limit closes the plan: the decode
+#: sit-outs, and with MLPS order the lost rule's (given_up, expired); copied, then set.
+_SLIDING_ON = tuple(np.isin(CODES, codes) for codes in (("late", "ahead"), ("given_up", "expired", "late", "ahead")))
 
 
 def _classify(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor, plan: Plan,
-              trace: dict[str, Any] | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+              trace: dict[str, Any] | None, facts: dict[str, Any] | None = None
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(waiting rows, their code indices, their values): what :func:`explain` promises.
 
     Here only the plan-wide facts are gathered (which rules apply, their numbers, the
-    sets the decision held back); the per-request work, one pass over the rows, is the
-    ``reason_codes`` operation of the kernels facade (``reference.reason_codes``)."""
-    got = _got(snap, plan, trace)
-    if trace is None and not (got < np.where(snap.is_decoding, 1, snap.remaining_prefill)).any():
+    sets the decision held back); the per-request work, one pass over the rows that also
+    counts each row's tokens, is the ``reason_codes`` operation of the kernels facade
+    (``reference.reason_codes``)."""
+    if trace is not None:  # SlidingServe's own decision
+        return _traced(policy, snap, plan, trace)
+    if facts is not None:  # what the decision assembled
+        dec_rows, pre_rows, pre_toks = facts["decodes"], facts["pre_rows"], facts["pre_toks"]
+    else:
+        dec_rows, (pre_rows, pre_toks) = _EMPTY, _allocated(snap, plan)
+    got = reason_tokens(len(snap), dec_rows, pre_rows, pre_toks)
+    if not (got < np.where(snap.is_decoding, 1, snap.remaining_prefill)).any():
         return _EMPTY, _NO_CODES, np.zeros(0)  # nothing waits: no rule to replay
     on = np.zeros(len(CODES), dtype=bool)
     scalar = np.zeros(len(CODES))
     scalar[_C["behind"]] = len(plan.allocations)
-    closed = _limits(policy, snap, predictor, plan, on, scalar)
+    budget = facts.get("budget") if facts is not None else None
+    closed = _limits(policy, snap, predictor, plan, on, scalar, budget)
     lost = held = rescued = _EMPTY
     starve = skip = 0.0
     if hasattr(policy, "held_back"):
         if not closed:
-            lost, held, rescued, starve, skip = _sliding(policy, snap, predictor, plan, got, on, scalar, trace)
+            lost, held, rescued, starve, skip = _sliding(policy, snap, predictor, plan, got, on, scalar)
     elif hasattr(policy, "relegated") and not closed:  # QoServe
-        pre = prefill_indices(snap)
-        lost = pre[policy.relegated(snap, predictor, pre)]
+        if facts is not None and "lost" in facts:
+            lost = facts["lost"]
+        else:
+            queued = prefill_indices(snap)
+            lost = queued[policy.relegated(snap, predictor, queued)]
         on[_C["given_up"]] = True
     v_rows, v_codes = _verdicts(snap, plan)
-    return kernels.ops().reason_codes(snap, got, lost, held, rescued, v_rows, v_codes, on, scalar, starve, skip)
+    return kernels.ops().reason_codes(snap, dec_rows, pre_rows, pre_toks, lost, held, rescued, v_rows, v_codes,
+                                      on, scalar, starve, skip)
 
 
-def _got(snap: Snapshot, plan: Plan, trace: dict[str, Any] | None) -> np.ndarray:
-    """Tokens per snapshot row in ``plan``."""
-    got = np.zeros(len(snap), dtype=np.int64)
-    if trace is not None:
-        got[trace["decodes"]] = 1
-        if trace["pre_alloc"]:
-            i, t = zip(*trace["pre_alloc"], strict=True)
-            got[list(i)] = t
-    elif plan.allocations:
-        ids, toks = zip(*plan.allocations, strict=True)
-        got[np.fromiter(map(snap.index_of.__getitem__, ids), dtype=np.int64, count=len(ids))] = toks
-    return got
+def _traced(policy: Any, snap: Snapshot, plan: Plan, trace: dict[str, Any]
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_classify` from SlidingServe's own decision (``trace``): its decodes and
+    prefills, the sets it held back and the counts it already took, so that the
+    plan-wide facts cost a few scalar comparisons (a decision that preempts plans a
+    smaller snapshot and is replayed instead).  The same rules as :func:`_limits` and
+    :func:`_sliding` (``tests/test_reasons.py`` checks the two give the same reasons)."""
+    p = policy.params
+    scalar = np.zeros(len(CODES))
+    n_alloc = len(plan.allocations)
+    scalar[_BEHIND] = n_alloc
+    lost: np.ndarray = _EMPTY
+    held: np.ndarray | None = _EMPTY
+    rescued: np.ndarray | None = _EMPTY
+    if plan.token_budget >= snap.max_batch_tokens:
+        on = _OFF.copy()
+        on[_TOKEN_BUDGET], scalar[_TOKEN_BUDGET] = True, snap.max_batch_tokens
+    elif snap.free_kv_tokens is not None and (
+            left := snap.free_kv_tokens - plan.token_budget - p.kv_decode_reserve * trace["n_decoding"]) < 1:
+        on = _OFF.copy()
+        on[_KV], scalar[_KV] = True, left
+    else:
+        on = _SLIDING_ON[p.order == "mlps"].copy()  # the sit-out rules (and the lost rule's with MLPS)
+        if snap.free_kv_tokens is not None and left - (mark := p.kv_growth_iters * trace["holders"]) < 1:
+            on[_KV_WATERMARK], scalar[_KV_WATERMARK] = True, mark
+        lost = trace["lost"]
+        if (held := trace.get("held")) is not None:
+            on[_CLASS_RESERVE], scalar[_CLASS_RESERVE] = True, trace["reserve_ms"]
+        if (rescued := trace.get("rescued")) is not None:
+            on[_CLASS_RESCUE], scalar[_CLASS_RESCUE] = True, len(rescued)
+        on[_CLASS_SIT_OUT] = not snap.one_class
+        if plan.path == "batch_constructor":
+            on[_NOT_CHOSEN], scalar[_NOT_CHOSEN] = True, len(trace["pre_rows"])
+        elif (W := trace["W"]) is not None:
+            on[_TIME_BUDGET], scalar[_TIME_BUDGET] = True, W[0]
+    if n_alloc >= snap.max_num_seqs:
+        on[_MAX_NUM_SEQS], scalar[_MAX_NUM_SEQS] = True, snap.max_num_seqs
+    v_rows, v_codes = _verdicts(snap, plan)
+    return kernels.ops().reason_codes(snap, trace["decodes"], trace["pre_rows"], trace["pre_toks"], lost,
+                                      _EMPTY if held is None else held, _EMPTY if rescued is None else rescued,
+                                      v_rows, v_codes, on, scalar, float(p.starve_after),
+                                      float(p.decode_skip_tbts))
+
+
+def _allocated(snap: Snapshot, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
+    """``plan``'s allocations as (snapshot rows, tokens)."""
+    if not plan.allocations:
+        return _EMPTY, _EMPTY
+    ids, toks = zip(*plan.allocations, strict=True)
+    return (np.fromiter(map(snap.index_of.__getitem__, ids), dtype=np.int64, count=len(ids)),
+            np.array(toks, dtype=np.int64))
 
 
 def _verdicts(snap: Snapshot, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
@@ -164,12 +244,14 @@ def _rule(on: np.ndarray, scalar: np.ndarray, code: str, value: float = 0.0) -> 
 
 
 def _limits(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor, plan: Plan, on: np.ndarray,
-            scalar: np.ndarray) -> bool:
-    """The hard limits: sequences, tokens, KV, the KV-growth watermark; True when one
-    holds for every waiting request (no later rule can be reached)."""
+            scalar: np.ndarray, budget: int | None = None) -> bool:
+    """The hard limits: sequences, tokens (``budget``: the policy's, when the decision
+    kept it), KV, the KV-growth watermark; True when one holds for every waiting request
+    (no later rule can be reached)."""
     if len(plan.allocations) >= snap.max_num_seqs:
         _rule(on, scalar, "max_num_seqs", float(snap.max_num_seqs))
-    budget = token_budget(policy, snap, predictor)
+    if budget is None:
+        budget = token_budget(policy, snap, predictor)
     if plan.token_budget >= budget:
         _rule(on, scalar, "token_budget", float(budget))
         return True
@@ -186,14 +268,13 @@ def _limits(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor, pl
 
 
 def _sliding(policy: Any, snap: Snapshot, predictor: BatchLatencyPredictor, plan: Plan, got: np.ndarray,
-             on: np.ndarray, scalar: np.ndarray, trace: dict[str, Any] | None
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float]:
-    """SlidingServe's own rules, from the decision's trace or replayed: (lost, held,
-    rescued rows, the starvation bound, the decode skip), the rules switched ``on``."""
+             on: np.ndarray, scalar: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float]:
+    """SlidingServe's own rules replayed (``got``: tokens per row): (lost, held, rescued
+    rows, the starvation bound, the decode skip), the rules switched ``on``."""
     p = policy.params
-    lost, held, rescued, W = _state(policy, snap, predictor, plan, got, trace)
+    lost, held, rescued, W = _state(policy, snap, predictor, plan, got)
     if held is not None:
-        _rule(on, scalar, "class_reserve", _reserve_ms(snap, predictor))
+        _rule(on, scalar, "class_reserve", reserve_ms(snap, predictor))
     if p.order == "mlps":
         _rule(on, scalar, "given_up")
         _rule(on, scalar, "expired")
@@ -203,7 +284,7 @@ def _sliding(policy: Any, snap: Snapshot, predictor: BatchLatencyPredictor, plan
     _rule(on, scalar, "ahead")
     if not snap.one_class:
         _rule(on, scalar, "class_sit_out")
-    if plan.path == "batch_constructor":
+    if plan.path == "batch_constructor":  # the prefills it chose
         _rule(on, scalar, "not_chosen", float(np.count_nonzero((got > 0) & ~snap.is_decoding)))
     elif W is not None:
         _rule(on, scalar, "time_budget", float(W[0]))
@@ -211,14 +292,11 @@ def _sliding(policy: Any, snap: Snapshot, predictor: BatchLatencyPredictor, plan
             float(p.starve_after), float(p.decode_skip_tbts))
 
 
-def _state(policy: Any, snap: Snapshot, predictor: BatchLatencyPredictor, plan: Plan, got: np.ndarray,
-           trace: dict[str, Any] | None
+def _state(policy: Any, snap: Snapshot, predictor: BatchLatencyPredictor, plan: Plan, got: np.ndarray
            ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, np.ndarray | None]:
     """Rows given up on, held by the class reserve (None: none), sat out by the class
-    rescue (None: none), and the decode windows (None: no safe decode)."""
+    rescue (None: none), and the decode windows (None: no safe decode), replayed."""
     p = policy.params
-    if trace is not None:
-        return trace["lost"], trace.get("held"), trace.get("rescued"), trace["W"]
     gone = np.zeros(len(snap), dtype=bool)
     if plan.preemptions:
         gone[[snap.index_of[r] for r in plan.preemptions]] = True
@@ -227,7 +305,7 @@ def _state(policy: Any, snap: Snapshot, predictor: BatchLatencyPredictor, plan: 
     return lost, held if len(held) else None, rescued if len(rescued) else None, W
 
 
-def _reserve_ms(snap: Snapshot, predictor: BatchLatencyPredictor) -> float:
+def reserve_ms(snap: Snapshot, predictor: BatchLatencyPredictor) -> float:
     """T̂_dec of the class reserve: the decodes plus the partial prefills, decode-only."""
     partial = np.flatnonzero(~snap.is_decoding & snap.started)
     dec_all = np.flatnonzero(snap.is_decoding)

@@ -420,20 +420,32 @@ REASON_VALUE[CODES.index("preempted")] = 3
 REASON_VALUE.flags.writeable = False
 
 
-def reason_codes(got: np.ndarray, is_dec: np.ndarray, remaining: np.ndarray, slack: np.ndarray, tbt: np.ndarray,
-                 step: np.ndarray, prio: np.ndarray, kv: np.ndarray, lost: np.ndarray, held: np.ndarray,
-                 rescued: np.ndarray, v_rows: np.ndarray, v_codes: np.ndarray, on: np.ndarray, scalar: np.ndarray,
-                 starve: float, skip: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def reason_tokens(n: int, dec_rows: np.ndarray, pre_rows: np.ndarray, pre_toks: np.ndarray) -> np.ndarray:
+    """Tokens per row of a plan: one for each of ``dec_rows`` (decodes), ``pre_toks[j]``
+    for row ``pre_rows[j]``."""
+    got = np.zeros(n, dtype=np.int64)
+    got[dec_rows] = 1
+    got[pre_rows] = pre_toks
+    return got
+
+
+def reason_codes(dec_rows: np.ndarray, pre_rows: np.ndarray, pre_toks: np.ndarray, is_dec: np.ndarray,
+                 remaining: np.ndarray, slack: np.ndarray, tbt: np.ndarray, step: np.ndarray, prio: np.ndarray,
+                 kv: np.ndarray, lost: np.ndarray, held: np.ndarray, rescued: np.ndarray, v_rows: np.ndarray,
+                 v_codes: np.ndarray, on: np.ndarray, scalar: np.ndarray, starve: float,
+                 skip: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(waiting rows, their code indices, their values): the rows that get fewer tokens
-    (``got``) than they need (a decode one, a prefill what remains), each given the first
-    rule of :data:`REASON_RULES` that is ``on`` and holds for it, a verdict (``v_rows``
-    given ``v_codes``) overriding it.  The rules' predicates: ``max_num_seqs`` no token;
+    (:func:`reason_tokens`) than they need (a decode one, a
+    prefill what remains), each given the first rule of :data:`REASON_RULES` that is
+    ``on`` and holds for it, a verdict (``v_rows`` given ``v_codes``, waiting rows)
+    overriding it.  The rules' predicates: ``max_num_seqs`` no token;
     ``token_budget``, ``kv`` every row; ``kv_watermark`` a prefill; ``class_reserve`` in
     ``held``; ``given_up`` in ``lost``; ``expired`` a prefill with slack <= 0;
     ``class_rescue`` in ``rescued``; ``late`` a decode with slack <= 0 (and, ``starve`` >
     0, above ``-starve`` TBTs); ``ahead`` a decode with slack > ``skip`` steps;
     ``class_sit_out`` a decode; ``not_chosen``, ``time_budget`` a prefill.  Values per
     :data:`REASON_VALUE`, ``scalar[code]`` for the rules' own."""
+    got = reason_tokens(len(is_dec), dec_rows, pre_rows, pre_toks)
     rows = np.flatnonzero(got < np.where(is_dec, 1, remaining))
     if not len(rows):
         return rows, np.zeros(0, dtype=np.int8), np.zeros(0)
@@ -467,7 +479,9 @@ def reason_codes(got: np.ndarray, is_dec: np.ndarray, remaining: np.ndarray, sla
             m = masks[c]()
             code[slice(None) if m is None else m] = c
     if len(v_rows):
-        code[np.searchsorted(rows, v_rows)] = v_codes
+        at = np.searchsorted(rows, v_rows)
+        keep = (at < len(rows)) & (rows[np.minimum(at, len(rows) - 1)] == v_rows)  # waiting verdicts only
+        code[at[keep]] = v_codes[keep]
     kind = REASON_VALUE[code]
     value = scalar[code]
     for k, col in ((1, s * 1e3), (2, prio[rows]), (3, kv[rows])):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -31,9 +31,10 @@ from .chunker import sliding_chunk
 from .constructor import construct_batch
 from .features import DECODE
 from .params import param
-from .plan import Plan, Rejection
+from .plan import Plan, Reasons, Rejection
 from .predictor import BatchLatencyPredictor
 from .reasons import explain as with_reasons
+from .reasons import reserve_ms, traced_reasons
 from .snapshot import Snapshot
 from .sorter import edf_order, late_set, mlps_order, ordered, prefill_indices
 
@@ -140,6 +141,8 @@ class SlidingServeParams:
 
 @dataclass(frozen=True, slots=True)
 class SlidingServePolicy:
+    #: ``plan(..., explain=True)`` explains from the decision (``reasons.plan_explained``).
+    explains: ClassVar[bool] = True
     name: str
     version: str
     params: SlidingServeParams
@@ -156,7 +159,10 @@ class SlidingServePolicy:
             return self._decide(snapshot, predictor, None)
         trace: dict[str, Any] = {}
         plan = self._decide(snapshot, predictor, trace)
-        return with_reasons(self, snapshot, predictor, plan, trace or None)
+        if not trace:  # a preempting decision planned a smaller snapshot: replayed
+            return with_reasons(self, snapshot, predictor, plan, None)
+        trace["plan"] = plan  # what its reasons (attached when it was assembled) explain
+        return plan
 
     def _decide(self, snapshot: Snapshot, predictor: BatchLatencyPredictor, trace: dict[str, Any] | None) -> Plan:
         """:meth:`plan`; ``trace`` (explaining only) receives the decision's masks."""
@@ -239,6 +245,7 @@ class SlidingServePolicy:
                 pre, lost = _reserve(snap, predictor, dec_all, pre, lost, p.class_reserve)
                 if trace is not None and len(pre) < len(before):
                     trace["held"] = before[~np.isin(before, pre)]
+                    trace["reserve_ms"] = reserve_ms(snap, predictor)
             if p.class_rescue and len(dec_all):
                 lost, rescued = _rescue(snap, predictor, dec_all, pre, lost, p.margin)
                 if trace is not None and rescued is not None:
@@ -331,17 +338,16 @@ class SlidingServePolicy:
         n_dec = len(decodes)
         queue, starving = self._queue(snap, pre, lost, rho)
         t1 = time.perf_counter_ns()
+        holders = int(np.count_nonzero(snap.started))
         cq = CandidateQueue.build(
             snap, predictor, decodes, queue,
             n_all_decodes=len(dec_all), kv_decode_reserve=p.kv_decode_reserve,
-            kv_growth_reserve=p.kv_growth_iters * int(np.count_nonzero(snap.started)),
+            kv_growth_reserve=p.kv_growth_iters * holders,
         )
         curve = cq.budget_curve()
         W = self._windows(snap, decodes)
         t2 = time.perf_counter_ns()
-
-        chosen = None
-        t3 = t2
+        chosen, t3 = None, t2
         if p.batch_constructor and cq.first_cap > 0 and not starving.any():
             cand = cq.first_cap if W is None else max(curve.prefill_tokens_within(W[0], cq.first_cap), 0)
             t_full = float(curve.times[cand])
@@ -355,10 +361,10 @@ class SlidingServePolicy:
                 decodes=decodes,
             )
             t3 = time.perf_counter_ns()
-
         predicted: float | None = None
         if chosen is not None:
-            pre_alloc = [(i, int(snap.remaining_prefill[i])) for i in in_queue_order(chosen.chosen, queue)]
+            pre_rows = in_queue_order(chosen.chosen, queue)
+            pre_toks = snap.remaining_prefill[pre_rows]
             path = "batch_constructor"
             t4 = t3
         else:
@@ -370,17 +376,25 @@ class SlidingServePolicy:
                 p1 = sliding_chunk(cq, W, p.granularity, p.max_grid, curve, p.tie_tolerance_ms)
             if starving.any():  # the oldest starving prefill (the queue's head) gets its room
                 p1 = max(p1, min(int(cq.r[0]), cq.first_cap))
-            pre_alloc = cq.fill(p1)
+            pre_rows, pre_toks = cq.fill_arrays(p1)
             predicted = float(curve.times[p1])  # the curve holds exactly this batch
-            path = "sliding_chunker" if pre_alloc else ("decode_only" if n_dec else "idle")
+            path = "sliding_chunker" if len(pre_rows) else ("decode_only" if n_dec else "idle")
             t4 = time.perf_counter_ns()
-        if trace is not None:  # what explaining needs of this decision (the last one wins)
-            trace.update(decodes=decodes, pre_alloc=pre_alloc, W=W, lost=pre[lost])
+        reasons = () if trace is None else _record(  # what explaining needs of this decision (the last one wins)
+            self, snap, trace, decodes=decodes, pre_rows=pre_rows, pre_toks=pre_toks, W=W, lost=pre[lost],
+            n_decoding=len(dec_all), holders=holders)
         return assemble_plan(
-            self, snap, predictor, decodes, pre_alloc, path, t0,
+            self, snap, predictor, decodes, list(zip(pre_rows.tolist(), pre_toks.tolist(), strict=True)), path, t0,
             {"sorter": t1 - t0, "predictor": t2 - t1, "constructor": t3 - t2, "chunker": t4 - t3},
-            predicted,
+            predicted, reasons,
         )
+
+
+def _record(policy: SlidingServePolicy, snap: Snapshot, trace: dict[str, Any], **facts: Any) -> Reasons | tuple[()]:
+    """Keep a decision's ``facts`` in ``trace`` and return the reasons of the plan being
+    assembled, which explain from them (``reasons.traced_reasons``)."""
+    trace.update(facts)
+    return traced_reasons(policy, snap, trace) if len(snap) else ()
 
 
 def _reserve(snap: Snapshot, predictor: BatchLatencyPredictor, dec_all: np.ndarray, pre: np.ndarray,

@@ -776,17 +776,28 @@ def read_back(take: np.ndarray, w: np.ndarray, pa: int, c: int) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------- reasons
+#: Where :func:`_row_state` keeps the membership bits above the row's tokens.
+_MEMBER_SHIFT = 40
+_TOKEN_MASK = (1 << _MEMBER_SHIFT) - 1
+
+
 @_jit
-def _membership(n, lost, held, rescued):  # type: ignore[no-untyped-def]
-    """Per row, bit 1: in the lost set, 2: held by the class reserve, 4: rescued."""
-    member = np.zeros(n, dtype=np.uint8)
+def _row_state(n, dec_rows, pre_rows, pre_toks, lost, held, rescued):  # type: ignore[no-untyped-def]
+    """Per row, in one array: its tokens in the plan (one for each of ``dec_rows``,
+    ``pre_toks[j]`` for ``pre_rows[j]``) and, from bit :data:`_MEMBER_SHIFT` up, bit 1:
+    in the lost set, 2: held by the class reserve, 4: rescued."""
+    state = np.zeros(n, dtype=np.int64)
+    for i in dec_rows:
+        state[i] = 1
+    for j in range(pre_rows.shape[0]):
+        state[pre_rows[j]] = pre_toks[j]
     for i in lost:
-        member[i] |= 1
+        state[i] |= 1 << _MEMBER_SHIFT
     for i in held:
-        member[i] |= 2
+        state[i] |= 2 << _MEMBER_SHIFT
     for i in rescued:
-        member[i] |= 4
-    return member
+        state[i] |= 4 << _MEMBER_SHIFT
+    return state
 
 
 @_jit
@@ -803,15 +814,13 @@ def _reason_value(kind, slack, prio, kv, scalar):  # type: ignore[no-untyped-def
 
 
 @_jit
-def reason_codes(got, is_dec, remaining, slack, tbt, step, prio, kv, lost, held, rescued,  # type: ignore[no-untyped-def]
-                 v_rows, v_codes, on, scalar, starve, skip):
+def reason_codes(dec_rows, pre_rows, pre_toks, is_dec, remaining, slack, tbt, step, prio, kv,  # type: ignore[no-untyped-def]
+                 lost, held, rescued, v_rows, v_codes, on, scalar, starve, skip):
     """``reference.reason_codes`` in one pass over the snapshot's rows: each waiting row's
-    first rule that holds, in :data:`..reference.REASON_RULES` order, as an if-chain."""
-    n = got.shape[0]
-    member = _membership(n, lost, held, rescued)
-    verdict = np.full(n, -1, dtype=np.int64)
-    for j in range(v_rows.shape[0]):
-        verdict[v_rows[j]] = v_codes[j]
+    first rule that holds, in :data:`..reference.REASON_RULES` order, as an if-chain; the
+    verdicts (few) looked up afterwards."""
+    n = is_dec.shape[0]
+    state = _row_state(n, dec_rows, pre_rows, pre_toks, lost, held, rescued)
     rows = np.empty(n, dtype=np.int64)
     codes = np.empty(n, dtype=np.int8)
     values = np.empty(n, dtype=np.float64)
@@ -819,9 +828,10 @@ def reason_codes(got, is_dec, remaining, slack, tbt, step, prio, kv, lost, held,
     k = 0
     for i in range(n):
         d = is_dec[i]
-        g = got[i]
+        g = state[i] & _TOKEN_MASK
         if g >= (1 if d else remaining[i]):
             continue
+        m = state[i] >> _MEMBER_SHIFT
         s = slack[i]
         c = RC_BEHIND
         if on[RC_MAX_NUM_SEQS] and g == 0:
@@ -830,13 +840,13 @@ def reason_codes(got, is_dec, remaining, slack, tbt, step, prio, kv, lost, held,
             c = RC_TOKEN_BUDGET if on[RC_TOKEN_BUDGET] else RC_KV
         elif on[RC_KV_WATERMARK] and not d:
             c = RC_KV_WATERMARK
-        elif on[RC_CLASS_RESERVE] and member[i] & 2:
+        elif on[RC_CLASS_RESERVE] and m & 2:
             c = RC_CLASS_RESERVE
-        elif on[RC_GIVEN_UP] and member[i] & 1:
+        elif on[RC_GIVEN_UP] and m & 1:
             c = RC_GIVEN_UP
         elif on[RC_EXPIRED] and not d and s <= 0:
             c = RC_EXPIRED
-        elif on[RC_CLASS_RESCUE] and member[i] & 4:
+        elif on[RC_CLASS_RESCUE] and m & 4:
             c = RC_CLASS_RESCUE
         elif on[RC_LATE] and d and s <= 0 and (starve <= 0 or s > -starve * tbt[i]):
             c = RC_LATE
@@ -848,10 +858,16 @@ def reason_codes(got, is_dec, remaining, slack, tbt, step, prio, kv, lost, held,
             c = RC_NOT_CHOSEN
         elif on[RC_TIME_BUDGET] and not d:
             c = RC_TIME_BUDGET
-        if verdict[i] >= 0:
-            c = verdict[i]
         rows[k] = i
         codes[k] = c
         values[k] = _reason_value(REASON_VALUE[c], s, prio[i], kv[i], scalar[c])
         k += 1
+    for j in range(v_rows.shape[0]):  # the verdicts, which come before every rule (waiting rows)
+        r = v_rows[j]
+        at = np.searchsorted(rows[:k], r)
+        if at == k or rows[at] != r:
+            continue
+        c = v_codes[j]
+        codes[at] = c
+        values[at] = _reason_value(REASON_VALUE[c], slack[r], prio[r], kv[r], scalar[c])
     return rows[:k], codes[:k], values[:k]  # views: no copy of what a plan keeps anyway

@@ -94,13 +94,15 @@ class NumpyOps:
         return ref.window_limits(snap, decodes, k, margin)
 
     # ------------------------------------------------------------------ reasons
-    def reason_codes(self, snap: Snapshot, got: np.ndarray, lost: np.ndarray, held: np.ndarray,
-                     rescued: np.ndarray, v_rows: np.ndarray, v_codes: np.ndarray, on: np.ndarray,
-                     scalar: np.ndarray, starve: float, skip: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(waiting rows, code indices, values) of a plan (``reasons.explain``)."""
-        return ref.reason_codes(got, snap.is_decoding, snap.remaining_prefill, snap.slack, snap.tbt_slo, snap.step,
-                                snap.priority, snap.kv_tokens, lost, held, rescued, v_rows, v_codes, on, scalar,
-                                starve, skip)
+    def reason_codes(self, snap: Snapshot, dec_rows: np.ndarray, pre_rows: np.ndarray, pre_toks: np.ndarray,
+                     lost: np.ndarray, held: np.ndarray, rescued: np.ndarray, v_rows: np.ndarray,
+                     v_codes: np.ndarray, on: np.ndarray, scalar: np.ndarray, starve: float,
+                     skip: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(waiting rows, code indices, values) of a plan (``reasons.explain``) that gives
+        one token to each of ``dec_rows`` and ``pre_toks[j]`` to row ``pre_rows[j]``."""
+        return ref.reason_codes(dec_rows, pre_rows, pre_toks, snap.is_decoding, snap.remaining_prefill, snap.slack, snap.tbt_slo,
+                                snap.step, snap.priority, snap.kv_tokens, lost, held, rescued, v_rows, v_codes, on,
+                                scalar, starve, skip)
 
     # -------------------------------------------------------- candidate queue
     def queue_arrays(self, snap: Snapshot, predictor: BatchLatencyPredictor, fast: int,
@@ -198,13 +200,15 @@ class NumbaOps(NumpyOps):
         W = self.k.window_limits(snap.slack, snap.step, decodes, k, margin)
         return W if len(W) else None
 
-    def reason_codes(self, snap: Snapshot, got: np.ndarray, lost: np.ndarray, held: np.ndarray,
-                     rescued: np.ndarray, v_rows: np.ndarray, v_codes: np.ndarray, on: np.ndarray,
-                     scalar: np.ndarray, starve: float, skip: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return self.k.reason_codes(got, snap.is_decoding, snap.remaining_prefill, snap.slack,  # type: ignore[no-any-return]
-                                   snap.tbt_slo, snap.step, snap.priority, snap.kv_tokens, _idx(lost), _idx(held),
-                                   _idx(rescued), _idx(v_rows), np.asarray(v_codes, dtype=np.int8), on,
-                                   scalar, float(starve), float(skip))
+    def reason_codes(self, snap: Snapshot, dec_rows: np.ndarray, pre_rows: np.ndarray, pre_toks: np.ndarray,
+                     lost: np.ndarray, held: np.ndarray, rescued: np.ndarray, v_rows: np.ndarray,
+                     v_codes: np.ndarray, on: np.ndarray, scalar: np.ndarray, starve: float,
+                     skip: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self.k.reason_codes(_idx(dec_rows), _idx(pre_rows), _idx(pre_toks),  # type: ignore[no-any-return]
+                                   snap.is_decoding, snap.remaining_prefill, snap.slack, snap.tbt_slo, snap.step,
+                                   snap.priority, snap.kv_tokens, _idx(lost), _idx(held), _idx(rescued),
+                                   _idx(v_rows), np.asarray(v_codes, dtype=np.int8), on, scalar, float(starve),
+                                   float(skip))
 
     def queue_arrays(self, snap: Snapshot, predictor: BatchLatencyPredictor, fast: int,
                      queue: np.ndarray) -> tuple[np.ndarray, ...]:
