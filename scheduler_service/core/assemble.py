@@ -11,7 +11,7 @@ import numpy as np
 from .plan import Allocation, Plan, Reason
 from .policy import Policy
 from .predictor import BatchLatencyPredictor, batch_features
-from .reasons import assembled_reasons
+from .reasons import Decided, assembled_reasons
 from .snapshot import Snapshot
 
 __all__ = ["assemble_plan", "in_queue_order"]
@@ -95,5 +95,5 @@ def assemble_plan(
         reasons=reasons,
     )
     if facts is not None:
-        facts["plan"] = plan
+        facts["plan"] = Decided.of(plan)
     return plan

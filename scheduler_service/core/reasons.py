@@ -24,13 +24,13 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from . import kernels
 from .features import DECODE
-from .plan import CODES, REASON_CODES, Plan, Reason, Reasons
+from .plan import CODES, REASON_CODES, Allocation, Plan, Reason, Reasons, Rejection
 from .policy import Policy
 from .predictor import BatchLatencyPredictor
 from .reference import reason_tokens
@@ -42,6 +42,26 @@ __all__ = ["CODES", "REASON_CODES", "Reason", "Reasons", "assembled_reasons", "e
            "traced_reasons"]
 
 _C = {c: k for k, c in enumerate(CODES)}
+
+
+class Decided(NamedTuple):
+    """What explaining reads of a plan: its own fields without its reasons, which the
+    reasons of a plan explained from its decision keep, so that they do not keep the plan
+    that keeps them (a reference cycle per plan would be left to the garbage collector)."""
+
+    allocations: tuple[Allocation, ...]
+    token_budget: int
+    path: str
+    rejections: tuple[Rejection, ...]
+    preemptions: tuple[str, ...]
+
+    @classmethod
+    def of(cls, plan: Plan) -> Decided:
+        return cls(plan.allocations, plan.token_budget, plan.path, plan.rejections, plan.preemptions)
+
+
+#: A plan as explaining reads it.
+PlanLike = Plan | Decided
 
 
 def plan_explained(policy: Policy, snapshot: Snapshot, predictor: BatchLatencyPredictor) -> Plan:
@@ -59,7 +79,7 @@ def assembled_reasons(policy: Policy, snapshot: Snapshot, predictor: BatchLatenc
     decision knew, ``facts``: its ``decodes``, ``pre_rows`` and ``pre_toks`` (what each
     row gets, so that no allocation is looked up by id), optionally the ``budget`` it
     used and the rows it relegated (``lost``), and, set before the reasons are read,
-    the ``plan`` itself.  Classified when first read, as :func:`explain`'s."""
+    the ``plan`` itself (as :class:`Decided`).  Classified when first read, as :func:`explain`'s."""
     return Reasons(snapshot.ids, compute=lambda: _classify(policy, snapshot, predictor, facts["plan"], None, facts))
 
 
@@ -92,7 +112,7 @@ def traced_reasons(policy: Policy, snapshot: Snapshot, trace: dict[str, Any]) ->
     """The reasons of the plan a SlidingServe decision is assembling, from what it
     records in ``trace``, classified when first read: by then ``trace`` holds the facts
     of the plan the decision returned (the last one it assembled) and, as
-    ``trace["plan"]``, that plan itself."""
+    ``trace["plan"]``, that plan itself (as :class:`Decided`)."""
     return Reasons(snapshot.ids, compute=lambda: _traced(policy, snapshot, trace["plan"], trace))
 
 
@@ -107,7 +127,7 @@ _OFF = np.zeros(len(CODES), dtype=bool)
 _SLIDING_ON = tuple(np.isin(CODES, codes) for codes in (("late", "ahead"), ("given_up", "expired", "late", "ahead")))
 
 
-def _classify(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor, plan: Plan,
+def _classify(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor, plan: PlanLike,
               trace: dict[str, Any] | None, facts: dict[str, Any] | None = None
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(waiting rows, their code indices, their values): what :func:`explain` promises.
@@ -147,7 +167,7 @@ def _classify(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor, 
                                       on, scalar, starve, skip)
 
 
-def _traced(policy: Any, snap: Snapshot, plan: Plan, trace: dict[str, Any]
+def _traced(policy: Any, snap: Snapshot, plan: PlanLike, trace: dict[str, Any]
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:func:`_classify` from SlidingServe's own decision (``trace``): its decodes and
     prefills, the sets it held back and the counts it already took, so that the
@@ -191,7 +211,7 @@ def _traced(policy: Any, snap: Snapshot, plan: Plan, trace: dict[str, Any]
                                       float(p.decode_skip_tbts))
 
 
-def _allocated(snap: Snapshot, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
+def _allocated(snap: Snapshot, plan: PlanLike) -> tuple[np.ndarray, np.ndarray]:
     """``plan``'s allocations as (snapshot rows, tokens)."""
     if not plan.allocations:
         return _EMPTY, _EMPTY
@@ -200,7 +220,7 @@ def _allocated(snap: Snapshot, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
             np.array(toks, dtype=np.int64))
 
 
-def _verdicts(snap: Snapshot, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
+def _verdicts(snap: Snapshot, plan: PlanLike) -> tuple[np.ndarray, np.ndarray]:
     """The rejections and preemptions, which come before every rule: (rows, codes)."""
     if not plan.rejections and not plan.preemptions:
         return _EMPTY, _NO_CODES
@@ -217,7 +237,7 @@ def token_budget(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredicto
     return snap.max_batch_tokens if budget is None else min(int(budget(snap, predictor)), snap.max_batch_tokens)
 
 
-def kv_left(policy: Policy, snap: Snapshot, plan: Plan, gone: np.ndarray | None = None) -> int | None:
+def kv_left(policy: Policy, snap: Snapshot, plan: PlanLike, gone: np.ndarray | None = None) -> int | None:
     """KV tokens the plan leaves free after its tokens, the preempted requests' KV counted
     as free, and the policy's per-decode reserve for every decode (None: KV unlimited)."""
     if snap.free_kv_tokens is None:
@@ -229,7 +249,7 @@ def kv_left(policy: Policy, snap: Snapshot, plan: Plan, gone: np.ndarray | None 
     return snap.free_kv_tokens + freed - plan.token_budget - reserve * int(np.count_nonzero(snap.is_decoding))
 
 
-def kv_watermark(policy: Policy, snap: Snapshot, plan: Plan) -> int:
+def kv_watermark(policy: Policy, snap: Snapshot, plan: PlanLike) -> int:
     """The KV a new admission must leave free (SlidingServe's growth watermark, else 0)."""
     iters = int(getattr(policy.params, "kv_growth_iters", 0))
     if not iters:
@@ -243,7 +263,7 @@ def _rule(on: np.ndarray, scalar: np.ndarray, code: str, value: float = 0.0) -> 
     scalar[_C[code]] = value
 
 
-def _limits(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor, plan: Plan, on: np.ndarray,
+def _limits(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor, plan: PlanLike, on: np.ndarray,
             scalar: np.ndarray, budget: int | None = None) -> bool:
     """The hard limits: sequences, tokens (``budget``: the policy's, when the decision
     kept it), KV, the KV-growth watermark; True when one holds for every waiting request
@@ -267,7 +287,7 @@ def _limits(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor, pl
     return False
 
 
-def _sliding(policy: Any, snap: Snapshot, predictor: BatchLatencyPredictor, plan: Plan, got: np.ndarray,
+def _sliding(policy: Any, snap: Snapshot, predictor: BatchLatencyPredictor, plan: PlanLike, got: np.ndarray,
              on: np.ndarray, scalar: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float]:
     """SlidingServe's own rules replayed (``got``: tokens per row): (lost, held, rescued
     rows, the starvation bound, the decode skip), the rules switched ``on``."""
@@ -292,7 +312,7 @@ def _sliding(policy: Any, snap: Snapshot, predictor: BatchLatencyPredictor, plan
             float(p.starve_after), float(p.decode_skip_tbts))
 
 
-def _state(policy: Any, snap: Snapshot, predictor: BatchLatencyPredictor, plan: Plan, got: np.ndarray
+def _state(policy: Any, snap: Snapshot, predictor: BatchLatencyPredictor, plan: PlanLike, got: np.ndarray
            ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, np.ndarray | None]:
     """Rows given up on, held by the class reserve (None: none), sat out by the class
     rescue (None: none), and the decode windows (None: no safe decode), replayed."""

@@ -33,8 +33,8 @@ from .features import DECODE
 from .params import param
 from .plan import Plan, Reasons, Rejection
 from .predictor import BatchLatencyPredictor
+from .reasons import Decided, reserve_ms, traced_reasons
 from .reasons import explain as with_reasons
-from .reasons import reserve_ms, traced_reasons
 from .snapshot import Snapshot
 from .sorter import edf_order, late_set, mlps_order, ordered, prefill_indices
 
@@ -161,7 +161,7 @@ class SlidingServePolicy:
         plan = self._decide(snapshot, predictor, trace)
         if not trace:  # a preempting decision planned a smaller snapshot: replayed
             return with_reasons(self, snapshot, predictor, plan, None)
-        trace["plan"] = plan  # what its reasons (attached when it was assembled) explain
+        trace["plan"] = Decided.of(plan)  # what its reasons (attached when it was assembled) explain
         return plan
 
     def _decide(self, snapshot: Snapshot, predictor: BatchLatencyPredictor, trace: dict[str, Any] | None) -> Plan:
