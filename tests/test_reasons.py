@@ -4,6 +4,7 @@ does not fully serve, the reason holds, and explaining never changes a decision.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import importlib.util
 import json
 import re
@@ -215,6 +216,55 @@ def test_reasons_on_loaded_engines(name: str) -> None:
         floors = {"given_up": 7, "expired": 100, "ahead": 14, "time_budget": 200, "time_budget_binds": 100, "not_chosen": 8, "class_sit_out": 10,
                   "kv_watermark": 10}
         assert all(LOADED.counts[k] >= v for k, v in floors.items()), dict(LOADED.counts)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_explained_plans_leave_no_reference_cycle(name: str) -> None:
+    """A plan explained from its decision keeps its reasons, which keep what they read of
+    the decision: a cycle back to the plan would leave every explained plan to the
+    garbage collector (the service explains every plan with ``reasons: every``)."""
+    policy, pred = registry.create(name), default_predictor()
+    for seed in range(6):
+        snap = _loaded(seed)
+        len(plan_explained(policy, snap, pred).reasons)  # first calls (numba's typing) leave garbage of their own
+        for read in (False, True):
+            gc.collect()
+            was = gc.isenabled()
+            gc.disable()
+            try:
+                plan = plan_explained(policy, snap, pred)
+                if read:
+                    len(plan.reasons)
+                del plan
+                assert gc.collect() == 0
+            finally:
+                if was:
+                    gc.enable()
+
+
+class _Wrapped:
+    """A registered policy whose ``plan()`` knows nothing of explaining (as a policy of
+    another code base): everything else, the rules the replay reads, is the policy's."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __getattr__(self, key: str) -> Any:
+        if key == "explains":
+            raise AttributeError(key)
+        return getattr(self.inner, key)
+
+    def plan(self, snapshot: Snapshot, predictor: BatchLatencyPredictor) -> Plan:
+        return self.inner.plan(snapshot, predictor)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("name", ["slidingserve", "qoserve"])
+def test_a_policy_that_does_not_explain_itself_is_replayed(name: str) -> None:
+    pred = default_predictor()
+    for seed in range(6):
+        snap = _loaded(seed)
+        told = plan_explained(_Wrapped(registry.create(name)), snap, pred)
+        assert list(told.reasons) == list(plan_explained(registry.create(name), snap, pred).reasons)
 
 
 # ------------------------------------------------------------ the two backends
