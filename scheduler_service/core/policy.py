@@ -39,7 +39,12 @@ class Policy(Protocol):
         ...
 
     def plan(self, snapshot: Snapshot, predictor: BatchLatencyPredictor) -> Plan:
-        """Decide one iteration.  Must respect every limit of the snapshot."""
+        """Decide one iteration.  Must respect every limit of the snapshot.
+
+        A policy may also explain its plans itself: a class attribute ``explains = True``
+        promises ``plan(snapshot, predictor, explain=True)``, the same plan with a reason
+        for every request it does not fully serve (``reasons.plan_explained`` calls it;
+        without it the reasons are found by replaying the rules, ``reasons.explain``)."""
         ...
 
 

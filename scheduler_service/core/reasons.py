@@ -2,9 +2,12 @@
 
 ``explain(policy, snapshot, predictor, plan)`` is a post-pass: it replays the rules of the
 policy that made ``plan`` against the plan itself and returns the same plan with
-``reasons`` set (docs/policies.md, "Why a request waited: reason codes").  It reads the
-plan and never changes an allocation, a path, a rejection or a preemption; a policy's
-``plan()`` does not call it, so deciding without reasons costs nothing more.
+``reasons`` set (docs/reasons.md).  It reads the plan and never changes an allocation, a
+path, a rejection or a preemption.  ``plan_explained`` asks a policy that explains
+itself (``explains``: every registered one) for ``plan(..., explain=True)`` instead: the
+decision keeps what it knew (:func:`traced_reasons`, SlidingServe; :func:`assembled_reasons`,
+the baselines) and the same rules classify from it, without replaying.  Deciding without
+reasons costs nothing more either way.
 
 A request is *not fully served* when it gets no token (a decode that sits out, a prefill
 that waits) or, a prefill, fewer prompt tokens than remain.  Each gets exactly one reason,
@@ -37,8 +40,8 @@ from .reference import reason_tokens
 from .snapshot import Snapshot
 from .sorter import prefill_indices
 
-__all__ = ["CODES", "REASON_CODES", "Reason", "Reasons", "assembled_reasons", "explain", "kv_left", "kv_watermark", "plan_explained",
-           "reason_counts", "reserve_ms", "token_budget",
+__all__ = ["CODES", "REASON_CODES", "Decided", "PlanLike", "Reason", "Reasons", "assembled_reasons", "explain",
+           "kv_left", "kv_watermark", "plan_explained", "reason_counts", "reserve_ms", "token_budget",
            "traced_reasons"]
 
 _C = {c: k for k, c in enumerate(CODES)}
