@@ -371,3 +371,51 @@ def test_the_replay_with_the_clients_delays_sees_what_they_cost(tmp_path: Path) 
     assert client["ttft_p50_ms"] > bare["ttft_p50_ms"]
     text = sim_table([{**bare, "source": "live"}], [bare, client])
     assert "+client" in text and "⚠" in text.splitlines()[-1]
+
+
+@pytest.mark.parametrize("k", [0.7, 1.4])
+def test_match_speed_finds_the_speed_a_run_had(k: float) -> None:
+    """A run replayed on an engine ``k`` times slower than the cost model: from its mean
+    inter-token latency alone, match_speed finds about ``k`` and the replay at that speed
+    has the run's inter-token latency."""
+    from clients.live.sim import FittedTruth, match_speed, simulate_run
+    from scheduler_service.core import default_predictor
+
+    c = Config.parse("inproc:slidingserve")
+    spec = LiveSpec((c,), rates=(3.0,), seeds=(1,), workload=WorkloadSpec(requests=40, warmup=5))
+    truth = FittedTruth(default_predictor(), 0.1)
+    run = simulate_run(spec, c, 3.0, 1, truth.scaled(k))
+    assert run["speed"] == k and run["itl_mean_ms"] > 0
+    calls: list[float] = []
+
+    def replay(t: FittedTruth) -> dict[str, Any]:
+        calls.append(t.scale)
+        return simulate_run(spec, c, 3.0, 1, t)
+
+    rec = match_speed(replay, truth, run["itl_mean_ms"])
+    assert calls[0] == 1.0 and len(calls) > 1  # it started from the fitted model and had to move
+    assert rec["speed"] == pytest.approx(k, rel=0.1)
+    assert rec["itl_mean_ms"] == pytest.approx(run["itl_mean_ms"], rel=0.03)
+    for bad in (math.nan, 0.0, -3.0):
+        with pytest.raises(ValueError, match="live_itl_ms"):
+            match_speed(replay, truth, bad)
+    with pytest.raises(ValueError, match="scale"):
+        truth.scaled(0.0)
+
+
+def test_the_sweep_replays_each_run_at_its_own_speed() -> None:
+    """With live records holding vLLM's inter-token latency, each run gets a "sim+speed"
+    replay, the table a +speed column and the factors a line."""
+    from clients.live.sim import simulate_sweep
+    from scheduler_service.core import default_predictor
+
+    spec = LiveSpec((Config.parse("vllm"),), rates=(2.0,), seeds=(1, 2), workload=WorkloadSpec(requests=30, warmup=5))
+    bare = simulate_sweep(spec, default_predictor(), 0.1)
+    live = [{**r, "source": "live", "vllm_timings": {"itl_mean_ms": 1.3 * r["itl_mean_ms"]}} for r in bare]
+    sim = simulate_sweep(spec, default_predictor(), 0.1, live=live)
+    fast = [r for r in sim if r["source"] == "sim+speed"]
+    assert [r["seed"] for r in fast] == [1, 2] and len(sim) == 4
+    for r in fast:
+        assert r["speed"] > 1.1 and r["live_itl_mean_ms"] > r["itl_mean_ms"] / 1.04
+    text = sim_table(live, sim)
+    assert "| sim | +speed |" in text and "(the \"+speed\" factor)" in text and "vllm 1." in text

@@ -128,7 +128,7 @@ def _configs(text: str) -> tuple[Config, ...]:
     return tuple(Config.parse(x) for x in items)
 
 
-def _simulate(spec: LiveSpec, out: Path, noise: float) -> list[dict[str, Any]]:
+def _simulate(spec: LiveSpec, out: Path, noise: float, live: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     from scheduler_service.core import BatchLatencyPredictor
 
     from .sim import simulate_sweep
@@ -137,9 +137,9 @@ def _simulate(spec: LiveSpec, out: Path, noise: float) -> list[dict[str, Any]]:
     if not path.exists():
         raise ValueError(f"--sim needs {path}: run a sweep with a remote configuration first")
     pred = BatchLatencyPredictor.from_dict(json.loads(path.read_text())["predictor"])
-    print(f"simulating {len(spec.order())} runs on the engine's fitted cost model (twice where the client's "
-          "delays were recorded)", flush=True)
-    sim = simulate_sweep(spec, pred, noise, live_dir=out)
+    print(f"simulating {len(spec.order())} runs on the engine's fitted cost model (again with the client's "
+          "delays where recorded, and at each run's own engine speed where vLLM's timings were)", flush=True)
+    sim = simulate_sweep(spec, pred, noise, live_dir=out, live=live, progress=_progress(every=5))
     (out / "sim.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sim))
     return sim
 
@@ -231,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"live-bench: no runs in {out}", file=sys.stderr)
         return 2
     data = load_runs(runs)
-    sim = _simulate(spec, out, args.sim_noise) if args.sim else []
+    sim = _simulate(spec, out, args.sim_noise, data) if args.sim else []
     text = "\n".join(x for x in (markdown(data, args.threshold), judge_table(data), timing_table(data),
                                   noise_table(data), sim_table(data, sim),
                                   _cost(out)) if x)

@@ -227,7 +227,7 @@ def write_plot(runs: Sequence[dict[str, Any]], path: Path, threshold: float,
                 hi.append(max(xs) if xs else math.nan)
             (line,) = ax.plot(rates, m, marker="o", label=c)
             ax.fill_between(rates, lo, hi, color=line.get_color(), alpha=0.15)
-            for src, ls in (("sim", "--"), ("sim+client", ":")):
+            for src, ls in (("sim", "--"), ("sim+client", ":"), ("sim+speed", "-.")):
                 mine = [r for r in sim if r.get("source", "sim") == src and r["config"] == c]
                 if mine:
                     ax.plot(rates, [_mean_at(mine, c, rate, key) for rate in rates], ls=ls, lw=1,
@@ -278,27 +278,31 @@ def _mean_at(runs: Sequence[dict[str, Any]], c: str, rate: float, key: str) -> f
     return float(np.mean(xs)) if xs else math.nan
 
 
+SIM_SOURCES = (("sim", "sim"), ("sim+client", "+client"), ("sim+speed", "+speed"))
+
+
 def sim_table(live: Sequence[dict[str, Any]], sim: Sequence[dict[str, Any]]) -> str:
     """Attainment live vs simulated on the live engine's fitted cost model, same requests,
-    and (where the sweep recorded the client's delays) simulated with those added back;
-    gaps over 10 points marked."""
+    and (where the sweep recorded them) with the client's delays added back and at each
+    run's own engine speed; gaps over 10 points marked."""
     if not sim:
         return ""
     rates = sorted({float(r["rate"]) for r in live})
-    bare = [r for r in sim if r.get("source", "sim") == "sim"]
-    client = [r for r in sim if r.get("source") == "sim+client"]
+    srcs = [(name, [r for r in sim if r.get("source", "sim") == src]) for src, name in SIM_SOURCES]
+    srcs = [(name, rs) for name, rs in srcs if rs]
     lines = ["Live vs simulated (the same requests on the live engine's fitted cost model; \"+client\": with the "
-             "client's recorded delays added back), mean over seeds, formula (1) / TTFT+TPOT; ⚠ marks a gap over "
-             "10 points from live:", "",
-             "| configuration | " + " | ".join(f"{r:g} rps live | sim" + (" | +client" if client else "")
+             "client's recorded delays added back; \"+speed\": with them, at the speed that gives the replay the "
+             "live run's own mean inter-token latency), mean over seeds, formula (1) / TTFT+TPOT; ⚠ marks a gap "
+             "over 10 points from live:", "",
+             "| configuration | " + " | ".join(f"{r:g} rps live | " + " | ".join(n for n, _ in srcs)
                                              for r in rates) + " |",
-             "|---|" + ("---|---|---|" if client else "---|---|") * len(rates)]
+             "|---|" + "---|" * (1 + len(srcs)) * len(rates)]
     for c in _configs(live):
         cells = []
         for rate in rates:
             lv = [_mean_at(live, c, rate, k) for k, _ in DEFS]
             cells.append(f"{lv[0]:.0f} / {lv[1]:.0f}")
-            for src in (bare, client) if client else (bare,):
+            for _, src in srcs:
                 sv = [_mean_at(src, c, rate, k) for k, _ in DEFS]
                 if any(math.isnan(x) for x in sv):
                     cells.append("—")
@@ -306,4 +310,17 @@ def sim_table(live: Sequence[dict[str, Any]], sim: Sequence[dict[str, Any]]) -> 
                 warn = " ⚠" if any(abs(a - b) > 10 for a, b in zip(lv, sv, strict=True)) else ""
                 cells.append(f"{sv[0]:.0f} / {sv[1]:.0f}{warn}")
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + _speeds(sim)
+
+
+def _speeds(sim: Sequence[dict[str, Any]]) -> str:
+    """How fast the engine ran, run by run, against the cost model fitted over the sweep."""
+    fast = [r for r in sim if r.get("source") == "sim+speed"]
+    if not fast:
+        return ""
+    parts = []
+    for c in _configs(fast):
+        xs = [float(r["speed"]) for r in fast if r["config"] == c]
+        parts.append(f"{c} {np.mean(xs):.2f} ({min(xs):.2f}–{max(xs):.2f})")
+    return ("\nIteration time of each run's engine against the fitted cost model (the \"+speed\" factor), mean "
+            "(min–max) over runs: " + "; ".join(parts) + ".\n")

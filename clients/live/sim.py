@@ -16,6 +16,15 @@ run recorded of that (``frontend/`` beside the runs): each request arrives as la
 sent, and each token is seen when the client's loop could have read it, plus the mean
 difference between the client's TTFT and vLLM's own (what is left once the loop's lag is
 counted).  Records with ``source: "sim+client"`` are that replay.
+
+The machine's speed is not one number either: on a shared machine the same engine ran up
+to a third faster or slower from run to run, and one cost model fitted over a whole sweep
+is too slow for some runs and too fast for others.  Where a live run recorded vLLM's own
+mean inter-token latency (``vllm_timings``), :func:`match_speed` finds the factor on the
+cost model's iteration times under which the replay of that run has the same mean
+inter-token latency, engine-side, and replays the run at that speed with the client's
+delays (``source: "sim+speed"``, the factor in ``speed``).  The engine's pace is then
+taken from the live run; what the replay still gets wrong is the scheduling and the queue.
 """
 
 from __future__ import annotations
@@ -39,16 +48,23 @@ from .measure import RequestResult, summarize
 from .runner import Config, LiveSpec, frontend_path
 from .workload import make_requests
 
-__all__ = ["FittedTruth", "Frontend", "cost_structure", "simulate_sweep"]
+__all__ = ["FittedTruth", "Frontend", "cost_structure", "match_speed", "simulate_sweep"]
 
 
 class FittedTruth:
     """Iteration latency (ms) from a predictor fitted on a live engine, with mean-one
-    lognormal noise of spread ``noise_sigma`` (the simulated engine's ground-truth interface)."""
+    lognormal noise of spread ``noise_sigma`` (the simulated engine's ground-truth interface),
+    times ``scale`` (above 1: a slower engine than the one the predictor was fitted on)."""
 
-    def __init__(self, predictor: BatchLatencyPredictor, noise_sigma: float = 0.15) -> None:
+    def __init__(self, predictor: BatchLatencyPredictor, noise_sigma: float = 0.15, scale: float = 1.0) -> None:
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"scale must be a positive number, got {scale}")
         self.predictor = predictor
         self.noise_sigma = float(noise_sigma)
+        self.scale = float(scale)
+
+    def scaled(self, scale: float) -> FittedTruth:
+        return FittedTruth(self.predictor, self.noise_sigma, scale)
 
     def iteration_ms(self, c: np.ndarray, u: np.ndarray, rng: np.random.Generator | None = None) -> float:
         c = np.asarray(c, dtype=np.int64)
@@ -56,7 +72,7 @@ class FittedTruth:
         live = c > 0
         if not live.any():
             return 0.0
-        t = max(float(self.predictor.predict_batch_ms(c[live], u[live])), 0.05)
+        t = max(float(self.predictor.predict_batch_ms(c[live], u[live])), 0.05) * self.scale
         if rng is not None:
             s = self.noise_sigma
             t *= math.exp(s * rng.standard_normal() - 0.5 * s * s)
@@ -155,7 +171,62 @@ def simulate_run(spec: LiveSpec, c: Config, rate: float, seed: int, truth: Fitte
             res.error = "not finished in the simulation"
         results.append(res)
     return {"config": c.label, "mode": c.mode, "policy": _policy(c)[0], "rate": rate, "seed": seed,
-            **summarize(results, slo).to_dict(), "source": "sim" if frontend is None else "sim+client"}
+            **summarize(results, slo).to_dict(), "source": "sim" if frontend is None else "sim+client",
+            "itl_mean_ms": itl_mean_ms(eng.token_times), "speed": truth.scale}
+
+
+def itl_mean_ms(token_times: Sequence[Sequence[float]]) -> float:
+    """The mean time between a request's successive tokens, over every token after each
+    request's first (how vLLM's ``inter_token_latency_seconds`` counts), in ms."""
+    gaps = [np.diff(t) for t in token_times if len(t) > 1]
+    return 1e3 * float(np.mean(np.concatenate(gaps))) if gaps else math.nan
+
+
+def match_speed(run: Callable[[FittedTruth], dict[str, Any]], truth: FittedTruth, live_itl_ms: float,
+                tol: float = 0.03, steps: int = 8) -> dict[str, Any]:
+    """The replay ``run`` at the speed under which its mean inter-token latency is the live
+    run's ``live_itl_ms`` (within ``tol``, relative), else the closest of ``steps`` tries.
+
+    The inter-token latency grows with the factor, and faster than it near saturation
+    (queues grow), so the search is on the logarithms: secant steps, kept inside the
+    bracket once one try is above the target and one below, bisecting when a step would
+    leave it."""
+    if not (math.isfinite(live_itl_ms) and live_itl_ms > 0):
+        raise ValueError(f"live_itl_ms must be a positive number, got {live_itl_ms}")
+    target = math.log(live_itl_ms)
+    tries: list[tuple[float, float, dict[str, Any]]] = []  # (log factor, log itl - target, record)
+    x = math.log(truth.scale)
+    for _ in range(steps):
+        rec = run(truth.scaled(math.exp(x)))
+        itl = rec["itl_mean_ms"]
+        if not (math.isfinite(itl) and itl > 0):
+            break
+        tries.append((x, math.log(itl) - target, rec))
+        if abs(tries[-1][1]) <= math.log1p(tol):
+            break
+        x = _next_factor(tries)
+    if not tries:
+        raise ValueError("the replay has no inter-token latency to match (no request had two tokens)")
+    return min(tries, key=lambda t: abs(t[1]))[2]
+
+
+def _next_factor(tries: Sequence[tuple[float, float, Any]]) -> float:
+    """The next log factor to try (see :func:`match_speed`)."""
+    below = [t for t in tries if t[1] < 0]
+    above = [t for t in tries if t[1] > 0]
+    if below and above:
+        (x0, e0, _), (x1, e1, _) = max(below, key=lambda t: t[0]), min(above, key=lambda t: t[0])
+        lo, hi = min(x0, x1), max(x0, x1)
+        x = x0 - e0 * (x1 - x0) / (e1 - e0) if e1 != e0 else (lo + hi) / 2
+        inside = lo + 0.1 * (hi - lo) < x < hi - 0.1 * (hi - lo)
+        return x if inside else (lo + hi) / 2
+    (x1, e1, _) = tries[-1]
+    slope = 2.0  # a first guess: near saturation the latency grows about twice as fast as the factor
+    if len(tries) > 1:
+        (x0, e0, _) = tries[-2]
+        if x1 != x0 and (e1 - e0) / (x1 - x0) > 0.5:
+            slope = (e1 - e0) / (x1 - x0)
+    return x1 - max(-math.log(2), min(math.log(2), e1 / slope))  # at most a factor of 2 per step
 
 
 def _replay(spec: LiveSpec, c: Config, w: Workload, truth: FittedTruth, seed: int) -> SimulatedEngine:
@@ -178,14 +249,19 @@ def _replay(spec: LiveSpec, c: Config, w: Workload, truth: FittedTruth, seed: in
 def simulate_sweep(spec: LiveSpec, predictor: BatchLatencyPredictor, noise_sigma: float,
                    configs: Sequence[Config] | None = None,
                    progress: Callable[[int, int, str], None] | None = None,
-                   live_dir: Path | None = None) -> list[dict[str, Any]]:
+                   live_dir: Path | None = None,
+                   live: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
     """Every run of ``spec`` replayed (``configs``: only those); with ``live_dir``, each run
     whose client delays were recorded there is replayed a second time with them added
-    (``source: "sim+client"``)."""
+    (``source: "sim+client"``); with the ``live`` records, each run whose vLLM inter-token
+    latency they hold is replayed once more at that run's speed (``source: "sim+speed"``,
+    with the client's delays where recorded; :func:`match_speed`)."""
     from clients.bench.runner import quiet_logs
 
     quiet_logs()  # one refit log line per few hundred iterations otherwise
     truth = FittedTruth(predictor, noise_sigma)
+    itl = {(r["config"], float(r["rate"]), int(r["seed"])): (r.get("vllm_timings") or {}).get("itl_mean_ms")
+           for r in live}
     todo = [(rate, seed, c) for rate, seed, c in spec.order() if configs is None or c in configs]
     out = []
     for i, (rate, seed, c) in enumerate(todo, 1):
@@ -193,6 +269,11 @@ def simulate_sweep(spec: LiveSpec, predictor: BatchLatencyPredictor, noise_sigma
         fe = Frontend.load(frontend_path(live_dir, c.label, rate, seed)) if live_dir is not None else None
         if fe is not None:
             out.append(simulate_run(spec, c, rate, seed, truth, fe))
+        live_itl = itl.get((c.label, float(rate), int(seed)))
+        if live_itl:
+            rec = match_speed(lambda t, c=c, rate=rate, seed=seed, fe=fe: simulate_run(spec, c, rate, seed, t, fe),
+                              truth, float(live_itl))
+            out.append({**rec, "source": "sim+speed", "live_itl_mean_ms": float(live_itl)})
         if progress is not None:
             progress(i, len(todo), f"{c.label} at {rate:g} req/s, seed {seed} (simulated)")
     return out
