@@ -245,5 +245,6 @@ class QoServePolicy:
         return assemble_plan(
             self, snap, predictor, decodes, cq.fill(p1), self.name, t0,
             {"sorter": t1 - t0, "chunker": t2 - t1},
-            facts={"budget": min(total, snap.max_batch_tokens), "lost": pre[relegated]} if explain else None,
+            facts={"budget": min(total, snap.max_batch_tokens), "lost_from": pre, "lost_mask": relegated}
+            if explain else None,
         )

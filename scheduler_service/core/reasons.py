@@ -36,7 +36,7 @@ from .features import DECODE
 from .plan import CODES, REASON_CODES, Allocation, Plan, Reason, Reasons, Rejection
 from .policy import Policy
 from .predictor import BatchLatencyPredictor
-from .reference import reason_tokens
+from .reference import RULE_SCALAR, RULE_SKIP, RULE_STARVE, RULES_LEN, reason_tokens
 from .snapshot import Snapshot
 from .sorter import prefill_indices
 
@@ -81,8 +81,9 @@ def assembled_reasons(policy: Policy, snapshot: Snapshot, predictor: BatchLatenc
     """The reasons of a plan being assembled (``assemble.assemble_plan``) from what the
     decision knew, ``facts``: its ``decodes``, ``pre_rows`` and ``pre_toks`` (what each
     row gets, so that no allocation is looked up by id), optionally the ``budget`` it
-    used and the rows it relegated (``lost``), and, set before the reasons are read,
-    the ``plan`` itself (as :class:`Decided`).  Classified when first read, as :func:`explain`'s."""
+    used and the rows it relegated (``lost_mask`` over ``lost_from``), and, set before
+    the reasons are read, the ``plan`` itself (as :class:`Decided`).  Classified when
+    first read, as :func:`explain`'s."""
     return Reasons(snapshot.ids, compute=lambda: _classify(policy, snapshot, predictor, facts["plan"], None, facts))
 
 
@@ -121,13 +122,26 @@ def traced_reasons(policy: Policy, snapshot: Snapshot, trace: dict[str, Any]) ->
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _NO_CODES = np.zeros(0, dtype=np.int8)
+_NO_MASK = np.zeros(0, dtype=bool)
+_NO_VERDICTS = np.zeros((2, 0), dtype=np.int64)
 (_MAX_NUM_SEQS, _TOKEN_BUDGET, _KV, _KV_WATERMARK, _CLASS_RESERVE, _CLASS_RESCUE, _CLASS_SIT_OUT, _NOT_CHOSEN,
  _TIME_BUDGET, _BEHIND) = (_C[c] for c in ("max_num_seqs", "token_budget", "kv", "kv_watermark", "class_reserve",
                                             "class_rescue", "class_sit_out", "not_chosen", "time_budget", "behind"))
-_OFF = np.zeros(len(CODES), dtype=bool)
+#: The kernel's ``rules`` (``reference.RULE_SCALAR``): rule c on at ``rules[c]``, its number at ``rules[_S + c]``.
+_S = RULE_SCALAR
+
+
+def _rules_on(*codes: str) -> np.ndarray:
+    rules = np.zeros(RULES_LEN)
+    rules[[_C[c] for c in codes]] = 1.0
+    rules.flags.writeable = False
+    return rules
+
+
+_RULES_OFF = _rules_on()
 #: The rules SlidingServe always applies when no hard limit closes the plan: the decode
 #: sit-outs, and with MLPS order the lost rule's (given_up, expired); copied, then set.
-_SLIDING_ON = tuple(np.isin(CODES, codes) for codes in (("late", "ahead"), ("given_up", "expired", "late", "ahead")))
+_SLIDING_ON = (_rules_on("late", "ahead"), _rules_on("given_up", "expired", "late", "ahead"))
 
 
 def _classify(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor, plan: PlanLike,
@@ -141,33 +155,34 @@ def _classify(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor, 
     (``reference.reason_codes``)."""
     if trace is not None:  # SlidingServe's own decision
         return _traced(policy, snap, plan, trace)
-    if facts is not None:  # what the decision assembled
+    got = None
+    if facts is not None:  # what the decision assembled (the kernel finds whether anything waits)
         dec_rows, pre_rows, pre_toks = facts["decodes"], facts["pre_rows"], facts["pre_toks"]
     else:
         dec_rows, (pre_rows, pre_toks) = _EMPTY, _allocated(snap, plan)
-    got = reason_tokens(len(snap), dec_rows, pre_rows, pre_toks)
-    if not (got < np.where(snap.is_decoding, 1, snap.remaining_prefill)).any():
-        return _EMPTY, _NO_CODES, np.zeros(0)  # nothing waits: no rule to replay
-    on = np.zeros(len(CODES), dtype=bool)
-    scalar = np.zeros(len(CODES))
-    scalar[_C["behind"]] = len(plan.allocations)
+        got = reason_tokens(len(snap), dec_rows, pre_rows, pre_toks)
+        if not (got < np.where(snap.is_decoding, 1, snap.remaining_prefill)).any():
+            return _EMPTY, _NO_CODES, np.zeros(0)  # nothing waits: no rule to replay
+    rules = _RULES_OFF.copy()
+    rules[_S + _BEHIND] = len(plan.allocations)
     budget = facts.get("budget") if facts is not None else None
-    closed = _limits(policy, snap, predictor, plan, on, scalar, budget)
-    lost = held = rescued = _EMPTY
-    starve = skip = 0.0
+    closed = _limits(policy, snap, predictor, plan, rules, budget)
+    lost_from, lost_mask, held, rescued = _EMPTY, _NO_MASK, _EMPTY, _EMPTY
     if hasattr(policy, "held_back"):
         if not closed:
-            lost, held, rescued, starve, skip = _sliding(policy, snap, predictor, plan, got, on, scalar)
+            if got is None:
+                got = reason_tokens(len(snap), dec_rows, pre_rows, pre_toks)
+            lost_from, held, rescued = _sliding(policy, snap, predictor, plan, got, rules)
+            lost_mask = np.ones(len(lost_from), dtype=bool)
     elif hasattr(policy, "relegated") and not closed:  # QoServe
-        if facts is not None and "lost" in facts:
-            lost = facts["lost"]
+        if facts is not None and "lost_from" in facts:
+            lost_from, lost_mask = facts["lost_from"], facts["lost_mask"]
         else:
-            queued = prefill_indices(snap)
-            lost = queued[policy.relegated(snap, predictor, queued)]
-        on[_C["given_up"]] = True
-    v_rows, v_codes = _verdicts(snap, plan)
-    return kernels.ops().reason_codes(snap, dec_rows, pre_rows, pre_toks, lost, held, rescued, v_rows, v_codes,
-                                      on, scalar, starve, skip)
+            lost_from = prefill_indices(snap)
+            lost_mask = policy.relegated(snap, predictor, lost_from)
+        rules[_C["given_up"]] = 1.0
+    return kernels.ops().reason_codes(snap, dec_rows, pre_rows, pre_toks, lost_from, lost_mask, held, rescued,
+                                      _verdicts(snap, plan), rules)
 
 
 def _traced(policy: Any, snap: Snapshot, plan: PlanLike, trace: dict[str, Any]
@@ -178,40 +193,38 @@ def _traced(policy: Any, snap: Snapshot, plan: PlanLike, trace: dict[str, Any]
     smaller snapshot and is replayed instead).  The same rules as :func:`_limits` and
     :func:`_sliding` (``tests/test_reasons.py`` checks the two give the same reasons)."""
     p = policy.params
-    scalar = np.zeros(len(CODES))
     n_alloc = len(plan.allocations)
-    scalar[_BEHIND] = n_alloc
-    lost: np.ndarray = _EMPTY
+    lost_from, lost_mask = _EMPTY, _NO_MASK
     held: np.ndarray | None = _EMPTY
     rescued: np.ndarray | None = _EMPTY
     if plan.token_budget >= snap.max_batch_tokens:
-        on = _OFF.copy()
-        on[_TOKEN_BUDGET], scalar[_TOKEN_BUDGET] = True, snap.max_batch_tokens
+        rules = _RULES_OFF.copy()
+        rules[_TOKEN_BUDGET], rules[_S + _TOKEN_BUDGET] = 1.0, snap.max_batch_tokens
     elif snap.free_kv_tokens is not None and (
             left := snap.free_kv_tokens - plan.token_budget - p.kv_decode_reserve * trace["n_decoding"]) < 1:
-        on = _OFF.copy()
-        on[_KV], scalar[_KV] = True, left
+        rules = _RULES_OFF.copy()
+        rules[_KV], rules[_S + _KV] = 1.0, left
     else:
-        on = _SLIDING_ON[p.order == "mlps"].copy()  # the sit-out rules (and the lost rule's with MLPS)
+        rules = _SLIDING_ON[p.order == "mlps"].copy()  # the sit-out rules (and the lost rule's with MLPS)
         if snap.free_kv_tokens is not None and left - (mark := p.kv_growth_iters * trace["holders"]) < 1:
-            on[_KV_WATERMARK], scalar[_KV_WATERMARK] = True, mark
-        lost = trace["lost"]
+            rules[_KV_WATERMARK], rules[_S + _KV_WATERMARK] = 1.0, mark
+        lost_from, lost_mask = trace["lost_from"], trace["lost_mask"]
         if (held := trace.get("held")) is not None:
-            on[_CLASS_RESERVE], scalar[_CLASS_RESERVE] = True, trace["reserve_ms"]
+            rules[_CLASS_RESERVE], rules[_S + _CLASS_RESERVE] = 1.0, trace["reserve_ms"]
         if (rescued := trace.get("rescued")) is not None:
-            on[_CLASS_RESCUE], scalar[_CLASS_RESCUE] = True, len(rescued)
-        on[_CLASS_SIT_OUT] = not snap.one_class
+            rules[_CLASS_RESCUE], rules[_S + _CLASS_RESCUE] = 1.0, len(rescued)
+        if not snap.one_class:
+            rules[_CLASS_SIT_OUT] = 1.0
         if plan.path == "batch_constructor":
-            on[_NOT_CHOSEN], scalar[_NOT_CHOSEN] = True, len(trace["pre_rows"])
+            rules[_NOT_CHOSEN], rules[_S + _NOT_CHOSEN] = 1.0, len(trace["pre_rows"])
         elif (W := trace["W"]) is not None:
-            on[_TIME_BUDGET], scalar[_TIME_BUDGET] = True, W[0]
+            rules[_TIME_BUDGET], rules[_S + _TIME_BUDGET] = 1.0, W[0]
     if n_alloc >= snap.max_num_seqs:
-        on[_MAX_NUM_SEQS], scalar[_MAX_NUM_SEQS] = True, snap.max_num_seqs
-    v_rows, v_codes = _verdicts(snap, plan)
-    return kernels.ops().reason_codes(snap, trace["decodes"], trace["pre_rows"], trace["pre_toks"], lost,
-                                      _EMPTY if held is None else held, _EMPTY if rescued is None else rescued,
-                                      v_rows, v_codes, on, scalar, float(p.starve_after),
-                                      float(p.decode_skip_tbts))
+        rules[_MAX_NUM_SEQS], rules[_S + _MAX_NUM_SEQS] = 1.0, snap.max_num_seqs
+    rules[_S + _BEHIND], rules[RULE_STARVE], rules[RULE_SKIP] = n_alloc, p.starve_after, p.decode_skip_tbts
+    return kernels.ops().reason_codes(snap, trace["decodes"], trace["pre_rows"], trace["pre_toks"], lost_from,
+                                      lost_mask, _EMPTY if held is None else held,
+                                      _EMPTY if rescued is None else rescued, _verdicts(snap, plan), rules)
 
 
 def _allocated(snap: Snapshot, plan: PlanLike) -> tuple[np.ndarray, np.ndarray]:
@@ -223,15 +236,16 @@ def _allocated(snap: Snapshot, plan: PlanLike) -> tuple[np.ndarray, np.ndarray]:
             np.array(toks, dtype=np.int64))
 
 
-def _verdicts(snap: Snapshot, plan: PlanLike) -> tuple[np.ndarray, np.ndarray]:
-    """The rejections and preemptions, which come before every rule: (rows, codes)."""
+def _verdicts(snap: Snapshot, plan: PlanLike) -> np.ndarray:
+    """The rejections and preemptions, which come before every rule: their rows over
+    their codes (int64, two rows)."""
     if not plan.rejections and not plan.preemptions:
-        return _EMPTY, _NO_CODES
+        return _NO_VERDICTS
     index = snap.index_of
     rows = [index[r.id] for r in plan.rejections] + [index[r] for r in plan.preemptions]
     codes = [_C[r.reason] if r.reason in _C else _C["ttft_unreachable"] for r in plan.rejections]
     codes += [_C["preempted"]] * len(plan.preemptions)
-    return np.array(rows, dtype=np.int64), np.array(codes, dtype=np.int8)
+    return np.array([rows, codes], dtype=np.int64)
 
 
 def token_budget(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor) -> int:
@@ -261,58 +275,58 @@ def kv_watermark(policy: Policy, snap: Snapshot, plan: PlanLike) -> int:
     return iters * holders
 
 
-def _rule(on: np.ndarray, scalar: np.ndarray, code: str, value: float = 0.0) -> None:
-    on[_C[code]] = True
-    scalar[_C[code]] = value
+def _rule(rules: np.ndarray, code: str, value: float = 0.0) -> None:
+    rules[_C[code]] = 1.0
+    rules[_S + _C[code]] = value
 
 
-def _limits(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor, plan: PlanLike, on: np.ndarray,
-            scalar: np.ndarray, budget: int | None = None) -> bool:
+def _limits(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor, plan: PlanLike, rules: np.ndarray,
+            budget: int | None = None) -> bool:
     """The hard limits: sequences, tokens (``budget``: the policy's, when the decision
     kept it), KV, the KV-growth watermark; True when one holds for every waiting request
     (no later rule can be reached)."""
     if len(plan.allocations) >= snap.max_num_seqs:
-        _rule(on, scalar, "max_num_seqs", float(snap.max_num_seqs))
+        _rule(rules, "max_num_seqs", float(snap.max_num_seqs))
     if budget is None:
         budget = token_budget(policy, snap, predictor)
     if plan.token_budget >= budget:
-        _rule(on, scalar, "token_budget", float(budget))
+        _rule(rules, "token_budget", float(budget))
         return True
     left = kv_left(policy, snap, plan)
     if left is None:
         return False
     if left < 1:
-        _rule(on, scalar, "kv", float(left))
+        _rule(rules, "kv", float(left))
         return True
     mark = kv_watermark(policy, snap, plan)
     if left - mark < 1:  # no new admission; the prefill stream stops at the first new request
-        _rule(on, scalar, "kv_watermark", float(mark))
+        _rule(rules, "kv_watermark", float(mark))
     return False
 
 
 def _sliding(policy: Any, snap: Snapshot, predictor: BatchLatencyPredictor, plan: PlanLike, got: np.ndarray,
-             on: np.ndarray, scalar: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float]:
+             rules: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """SlidingServe's own rules replayed (``got``: tokens per row): (lost, held, rescued
-    rows, the starvation bound, the decode skip), the rules switched ``on``."""
+    rows), the rules switched on in ``rules`` with the starvation bound and the decode skip."""
     p = policy.params
     lost, held, rescued, W = _state(policy, snap, predictor, plan, got)
     if held is not None:
-        _rule(on, scalar, "class_reserve", reserve_ms(snap, predictor))
+        _rule(rules, "class_reserve", reserve_ms(snap, predictor))
     if p.order == "mlps":
-        _rule(on, scalar, "given_up")
-        _rule(on, scalar, "expired")
+        _rule(rules, "given_up")
+        _rule(rules, "expired")
     if rescued is not None:
-        _rule(on, scalar, "class_rescue", float(len(rescued)))
-    _rule(on, scalar, "late")
-    _rule(on, scalar, "ahead")
+        _rule(rules, "class_rescue", float(len(rescued)))
+    _rule(rules, "late")
+    _rule(rules, "ahead")
     if not snap.one_class:
-        _rule(on, scalar, "class_sit_out")
+        _rule(rules, "class_sit_out")
     if plan.path == "batch_constructor":  # the prefills it chose
-        _rule(on, scalar, "not_chosen", float(np.count_nonzero((got > 0) & ~snap.is_decoding)))
+        _rule(rules, "not_chosen", float(np.count_nonzero((got > 0) & ~snap.is_decoding)))
     elif W is not None:
-        _rule(on, scalar, "time_budget", float(W[0]))
-    return (lost, _EMPTY if held is None else held, _EMPTY if rescued is None else rescued,
-            float(p.starve_after), float(p.decode_skip_tbts))
+        _rule(rules, "time_budget", float(W[0]))
+    rules[RULE_STARVE], rules[RULE_SKIP] = p.starve_after, p.decode_skip_tbts
+    return lost, _EMPTY if held is None else held, _EMPTY if rescued is None else rescued
 
 
 def _state(policy: Any, snap: Snapshot, predictor: BatchLatencyPredictor, plan: PlanLike, got: np.ndarray

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
     from .batch import BudgetCurve, CandidateQueue
 
 __all__ = [
-    "MAX_BOUNDARIES", "REASON_RULES", "REASON_VALUE", "SCALAR_MINOR", "class_late_set", "grid_positions", "id_rank", "knapsack_pass", "late_set",
+    "MAX_BOUNDARIES", "REASON_RULES", "REASON_VALUE", "RULES_LEN", "RULE_SCALAR", "RULE_SKIP", "RULE_STARVE",
+    "SCALAR_MINOR", "class_late_set", "grid_positions", "id_rank", "knapsack_pass", "late_set",
     "lost_mask", "mlps_keys", "mlps_order", "ordered", "queue_arrays", "read_back", "reason_codes", "sit_out",
     "sliding_chunk", "window_limits", "window_limits_ms",
 ]
@@ -419,6 +420,14 @@ REASON_VALUE[CODES.index("class_sit_out")] = 2
 REASON_VALUE[CODES.index("preempted")] = 3
 REASON_VALUE.flags.writeable = False
 
+#: Where :func:`reason_codes` reads the plan-wide facts in its one ``rules`` array (float64):
+#: ``rules[c]`` nonzero where rule ``c`` is on, ``rules[RULE_SCALAR + c]`` the rule's own
+#: number, then the starvation bound and the decode skip.
+RULE_SCALAR = len(CODES)
+RULE_STARVE = 2 * len(CODES)
+RULE_SKIP = RULE_STARVE + 1
+RULES_LEN = RULE_SKIP + 1
+
 
 def reason_tokens(n: int, dec_rows: np.ndarray, pre_rows: np.ndarray, pre_toks: np.ndarray) -> np.ndarray:
     """Tokens per row of a plan: one for each of ``dec_rows`` (decodes), ``pre_toks[j]``
@@ -429,22 +438,26 @@ def reason_tokens(n: int, dec_rows: np.ndarray, pre_rows: np.ndarray, pre_toks: 
     return got
 
 
-def reason_codes(dec_rows: np.ndarray, pre_rows: np.ndarray, pre_toks: np.ndarray, is_dec: np.ndarray,
-                 remaining: np.ndarray, slack: np.ndarray, tbt: np.ndarray, step: np.ndarray, prio: np.ndarray,
-                 kv: np.ndarray, lost: np.ndarray, held: np.ndarray, rescued: np.ndarray, v_rows: np.ndarray,
-                 v_codes: np.ndarray, on: np.ndarray, scalar: np.ndarray, starve: float,
-                 skip: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def reason_codes(dec_rows: np.ndarray, pre_rows: np.ndarray, pre_toks: np.ndarray, lost_from: np.ndarray,
+                 lost_mask: np.ndarray, held: np.ndarray, rescued: np.ndarray, verdicts: np.ndarray,
+                 rules: np.ndarray, is_dec: np.ndarray, remaining: np.ndarray, slack: np.ndarray, tbt: np.ndarray,
+                 step: np.ndarray, prio: np.ndarray, kv: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(waiting rows, their code indices, their values): the rows that get fewer tokens
     (:func:`reason_tokens`) than they need (a decode one, a
     prefill what remains), each given the first rule of :data:`REASON_RULES` that is
-    ``on`` and holds for it, a verdict (``v_rows`` given ``v_codes``, waiting rows)
-    overriding it.  The rules' predicates: ``max_num_seqs`` no token;
+    on (``rules``, laid out as :data:`RULE_SCALAR` says) and holds for it, a verdict
+    (``verdicts``: rows, then their codes, waiting rows) overriding it.  The rules'
+    predicates: ``max_num_seqs`` no token;
     ``token_budget``, ``kv`` every row; ``kv_watermark`` a prefill; ``class_reserve`` in
-    ``held``; ``given_up`` in ``lost``; ``expired`` a prefill with slack <= 0;
-    ``class_rescue`` in ``rescued``; ``late`` a decode with slack <= 0 (and, ``starve`` >
-    0, above ``-starve`` TBTs); ``ahead`` a decode with slack > ``skip`` steps;
-    ``class_sit_out`` a decode; ``not_chosen``, ``time_budget`` a prefill.  Values per
-    :data:`REASON_VALUE`, ``scalar[code]`` for the rules' own."""
+    ``held``; ``given_up`` in ``lost_from[lost_mask]``; ``expired`` a prefill with slack <= 0;
+    ``class_rescue`` in ``rescued``; ``late`` a decode with slack <= 0 (and, the starvation
+    bound > 0, above minus that many TBTs); ``ahead`` a decode with slack > the decode skip's
+    steps; ``class_sit_out`` a decode; ``not_chosen``, ``time_budget`` a prefill.  Values per
+    :data:`REASON_VALUE`, the rule's own number for the rules'."""
+    on = rules[:RULE_SCALAR] != 0
+    scalar = rules[RULE_SCALAR:RULE_STARVE]
+    starve, skip = float(rules[RULE_STARVE]), float(rules[RULE_SKIP])
+    lost, v_rows, v_codes = lost_from[lost_mask], verdicts[0], verdicts[1].astype(np.int8)
     got = reason_tokens(len(is_dec), dec_rows, pre_rows, pre_toks)
     rows = np.flatnonzero(got < np.where(is_dec, 1, remaining))
     if not len(rows):
@@ -482,10 +495,17 @@ def reason_codes(dec_rows: np.ndarray, pre_rows: np.ndarray, pre_toks: np.ndarra
         at = np.searchsorted(rows, v_rows)
         keep = (at < len(rows)) & (rows[np.minimum(at, len(rows) - 1)] == v_rows)  # waiting verdicts only
         code[at[keep]] = v_codes[keep]
+    return rows, code, _reason_values(code, scalar, s, prio[rows], kv[rows])
+
+
+def _reason_values(code: np.ndarray, scalar: np.ndarray, s: np.ndarray, prio: np.ndarray,
+                   kv: np.ndarray) -> np.ndarray:
+    """Each reason's value by its code's kind (:data:`REASON_VALUE`), of the waiting rows'
+    slack ``s``, class ``prio`` and KV tokens ``kv``; the rule's own number from ``scalar``."""
     kind = REASON_VALUE[code]
     value = scalar[code]
-    for k, col in ((1, s * 1e3), (2, prio[rows]), (3, kv[rows])):
+    for k, col in ((1, s * 1e3), (2, prio), (3, kv)):
         m = kind == k
         if m.any():
             value[m] = col[m]
-    return rows, code, value
+    return value

@@ -381,8 +381,8 @@ class SlidingServePolicy:
             path = "sliding_chunker" if len(pre_rows) else ("decode_only" if n_dec else "idle")
             t4 = time.perf_counter_ns()
         reasons = () if trace is None else _record(  # what explaining needs of this decision (the last one wins)
-            self, snap, trace, decodes=decodes, pre_rows=pre_rows, pre_toks=pre_toks, W=W, lost=pre[lost],
-            n_decoding=len(dec_all), holders=holders)
+            self, snap, trace, decodes=decodes, pre_rows=pre_rows, pre_toks=pre_toks, W=W, lost_from=pre,
+            lost_mask=lost, n_decoding=len(dec_all), holders=holders)
         return assemble_plan(
             self, snap, predictor, decodes, list(zip(pre_rows.tolist(), pre_toks.tolist(), strict=True)), path, t0,
             {"sorter": t1 - t0, "predictor": t2 - t1, "constructor": t3 - t2, "chunker": t4 - t3},

@@ -442,6 +442,17 @@ class Snapshot:
 
         return self._memo("kv", compute)
 
+    @property
+    def reason_columns(self) -> tuple[np.ndarray, ...]:
+        """(``is_decoding``, ``remaining_prefill``, ``slack``, ``tbt_slo``, ``step``,
+        ``priority``, ``kv_tokens``): the columns the reasons' kernel reads, memoised
+        together (one look-up where each is a property of its own)."""
+        cols = self._cache.get("reason_columns")
+        if cols is None:
+            cols = self._cache["reason_columns"] = (self.is_decoding, self.remaining_prefill, self.slack,
+                                                    self.tbt_slo, self.step, self.priority, self.kv_tokens)
+        return cols  # type: ignore[no-any-return]
+
     def _memo(self, key: str, fn: Any) -> np.ndarray:
         v = self._cache.get(key)
         if v is None:

@@ -310,16 +310,21 @@ def _table_bytes(names: tuple[str, ...]) -> bytes:
     return b"".join(_packed(_F_TABLE, c.encode()) for c in names)
 
 
+_CODES_TABLE = _table_bytes(CODES)
+
+
 def _compact_reasons(reasons: Reasons) -> bytes:
     """The compact reason fields (16-19) of ``reasons`` as wire bytes, straight from the
-    arrays: the code table (constant), one byte per code, the rows as little-endian
+    arrays: the code table (constant; built once), one byte per code, the rows as little-endian
     fixed32 and the values as doubles, each one numpy ``tobytes``."""
     rows, codes, values = reasons.arrays()
     n = len(rows)
+    table = _CODES_TABLE if reasons.names is CODES else _table_bytes(reasons.names)
     if not n:
-        return _table_bytes(reasons.names)
-    return b"".join((_table_bytes(reasons.names),
-                     _TAG_CODES, _varint(n), codes.astype(np.uint8, copy=False).tobytes(),
+        return table
+    raw = codes.view(np.uint8) if codes.itemsize == 1 else codes.astype(np.uint8)  # int8 codes: a view, no copy
+    return b"".join((table,
+                     _TAG_CODES, _varint(n), raw.tobytes(),
                      _TAG_ROWS, _varint(4 * n), rows.astype("<u4").tobytes(),
                      _TAG_VALUES, _varint(8 * n), values.astype("<f8", copy=False).tobytes()))
 

@@ -49,6 +49,9 @@ from ..reference import (
     RC_TIME_BUDGET,
     RC_TOKEN_BUDGET,
     REASON_VALUE,
+    RULE_SCALAR,
+    RULE_SKIP,
+    RULE_STARVE,
     SCALAR_MINOR,
 )
 from ._ops import CLASS_BITS, POS_BITS
@@ -782,22 +785,23 @@ _TOKEN_MASK = (1 << _MEMBER_SHIFT) - 1
 
 
 @_jit
-def _row_state(n, dec_rows, pre_rows, pre_toks, lost, held, rescued):  # type: ignore[no-untyped-def]
-    """Per row, in one array: its tokens in the plan (one for each of ``dec_rows``,
-    ``pre_toks[j]`` for ``pre_rows[j]``) and, from bit :data:`_MEMBER_SHIFT` up, bit 1:
-    in the lost set, 2: held by the class reserve, 4: rescued."""
-    state = np.zeros(n, dtype=np.int64)
+def _row_state(state, dec_rows, pre_rows, pre_toks, lost_from, lost_mask, held, rescued):  # type: ignore[no-untyped-def]
+    """Per row, in ``state`` (one int64 each, zeroed here): its tokens in the plan (one for
+    each of ``dec_rows``, ``pre_toks[j]`` for ``pre_rows[j]``) and, from bit
+    :data:`_MEMBER_SHIFT` up, bit 1: in the lost set (``lost_from[lost_mask]``), 2: held
+    by the class reserve, 4: rescued."""
+    state[:] = 0
     for i in dec_rows:
         state[i] = 1
     for j in range(pre_rows.shape[0]):
         state[pre_rows[j]] = pre_toks[j]
-    for i in lost:
-        state[i] |= 1 << _MEMBER_SHIFT
+    for j in range(lost_from.shape[0]):
+        if lost_mask[j]:
+            state[lost_from[j]] |= 1 << _MEMBER_SHIFT
     for i in held:
         state[i] |= 2 << _MEMBER_SHIFT
     for i in rescued:
         state[i] |= 4 << _MEMBER_SHIFT
-    return state
 
 
 @_jit
@@ -814,19 +818,40 @@ def _reason_value(kind, slack, prio, kv, scalar):  # type: ignore[no-untyped-def
 
 
 @_jit
-def reason_codes(dec_rows, pre_rows, pre_toks, is_dec, remaining, slack, tbt, step, prio, kv,  # type: ignore[no-untyped-def]
-                 lost, held, rescued, v_rows, v_codes, on, scalar, starve, skip):
+def reason_codes(dec_rows, pre_rows, pre_toks, lost_from, lost_mask, held, rescued, verdicts, rules,  # type: ignore[no-untyped-def]
+                 is_dec, remaining, slack, tbt, step, prio, kv):
     """``reference.reason_codes`` in one pass over the snapshot's rows: each waiting row's
     first rule that holds, in :data:`..reference.REASON_RULES` order, as an if-chain; the
-    verdicts (few) looked up afterwards."""
+    verdicts (few) looked up afterwards.  One allocation holds the row state, the rows
+    and the values (the codes have their own): what a plan keeps are views of it."""
     n = is_dec.shape[0]
-    state = _row_state(n, dec_rows, pre_rows, pre_toks, lost, held, rescued)
-    rows = np.empty(n, dtype=np.int64)
+    buf = np.empty(3 * n, dtype=np.int64)
+    state = buf[:n]
+    _row_state(state, dec_rows, pre_rows, pre_toks, lost_from, lost_mask, held, rescued)
+    rows = buf[n:2 * n]
+    values = buf[2 * n:].view(np.float64)
     codes = np.empty(n, dtype=np.int8)
-    values = np.empty(n, dtype=np.float64)
-    all_rows = on[RC_TOKEN_BUDGET] or on[RC_KV]
+    k = _waiting_codes(state, rows, codes, values, rules, is_dec, remaining, slack, tbt, step, prio, kv)
+    for j in range(verdicts.shape[1]):  # the verdicts, which come before every rule (waiting rows)
+        r = verdicts[0, j]
+        at = np.searchsorted(rows[:k], r)
+        if at == k or rows[at] != r:
+            continue
+        c = verdicts[1, j]
+        codes[at] = c
+        values[at] = _reason_value(REASON_VALUE[c], slack[r], prio[r], kv[r], rules[RULE_SCALAR + c])
+    return rows[:k], codes[:k], values[:k]  # views: no copy of what a plan keeps anyway
+
+
+@_jit
+def _waiting_codes(state, rows, codes, values, rules, is_dec, remaining, slack, tbt, step, prio, kv):  # type: ignore[no-untyped-def]
+    """The pass of :func:`reason_codes`: each waiting row's first rule that is on
+    (``rules[c]`` nonzero) and holds, written at ``rows``, ``codes``, ``values``; how many."""
+    starve = rules[RULE_STARVE]
+    skip = rules[RULE_SKIP]
+    all_rows = rules[RC_TOKEN_BUDGET] != 0 or rules[RC_KV] != 0
     k = 0
-    for i in range(n):
+    for i in range(state.shape[0]):
         d = is_dec[i]
         g = state[i] & _TOKEN_MASK
         if g >= (1 if d else remaining[i]):
@@ -834,40 +859,32 @@ def reason_codes(dec_rows, pre_rows, pre_toks, is_dec, remaining, slack, tbt, st
         m = state[i] >> _MEMBER_SHIFT
         s = slack[i]
         c = RC_BEHIND
-        if on[RC_MAX_NUM_SEQS] and g == 0:
+        if rules[RC_MAX_NUM_SEQS] != 0 and g == 0:
             c = RC_MAX_NUM_SEQS
         elif all_rows:
-            c = RC_TOKEN_BUDGET if on[RC_TOKEN_BUDGET] else RC_KV
-        elif on[RC_KV_WATERMARK] and not d:
+            c = RC_TOKEN_BUDGET if rules[RC_TOKEN_BUDGET] != 0 else RC_KV
+        elif rules[RC_KV_WATERMARK] != 0 and not d:
             c = RC_KV_WATERMARK
-        elif on[RC_CLASS_RESERVE] and m & 2:
+        elif rules[RC_CLASS_RESERVE] != 0 and m & 2:
             c = RC_CLASS_RESERVE
-        elif on[RC_GIVEN_UP] and m & 1:
+        elif rules[RC_GIVEN_UP] != 0 and m & 1:
             c = RC_GIVEN_UP
-        elif on[RC_EXPIRED] and not d and s <= 0:
+        elif rules[RC_EXPIRED] != 0 and not d and s <= 0:
             c = RC_EXPIRED
-        elif on[RC_CLASS_RESCUE] and m & 4:
+        elif rules[RC_CLASS_RESCUE] != 0 and m & 4:
             c = RC_CLASS_RESCUE
-        elif on[RC_LATE] and d and s <= 0 and (starve <= 0 or s > -starve * tbt[i]):
+        elif rules[RC_LATE] != 0 and d and s <= 0 and (starve <= 0 or s > -starve * tbt[i]):
             c = RC_LATE
-        elif on[RC_AHEAD] and d and s > skip * step[i]:
+        elif rules[RC_AHEAD] != 0 and d and s > skip * step[i]:
             c = RC_AHEAD
-        elif on[RC_CLASS_SIT_OUT] and d:
+        elif rules[RC_CLASS_SIT_OUT] != 0 and d:
             c = RC_CLASS_SIT_OUT
-        elif on[RC_NOT_CHOSEN] and not d:
+        elif rules[RC_NOT_CHOSEN] != 0 and not d:
             c = RC_NOT_CHOSEN
-        elif on[RC_TIME_BUDGET] and not d:
+        elif rules[RC_TIME_BUDGET] != 0 and not d:
             c = RC_TIME_BUDGET
         rows[k] = i
         codes[k] = c
-        values[k] = _reason_value(REASON_VALUE[c], s, prio[i], kv[i], scalar[c])
+        values[k] = _reason_value(REASON_VALUE[c], s, prio[i], kv[i], rules[RULE_SCALAR + c])
         k += 1
-    for j in range(v_rows.shape[0]):  # the verdicts, which come before every rule (waiting rows)
-        r = v_rows[j]
-        at = np.searchsorted(rows[:k], r)
-        if at == k or rows[at] != r:
-            continue
-        c = v_codes[j]
-        codes[at] = c
-        values[at] = _reason_value(REASON_VALUE[c], slack[r], prio[r], kv[r], scalar[c])
-    return rows[:k], codes[:k], values[:k]  # views: no copy of what a plan keeps anyway
+    return k

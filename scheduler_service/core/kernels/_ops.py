@@ -43,11 +43,12 @@ MAX_CLASSES = 1 << CLASS_BITS
 #: ``lost`` when there is none, for the compiled MLPS sort.
 _NO_MASK = np.zeros(0, dtype=bool)
 _NO_CLASS = np.zeros(0, dtype=np.int64)
+_INT64 = np.dtype(np.int64)
 
 
 def _idx(a: np.ndarray) -> np.ndarray:
     """Row indices as the compiled kernels take them (int64; no copy when they are)."""
-    return a if a.dtype == np.int64 else a.astype(np.int64)
+    return a if a.dtype is _INT64 else a.astype(np.int64)
 
 
 class QueueView(NamedTuple):
@@ -95,14 +96,14 @@ class NumpyOps:
 
     # ------------------------------------------------------------------ reasons
     def reason_codes(self, snap: Snapshot, dec_rows: np.ndarray, pre_rows: np.ndarray, pre_toks: np.ndarray,
-                     lost: np.ndarray, held: np.ndarray, rescued: np.ndarray, v_rows: np.ndarray,
-                     v_codes: np.ndarray, on: np.ndarray, scalar: np.ndarray, starve: float,
-                     skip: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                     lost_from: np.ndarray, lost_mask: np.ndarray, held: np.ndarray, rescued: np.ndarray,
+                     verdicts: np.ndarray, rules: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(waiting rows, code indices, values) of a plan (``reasons.explain``) that gives
-        one token to each of ``dec_rows`` and ``pre_toks[j]`` to row ``pre_rows[j]``."""
-        return ref.reason_codes(dec_rows, pre_rows, pre_toks, snap.is_decoding, snap.remaining_prefill, snap.slack, snap.tbt_slo,
-                                snap.step, snap.priority, snap.kv_tokens, lost, held, rescued, v_rows, v_codes, on,
-                                scalar, starve, skip)
+        one token to each of ``dec_rows`` and ``pre_toks[j]`` to row ``pre_rows[j]``; the
+        lost set is ``lost_from[lost_mask]``, ``verdicts`` the rejected and preempted rows
+        over their codes (int64, two rows), ``rules`` as ``reference.RULE_SCALAR`` says."""
+        return ref.reason_codes(dec_rows, pre_rows, pre_toks, lost_from, lost_mask, held, rescued, verdicts, rules,
+                                *snap.reason_columns)
 
     # -------------------------------------------------------- candidate queue
     def queue_arrays(self, snap: Snapshot, predictor: BatchLatencyPredictor, fast: int,
@@ -201,14 +202,11 @@ class NumbaOps(NumpyOps):
         return W if len(W) else None
 
     def reason_codes(self, snap: Snapshot, dec_rows: np.ndarray, pre_rows: np.ndarray, pre_toks: np.ndarray,
-                     lost: np.ndarray, held: np.ndarray, rescued: np.ndarray, v_rows: np.ndarray,
-                     v_codes: np.ndarray, on: np.ndarray, scalar: np.ndarray, starve: float,
-                     skip: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                     lost_from: np.ndarray, lost_mask: np.ndarray, held: np.ndarray, rescued: np.ndarray,
+                     verdicts: np.ndarray, rules: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return self.k.reason_codes(_idx(dec_rows), _idx(pre_rows), _idx(pre_toks),  # type: ignore[no-any-return]
-                                   snap.is_decoding, snap.remaining_prefill, snap.slack, snap.tbt_slo, snap.step,
-                                   snap.priority, snap.kv_tokens, _idx(lost), _idx(held), _idx(rescued),
-                                   _idx(v_rows), np.asarray(v_codes, dtype=np.int8), on, scalar, float(starve),
-                                   float(skip))
+                                   _idx(lost_from), lost_mask, _idx(held), _idx(rescued), _idx(verdicts), rules,
+                                   *snap.reason_columns)
 
     def queue_arrays(self, snap: Snapshot, predictor: BatchLatencyPredictor, fast: int,
                      queue: np.ndarray) -> tuple[np.ndarray, ...]:
