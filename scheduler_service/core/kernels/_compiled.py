@@ -779,29 +779,34 @@ def read_back(take: np.ndarray, w: np.ndarray, pa: int, c: int) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------- reasons
-#: Where :func:`_row_state` keeps the membership bits above the row's tokens.
-_MEMBER_SHIFT = 40
-_TOKEN_MASK = (1 << _MEMBER_SHIFT) - 1
+#: The bits of a row's flags (:func:`_row_flags`): it gets a token, it gets all it needs
+#: (one for a decode, what remains for a prefill), it is in the lost set, held by the
+#: class reserve, rescued.
+_GETS, _SERVED, _LOST, _HELD, _RESCUED = 1, 2, 4, 8, 16
 
 
 @_jit
-def _row_state(state, dec_rows, pre_rows, pre_toks, lost_from, lost_mask, held, rescued):  # type: ignore[no-untyped-def]
-    """Per row, in ``state`` (one int64 each, zeroed here): its tokens in the plan (one for
-    each of ``dec_rows``, ``pre_toks[j]`` for ``pre_rows[j]``) and, from bit
-    :data:`_MEMBER_SHIFT` up, bit 1: in the lost set (``lost_from[lost_mask]``), 2: held
-    by the class reserve, 4: rescued."""
-    state[:] = 0
+def _row_flags(flags, dec_rows, pre_rows, pre_toks, lost_from, lost_mask, held, rescued, is_dec,  # type: ignore[no-untyped-def]
+               remaining):
+    """Per row, in ``flags`` (one byte each, zeroed): what a plan that gives one token to
+    each of ``dec_rows`` and ``pre_toks[j]`` to ``pre_rows[j]`` (the last word for a row)
+    gives it, and the sets it is in (the lost set: ``lost_from[lost_mask]``), as the bits
+    :data:`_GETS` to :data:`_RESCUED`.  A row that gets no token always waits (a prefill
+    has at least one token left), so only the served rows read ``remaining``."""
     for i in dec_rows:
-        state[i] = 1
+        flags[i] = _GETS | (_SERVED if is_dec[i] or remaining[i] <= 1 else 0)
     for j in range(pre_rows.shape[0]):
-        state[pre_rows[j]] = pre_toks[j]
+        i = pre_rows[j]
+        g = pre_toks[j]
+        need = 1 if is_dec[i] else remaining[i]
+        flags[i] = (_GETS if g > 0 else 0) | (_SERVED if g >= need else 0)
     for j in range(lost_from.shape[0]):
         if lost_mask[j]:
-            state[lost_from[j]] |= 1 << _MEMBER_SHIFT
+            flags[lost_from[j]] |= _LOST
     for i in held:
-        state[i] |= 2 << _MEMBER_SHIFT
+        flags[i] |= _HELD
     for i in rescued:
-        state[i] |= 4 << _MEMBER_SHIFT
+        flags[i] |= _RESCUED
 
 
 @_jit
@@ -822,16 +827,17 @@ def reason_codes(dec_rows, pre_rows, pre_toks, lost_from, lost_mask, held, rescu
                  is_dec, remaining, slack, tbt, step, prio, kv):
     """``reference.reason_codes`` in one pass over the snapshot's rows: each waiting row's
     first rule that holds, in :data:`..reference.REASON_RULES` order, as an if-chain; the
-    verdicts (few) looked up afterwards.  One allocation holds the row state, the rows
-    and the values (the codes have their own): what a plan keeps are views of it."""
+    verdicts (few) looked up afterwards.  The codes' array holds each row's flags first
+    (:func:`_row_flags`: a byte a row, read before the code of that row or an earlier
+    one is written over it); the rows and the values share one allocation: what a plan
+    keeps are views of the two."""
     n = is_dec.shape[0]
-    buf = np.empty(3 * n, dtype=np.int64)
-    state = buf[:n]
-    _row_state(state, dec_rows, pre_rows, pre_toks, lost_from, lost_mask, held, rescued)
-    rows = buf[n:2 * n]
-    values = buf[2 * n:].view(np.float64)
-    codes = np.empty(n, dtype=np.int8)
-    k = _waiting_codes(state, rows, codes, values, rules, is_dec, remaining, slack, tbt, step, prio, kv)
+    codes = np.zeros(n, dtype=np.int8)
+    _row_flags(codes, dec_rows, pre_rows, pre_toks, lost_from, lost_mask, held, rescued, is_dec, remaining)
+    buf = np.empty(2 * n, dtype=np.int64)
+    rows = buf[:n]
+    values = buf[n:].view(np.float64)
+    k = _waiting_codes(codes, rows, values, rules, is_dec, slack, tbt, step, prio, kv)
     for j in range(verdicts.shape[1]):  # the verdicts, which come before every rule (waiting rows)
         r = verdicts[0, j]
         at = np.searchsorted(rows[:k], r)
@@ -844,34 +850,34 @@ def reason_codes(dec_rows, pre_rows, pre_toks, lost_from, lost_mask, held, rescu
 
 
 @_jit
-def _waiting_codes(state, rows, codes, values, rules, is_dec, remaining, slack, tbt, step, prio, kv):  # type: ignore[no-untyped-def]
-    """The pass of :func:`reason_codes`: each waiting row's first rule that is on
-    (``rules[c]`` nonzero) and holds, written at ``rows``, ``codes``, ``values``; how many."""
+def _waiting_codes(codes, rows, values, rules, is_dec, slack, tbt, step, prio, kv):  # type: ignore[no-untyped-def]
+    """The pass of :func:`reason_codes` over the rows' flags in ``codes``: each waiting
+    row's first rule that is on (``rules[c]`` nonzero) and holds, its row, code and value
+    written at the next place of ``rows``, ``codes``, ``values``; how many."""
     starve = rules[RULE_STARVE]
     skip = rules[RULE_SKIP]
     all_rows = rules[RC_TOKEN_BUDGET] != 0 or rules[RC_KV] != 0
     k = 0
-    for i in range(state.shape[0]):
-        d = is_dec[i]
-        g = state[i] & _TOKEN_MASK
-        if g >= (1 if d else remaining[i]):
+    for i in range(codes.shape[0]):
+        m = codes[i]
+        if m & _SERVED:
             continue
-        m = state[i] >> _MEMBER_SHIFT
+        d = is_dec[i]
         s = slack[i]
         c = RC_BEHIND
-        if rules[RC_MAX_NUM_SEQS] != 0 and g == 0:
+        if rules[RC_MAX_NUM_SEQS] != 0 and not m & _GETS:
             c = RC_MAX_NUM_SEQS
         elif all_rows:
             c = RC_TOKEN_BUDGET if rules[RC_TOKEN_BUDGET] != 0 else RC_KV
         elif rules[RC_KV_WATERMARK] != 0 and not d:
             c = RC_KV_WATERMARK
-        elif rules[RC_CLASS_RESERVE] != 0 and m & 2:
+        elif rules[RC_CLASS_RESERVE] != 0 and m & _HELD:
             c = RC_CLASS_RESERVE
-        elif rules[RC_GIVEN_UP] != 0 and m & 1:
+        elif rules[RC_GIVEN_UP] != 0 and m & _LOST:
             c = RC_GIVEN_UP
         elif rules[RC_EXPIRED] != 0 and not d and s <= 0:
             c = RC_EXPIRED
-        elif rules[RC_CLASS_RESCUE] != 0 and m & 4:
+        elif rules[RC_CLASS_RESCUE] != 0 and m & _RESCUED:
             c = RC_CLASS_RESCUE
         elif rules[RC_LATE] != 0 and d and s <= 0 and (starve <= 0 or s > -starve * tbt[i]):
             c = RC_LATE
