@@ -63,7 +63,8 @@ def assemble_plan(
     """Build the plan and predict the latency of exactly the batch it names
     (``predicted_ms`` when the caller already knows it); ``reasons``: the plan's, when
     the decision explains itself; ``facts`` (a dict, possibly empty): explain the plan
-    from them and from the rows it serves (``reasons.assembled_reasons``)."""
+    from them and from the rows it serves (``reasons.assembled_reasons``; ``pre_rows``
+    and ``pre_toks`` in ``facts``: ``pre_alloc`` as arrays, when the caller has them)."""
     ids = snap.ids
     dec = decodes.tolist()
     if predicted_ms is not None:
@@ -79,8 +80,10 @@ def assemble_plan(
     allocs = _decode_allocations(list(map(ids.__getitem__, dec)))
     allocs += [Allocation(ids[i], t) for i, t in pre_alloc]
     if facts is not None and len(snap):
-        pairs = np.array(pre_alloc, dtype=np.int64).reshape(-1, 2).T.copy()  # rows contiguous
-        facts.update(decodes=np.asarray(decodes, dtype=np.int64), pre_rows=pairs[0], pre_toks=pairs[1])
+        if "pre_rows" not in facts:  # the caller's own arrays of ``pre_alloc``, where it has them
+            facts["pre_rows"] = np.array([i for i, _ in pre_alloc], dtype=np.int64)
+            facts["pre_toks"] = np.array([t for _, t in pre_alloc], dtype=np.int64)
+        facts["decodes"] = np.asarray(decodes, dtype=np.int64)
         reasons = assembled_reasons(policy, snap, predictor, facts)
     plan = Plan(
         policy=policy.name,

@@ -154,9 +154,10 @@ class SarathiPolicy:
             snap, predictor, decodes, queue, n_all_decodes=len(dec_all),
             kv_decode_reserve=self.params.kv_decode_reserve, budget=budget,
         )
+        rows, toks = cq.fill_arrays(cq.first_cap)
         return assemble_plan(
-            self, snap, predictor, decodes, cq.fill(cq.first_cap), self.name, t0, {"sorter": t1 - t0},
-            facts={"budget": budget} if explain else None,
+            self, snap, predictor, decodes, list(zip(rows.tolist(), toks.tolist(), strict=True)), self.name, t0,
+            {"sorter": t1 - t0}, facts={"budget": budget, "pre_rows": rows, "pre_toks": toks} if explain else None,
         )
 
 
@@ -242,9 +243,10 @@ class QoServePolicy:
         total = self.total_budget(snap, cq)
         p1 = int(np.clip(total - n_dec, 0, cq.first_cap))
         t2 = time.perf_counter_ns()
+        rows, toks = cq.fill_arrays(p1)
         return assemble_plan(
-            self, snap, predictor, decodes, cq.fill(p1), self.name, t0,
+            self, snap, predictor, decodes, list(zip(rows.tolist(), toks.tolist(), strict=True)), self.name, t0,
             {"sorter": t1 - t0, "chunker": t2 - t1},
-            facts={"budget": min(total, snap.max_batch_tokens), "lost_from": pre, "lost_mask": relegated}
-            if explain else None,
+            facts={"budget": min(total, snap.max_batch_tokens), "lost_from": pre, "lost_mask": relegated,
+                   "pre_rows": rows, "pre_toks": toks} if explain else None,
         )
