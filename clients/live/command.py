@@ -93,8 +93,9 @@ def parser() -> argparse.ArgumentParser:
                    help="start no engine: replay the sweep in the simulator on this cost model (the "
                         "engine_predictor.json of an earlier sweep, e.g. docs/results/live/) and report it; "
                         "for trying engine settings (budget, SLOs) before measuring them live")
-    p.add_argument("--sim-noise", type=float, default=0.15,
-                   help="lognormal spread of the simulated iteration times (default 0.15)")
+    p.add_argument("--sim-noise", type=float, default=None,
+                   help="lognormal spread of the simulated iteration times (default: with --sim, read off the "
+                        "sweep's remote runs (their overrun shares); else, and where they have none, 0.15)")
     return p
 
 
@@ -121,6 +122,10 @@ def spec_of(args: argparse.Namespace) -> LiveSpec:
         judge_seeds=judge)
 
 
+#: the simulated iteration times' lognormal spread when nothing measured it
+DEFAULT_SIM_NOISE = 0.15
+
+
 def _configs(text: str) -> tuple[Config, ...]:
     items = [x for x in text.replace(";", " ").split() if x]
     if not items:
@@ -128,15 +133,20 @@ def _configs(text: str) -> tuple[Config, ...]:
     return tuple(Config.parse(x) for x in items)
 
 
-def _simulate(spec: LiveSpec, out: Path, noise: float, live: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def _simulate(spec: LiveSpec, out: Path, noise: float | None, live: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     from scheduler_service.core import BatchLatencyPredictor
 
-    from .sim import simulate_sweep
+    from .sim import noise_from_overruns, simulate_sweep
 
     path = out / "engine_predictor.json"
     if not path.exists():
         raise ValueError(f"--sim needs {path}: run a sweep with a remote configuration first")
     pred = BatchLatencyPredictor.from_dict(json.loads(path.read_text())["predictor"])
+    if noise is None:
+        found = noise_from_overruns(live)
+        noise = DEFAULT_SIM_NOISE if found is None else round(found, 2)
+        print(f"iteration-time noise σ {noise:g} " + ("(none of the runs measured it: the default)" if found is None
+                                                      else "(read off the remote runs' overrun shares)"), flush=True)
     print(f"simulating {len(spec.order())} runs on the engine's fitted cost model (again with the client's "
           "delays where recorded, and at each run's own engine speed where vLLM's timings were)", flush=True)
     sim = simulate_sweep(spec, pred, noise, live_dir=out, live=live, progress=_progress(every=5))
@@ -168,9 +178,10 @@ def _sim_only(spec: LiveSpec, out: Path, args: argparse.Namespace) -> int:
         print(f"live-bench: --sim-only {args.sim_only}: {e}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
-    sim = simulate_sweep(spec, pred, args.sim_noise, progress=_progress(every=10))
+    noise = DEFAULT_SIM_NOISE if args.sim_noise is None else args.sim_noise
+    sim = simulate_sweep(spec, pred, noise, progress=_progress(every=10))
     (out / "sim.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sim))
-    text = (f"Simulated only (no live engine): the cost model {args.sim_only} with noise σ {args.sim_noise:g}, "
+    text = (f"Simulated only (no live engine): the cost model {args.sim_only} with noise σ {noise:g}, "
             f"budget {spec.engine.max_num_batched_tokens}, TTFT {spec.slo.ttft_ms:g} ms, TBT {spec.slo.tbt_ms:g} ms; "
             "vLLM's own scheduler is modelled by vllm-fcfs.\n\n" + markdown(sim, args.threshold))
     (out / "report.md").write_text(text)

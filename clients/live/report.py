@@ -310,7 +310,9 @@ def sim_table(live: Sequence[dict[str, Any]], sim: Sequence[dict[str, Any]]) -> 
                 warn = " ⚠" if any(abs(a - b) > 10 for a, b in zip(lv, sv, strict=True)) else ""
                 cells.append(f"{sv[0]:.0f} / {sv[1]:.0f}{warn}")
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n" + _speeds(sim)
+    sigmas = sorted({float(r["noise_sigma"]) for r in sim if "noise_sigma" in r})
+    noise = f"\nThe replays' iteration-time noise: lognormal σ {', '.join(f'{x:g}' for x in sigmas)}.\n" if sigmas else ""
+    return "\n".join(lines) + "\n" + _speeds(sim) + noise
 
 
 def _speeds(sim: Sequence[dict[str, Any]]) -> str:

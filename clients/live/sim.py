@@ -48,7 +48,7 @@ from .measure import RequestResult, summarize
 from .runner import Config, LiveSpec, frontend_path
 from .workload import make_requests
 
-__all__ = ["FittedTruth", "Frontend", "cost_structure", "match_speed", "simulate_sweep"]
+__all__ = ["FittedTruth", "Frontend", "cost_structure", "match_speed", "noise_from_overruns", "simulate_sweep"]
 
 
 class FittedTruth:
@@ -131,6 +131,25 @@ class Frontend:
         return max(0.0, self.frontend_s - explained)
 
 
+def noise_from_overruns(runs: Sequence[dict[str, Any]]) -> float | None:
+    """The spread of the live engine's iteration times around the service's prediction, as
+    a lognormal σ: the median over the runs that measured it (remote runs, which record the
+    share of iterations over the bare prediction and over it times the learned margin m).
+    For measured = b · prediction · lognormal(σ), the two shares s₁ and s_m give
+    Φ⁻¹(1 − s_m) − Φ⁻¹(1 − s₁) = ln m / σ, whatever the bias b.  None when no run has both."""
+    from statistics import NormalDist
+
+    z = NormalDist().inv_cdf
+    sigmas = []
+    for r in runs:
+        shares, m = r.get("overrun_share") or {}, r.get("service_margin")
+        s1, sm = shares.get("none"), shares.get("learned")
+        if m is None or s1 is None or sm is None or not (m > 1 and 0 < sm < s1 < 1):
+            continue
+        sigmas.append(math.log(m) / (z(1 - sm) - z(1 - s1)))
+    return float(np.median(sigmas)) if sigmas else None
+
+
 def _policy(c: Config) -> tuple[str, dict[str, str]]:
     return ("vllm-fcfs", {}) if c.mode == "native" else (c.policy, dict(c.params))
 
@@ -172,7 +191,7 @@ def simulate_run(spec: LiveSpec, c: Config, rate: float, seed: int, truth: Fitte
         results.append(res)
     return {"config": c.label, "mode": c.mode, "policy": _policy(c)[0], "rate": rate, "seed": seed,
             **summarize(results, slo).to_dict(), "source": "sim" if frontend is None else "sim+client",
-            "itl_mean_ms": itl_mean_ms(eng.token_times), "speed": truth.scale}
+            "itl_mean_ms": itl_mean_ms(eng.token_times), "speed": truth.scale, "noise_sigma": truth.noise_sigma}
 
 
 def itl_mean_ms(token_times: Sequence[Sequence[float]]) -> float:
