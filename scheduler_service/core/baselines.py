@@ -155,9 +155,10 @@ class SarathiPolicy:
             kv_decode_reserve=self.params.kv_decode_reserve, budget=budget,
         )
         rows, toks = cq.fill_arrays(cq.first_cap)
+        pre_alloc = list(zip(rows.tolist(), toks.tolist(), strict=True))  # cq.fill, keeping its arrays
         return assemble_plan(
-            self, snap, predictor, decodes, list(zip(rows.tolist(), toks.tolist(), strict=True)), self.name, t0,
-            {"sorter": t1 - t0}, facts={"budget": budget, "pre_rows": rows, "pre_toks": toks} if explain else None,
+            self, snap, predictor, decodes, pre_alloc, self.name, t0, {"sorter": t1 - t0},
+            facts={"budget": budget, "pre_rows": rows, "pre_toks": toks} if explain else None,
         )
 
 
@@ -244,8 +245,9 @@ class QoServePolicy:
         p1 = int(np.clip(total - n_dec, 0, cq.first_cap))
         t2 = time.perf_counter_ns()
         rows, toks = cq.fill_arrays(p1)
+        pre_alloc = list(zip(rows.tolist(), toks.tolist(), strict=True))  # cq.fill, keeping its arrays
         return assemble_plan(
-            self, snap, predictor, decodes, list(zip(rows.tolist(), toks.tolist(), strict=True)), self.name, t0,
+            self, snap, predictor, decodes, pre_alloc, self.name, t0,
             {"sorter": t1 - t0, "chunker": t2 - t1},
             facts={"budget": min(total, snap.max_batch_tokens), "lost_from": pre, "lost_mask": relegated,
                    "pre_rows": rows, "pre_toks": toks} if explain else None,

@@ -127,7 +127,8 @@ _NO_VERDICTS = np.zeros((2, 0), dtype=np.int64)
 (_MAX_NUM_SEQS, _TOKEN_BUDGET, _KV, _KV_WATERMARK, _CLASS_RESERVE, _CLASS_RESCUE, _CLASS_SIT_OUT, _NOT_CHOSEN,
  _TIME_BUDGET, _BEHIND) = (_C[c] for c in ("max_num_seqs", "token_budget", "kv", "kv_watermark", "class_reserve",
                                             "class_rescue", "class_sit_out", "not_chosen", "time_budget", "behind"))
-#: The kernel's ``rules`` (``reference.RULE_SCALAR``): rule c on at ``rules[c]``, its number at ``rules[_S + c]``.
+#: The kernel's ``rules`` (``reference.RULE_SCALAR``): rule c on at ``rules[c]``, its number at
+#: ``rules[_S + c]``.
 _S = RULE_SCALAR
 
 
@@ -222,9 +223,10 @@ def _traced(policy: Any, snap: Snapshot, plan: PlanLike, trace: dict[str, Any]
     if n_alloc >= snap.max_num_seqs:
         rules[_MAX_NUM_SEQS], rules[_S + _MAX_NUM_SEQS] = 1.0, snap.max_num_seqs
     rules[_S + _BEHIND], rules[RULE_STARVE], rules[RULE_SKIP] = n_alloc, p.starve_after, p.decode_skip_tbts
+    verdicts = _verdicts(snap, plan) if plan.rejections or plan.preemptions else _NO_VERDICTS
     return kernels.ops().reason_codes(snap, trace["decodes"], trace["pre_rows"], trace["pre_toks"], lost_from,
                                       lost_mask, _EMPTY if held is None else held,
-                                      _EMPTY if rescued is None else rescued, _verdicts(snap, plan), rules)
+                                      _EMPTY if rescued is None else rescued, verdicts, rules)
 
 
 def _allocated(snap: Snapshot, plan: PlanLike) -> tuple[np.ndarray, np.ndarray]:
@@ -280,8 +282,8 @@ def _rule(rules: np.ndarray, code: str, value: float = 0.0) -> None:
     rules[_S + _C[code]] = value
 
 
-def _limits(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor, plan: PlanLike, rules: np.ndarray,
-            budget: int | None = None) -> bool:
+def _limits(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor, plan: PlanLike,
+            rules: np.ndarray, budget: int | None = None) -> bool:
     """The hard limits: sequences, tokens (``budget``: the policy's, when the decision
     kept it), KV, the KV-growth watermark; True when one holds for every waiting request
     (no later rule can be reached)."""

@@ -440,8 +440,9 @@ def reason_tokens(n: int, dec_rows: np.ndarray, pre_rows: np.ndarray, pre_toks: 
 
 def reason_codes(dec_rows: np.ndarray, pre_rows: np.ndarray, pre_toks: np.ndarray, lost_from: np.ndarray,
                  lost_mask: np.ndarray, held: np.ndarray, rescued: np.ndarray, verdicts: np.ndarray,
-                 rules: np.ndarray, is_dec: np.ndarray, remaining: np.ndarray, slack: np.ndarray, tbt: np.ndarray,
-                 step: np.ndarray, prio: np.ndarray, kv: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                 rules: np.ndarray, is_dec: np.ndarray, remaining: np.ndarray, slack: np.ndarray,
+                 tbt: np.ndarray, step: np.ndarray, prio: np.ndarray,
+                 kv: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(waiting rows, their code indices, their values): the rows that get fewer tokens
     (:func:`reason_tokens`) than they need (a decode one, a
     prefill what remains), each given the first rule of :data:`REASON_RULES` that is

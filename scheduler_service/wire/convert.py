@@ -322,7 +322,7 @@ def _compact_reasons(reasons: Reasons) -> bytes:
     table = _CODES_TABLE if reasons.names is CODES else _table_bytes(reasons.names)
     if not n:
         return table
-    raw = codes.view(np.uint8) if codes.itemsize == 1 else codes.astype(np.uint8)  # int8 codes: a view, no copy
+    raw = codes.view(np.uint8) if codes.itemsize == 1 else codes.astype(np.uint8)  # int8 codes: a view
     return b"".join((table,
                      _TAG_CODES, _varint(n), raw.tobytes(),
                      _TAG_ROWS, _varint(4 * n), rows.astype("<u4").tobytes(),

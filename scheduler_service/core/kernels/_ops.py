@@ -102,8 +102,8 @@ class NumpyOps:
         one token to each of ``dec_rows`` and ``pre_toks[j]`` to row ``pre_rows[j]``; the
         lost set is ``lost_from[lost_mask]``, ``verdicts`` the rejected and preempted rows
         over their codes (int64, two rows), ``rules`` as ``reference.RULE_SCALAR`` says."""
-        return ref.reason_codes(dec_rows, pre_rows, pre_toks, lost_from, lost_mask, held, rescued, verdicts, rules,
-                                *snap.reason_columns)
+        return ref.reason_codes(dec_rows, pre_rows, pre_toks, lost_from, lost_mask, held, rescued, verdicts,
+                                rules, *snap.reason_columns)
 
     # -------------------------------------------------------- candidate queue
     def queue_arrays(self, snap: Snapshot, predictor: BatchLatencyPredictor, fast: int,
@@ -204,9 +204,14 @@ class NumbaOps(NumpyOps):
     def reason_codes(self, snap: Snapshot, dec_rows: np.ndarray, pre_rows: np.ndarray, pre_toks: np.ndarray,
                      lost_from: np.ndarray, lost_mask: np.ndarray, held: np.ndarray, rescued: np.ndarray,
                      verdicts: np.ndarray, rules: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return self.k.reason_codes(_idx(dec_rows), _idx(pre_rows), _idx(pre_toks),  # type: ignore[no-any-return]
-                                   _idx(lost_from), lost_mask, _idx(held), _idx(rescued), _idx(verdicts), rules,
-                                   *snap.reason_columns)
+        i8 = _INT64  # the checks of _idx inline: a call each costs more than the check (once per plan)
+        return self.k.reason_codes(  # type: ignore[no-any-return]
+            dec_rows if dec_rows.dtype is i8 else _idx(dec_rows),
+            pre_rows if pre_rows.dtype is i8 else _idx(pre_rows),
+            pre_toks if pre_toks.dtype is i8 else _idx(pre_toks),
+            lost_from if lost_from.dtype is i8 else _idx(lost_from), lost_mask,
+            held if held.dtype is i8 else _idx(held), rescued if rescued.dtype is i8 else _idx(rescued),
+            verdicts if verdicts.dtype is i8 else _idx(verdicts), rules, *snap.reason_columns)
 
     def queue_arrays(self, snap: Snapshot, predictor: BatchLatencyPredictor, fast: int,
                      queue: np.ndarray) -> tuple[np.ndarray, ...]:
