@@ -437,3 +437,26 @@ def test_the_noise_is_read_off_the_overrun_shares(sigma: float, bias: float) -> 
     runs.append({"overrun_share": {"none": 0.4, "learned": 0.5}, "service_margin": 1.3})  # not a spread: left out
     assert noise_from_overruns(runs) == pytest.approx(sigma, rel=0.08)
     assert noise_from_overruns(runs[:3]) is None
+
+
+def test_report_only_sim_reads_the_noise_off_the_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--report-only --sim` on a folder of runs: the noise comes from the remote runs'
+    overrun shares unless --sim-noise is given, and the report has the +speed replay."""
+    from scheduler_service.core import default_predictor
+
+    base = ["--configs", "vllm", "--rates", "2", "--seeds", "1", "--requests", "30", "--warmup", "5",
+            "--out", str(tmp_path), "--judge-seeds", "0"]
+    live = {**_run("vllm", 2.0, 1, 0.9, 0.95), "vllm_timings": {"itl_mean_ms": 40.0}}
+    remote = {**_run("remote:slidingserve", 2.0, 1, 0.9, 0.95), "mode": "remote", "service_margin": 1.3,
+              "overrun_share": {"none": 0.5, "learned": 0.12}}
+    (tmp_path / "runs.jsonl").write_text(json.dumps(live) + "\n" + json.dumps(remote) + "\n")
+    (tmp_path / "engine_predictor.json").write_text(json.dumps({"predictor": default_predictor().to_dict(), "reports_accepted": 100}))
+    assert main([*base, "--report-only", "--sim"]) == 0
+    out = capsys.readouterr().out
+    assert "iteration-time noise σ 0.22 (read off the remote runs' overrun shares)" in out
+    sim = [json.loads(x) for x in (tmp_path / "sim.jsonl").read_text().splitlines()]
+    assert [r["source"] for r in sim] == ["sim", "sim+speed"] and {r["noise_sigma"] for r in sim} == {0.22}
+    assert "| sim | +speed |" in (tmp_path / "report.md").read_text()
+    assert main([*base, "--report-only", "--sim", "--sim-noise", "0.1"]) == 0
+    assert "noise σ" not in capsys.readouterr().out
+    assert {json.loads(x)["noise_sigma"] for x in (tmp_path / "sim.jsonl").read_text().splitlines()} == {0.1}
