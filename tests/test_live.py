@@ -457,6 +457,7 @@ def test_report_only_sim_reads_the_noise_off_the_runs(tmp_path: Path, capsys: py
     sim = [json.loads(x) for x in (tmp_path / "sim.jsonl").read_text().splitlines()]
     assert [r["source"] for r in sim] == ["sim", "sim+speed"] and {r["noise_sigma"] for r in sim} == {0.22}
     assert "| sim | +speed |" in (tmp_path / "report.md").read_text()
+    assert (tmp_path / "sim.png").stat().st_size > 10_000 and "sim.png" in out
     assert main([*base, "--report-only", "--sim", "--sim-noise", "0.1"]) == 0
     assert "noise σ" not in capsys.readouterr().out
     assert {json.loads(x)["noise_sigma"] for x in (tmp_path / "sim.jsonl").read_text().splitlines()} == {0.1}

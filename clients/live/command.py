@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 from .judge import TINY_LLAMA, write_model, write_tokenizer
 from .measure import Slo
 from .procs import EngineArgs
-from .report import judge_table, markdown, noise_table, sim_table, timing_table, write_plot
+from .report import judge_table, markdown, noise_table, sim_table, timing_table, write_plot, write_sim_plot
 from .runner import Config, LiveSpec, check_resumable, load_runs, run_sweep
 from .workload import WorkloadSpec
 
@@ -248,6 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   _cost(out)) if x)
     (out / "report.md").write_text(text)
     png = write_plot(data, out / "live.png", args.threshold, sim)
+    sim_png = write_sim_plot(data, sim, out / "sim.png") if sim else None
     print(text)
-    print(f"wrote {out / 'report.md'}" + (f", {png}" if png else ""))
+    print(f"wrote {out / 'report.md'}" + "".join(f", {x}" for x in (png, sim_png) if x))
     return 0

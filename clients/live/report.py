@@ -14,7 +14,8 @@ import numpy as np
 
 from .measure import goodput
 
-__all__ = ["goodputs", "judge_table", "markdown", "noise_table", "sim_table", "timing_table", "write_plot"]
+__all__ = ["goodputs", "judge_table", "markdown", "noise_table", "sim_table", "timing_table", "write_plot",
+           "write_sim_plot"]
 
 DEFS = (("attain_f1", "formula (1)"), ("attain_tpot", "TTFT+TPOT"))
 
@@ -251,6 +252,44 @@ def write_plot(runs: Sequence[dict[str, Any]], path: Path, threshold: float,
     axes[3].set_ylabel("mean absolute error (ms)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_sim_plot(live: Sequence[dict[str, Any]], sim: Sequence[dict[str, Any]], path: Path) -> Path | None:
+    """Sim-to-real run by run: each run's attainment live (x) against its replay's (y),
+    one panel per definition and replay kind ("sim", "+client", "+speed"), the ±10-point
+    band shaded; None without matplotlib or replays."""
+    srcs = [(src, name) for src, name in SIM_SOURCES if any(r.get("source", "sim") == src for r in sim)]
+    if not srcs:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    by = _by(live)
+    fig, axes = plt.subplots(len(DEFS), len(srcs), figsize=(4.2 * len(srcs), 7.6), squeeze=False)
+    for row, (key, title) in enumerate(DEFS):
+        for col, (src, name) in enumerate(srcs):
+            ax = axes[row][col]
+            ax.fill_between([0, 100], [-10, 90], [10, 110], color="grey", alpha=0.15, lw=0)
+            ax.plot([0, 100], [0, 100], color="grey", lw=0.8)
+            for c in _configs(live):
+                pts = [(100 * by[k][key], 100 * r[key]) for r in sim
+                       if r.get("source", "sim") == src and r["config"] == c
+                       and (k := (c, float(r["rate"]), int(r["seed"]))) in by]
+                if pts:
+                    xs, ys = zip(*pts, strict=True)
+                    far = sum(abs(x - y) > 10 for x, y in pts)
+                    ax.scatter(xs, ys, s=18, label=f"{c} ({far}/{len(pts)} off by > 10)")
+            ax.set(xlim=(-3, 103), ylim=(-3, 103), xlabel="live (% within SLO)", ylabel=f"replayed, {name}",
+                   title=f"{title}: {name}")
+            ax.legend(fontsize=6, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 
