@@ -461,3 +461,25 @@ def test_report_only_sim_reads_the_noise_off_the_runs(tmp_path: Path, capsys: py
     assert main([*base, "--report-only", "--sim", "--sim-noise", "0.1"]) == 0
     assert "noise σ" not in capsys.readouterr().out
     assert {json.loads(x)["noise_sigma"] for x in (tmp_path / "sim.jsonl").read_text().splitlines()} == {0.1}
+
+
+def test_a_remote_runs_late_answers_are_replayed() -> None:
+    """The replay of a remote run fails the live run's share of decisions as late: the
+    adapter falls back (and backs off) about as often as it did live."""
+    from clients.live.sim import FittedTruth, LateAnswers, late_share, simulate_run
+    from scheduler_service.core import default_predictor
+
+    live = {"adapter": {"iterations": 1000.0, "planned": 900.0, "native": 100.0, "fallback_deadline": 50.0}}
+    assert late_share(live) == 0.05 and late_share({"adapter": {}}) == 0.0 and late_share(None) == 0.0
+    c = Config.parse("remote:slidingserve")
+    spec = LiveSpec((c,), rates=(3.0,), seeds=(1,), workload=WorkloadSpec(requests=40, warmup=5))
+    truth = FittedTruth(default_predictor(), 0.1)
+    on_time = simulate_run(spec, c, 3.0, 1, truth)
+    assert set(on_time["fallbacks"]) == {"decisions"} and on_time["late_share"] == 0.0
+    late = simulate_run(spec, c, 3.0, 1, truth, late=0.2)
+    fb = late["fallbacks"]
+    asked = fb["decisions"] - fb["circuit_open"]  # a back-off skips the scheduler
+    assert 0.15 < fb["deadline"] / asked < 0.25 and fb["circuit_open"] >= fb["deadline"]  # a back-off after each
+    assert late["requests"] == late["completed"] == 40  # nothing lost to a late answer
+    with pytest.raises(ValueError, match="share"):
+        LateAnswers(None, 1.0, 1)  # type: ignore[arg-type]

@@ -25,6 +25,9 @@ cost model's iteration times under which the replay of that run has the same mea
 inter-token latency, engine-side, and replays the run at that speed with the client's
 delays (``source: "sim+speed"``, the factor in ``speed``).  The engine's pace is then
 taken from the live run; what the replay still gets wrong is the scheduling and the queue.
+A remote run's late answers are replayed too (:class:`LateAnswers`): the same share of the
+decisions fails as late, and the adapter falls back to ``vllm-fcfs`` and backs off, as it
+did live (the live run's ``fallback_deadline`` count over its iterations).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from engine_adapter.core import AdapterCore, AdapterSettings
+from engine_adapter.core import AdapterCore, AdapterSettings, IterationSample
 from engine_adapter.inprocess import InProcessBackend
 from engine_adapter.sim.engine import EngineConfig, SimulatedEngine, Workload
 from engine_adapter.sim.groundtruth import DEFAULT_PROFILE, PROFILES
@@ -48,7 +51,8 @@ from .measure import RequestResult, summarize
 from .runner import Config, LiveSpec, frontend_path
 from .workload import make_requests
 
-__all__ = ["FittedTruth", "Frontend", "cost_structure", "match_speed", "noise_from_overruns", "simulate_sweep"]
+__all__ = ["FittedTruth", "Frontend", "LateAnswers", "cost_structure", "late_share", "match_speed",
+           "noise_from_overruns", "simulate_sweep"]
 
 
 class FittedTruth:
@@ -150,21 +154,51 @@ def noise_from_overruns(runs: Sequence[dict[str, Any]]) -> float | None:
     return float(np.median(sigmas)) if sigmas else None
 
 
+class LateAnswers:
+    """The scheduler's answers late (``TimeoutError``) on a ``share`` of the decisions,
+    drawn from a generator seeded with ``seed``; the rest from ``inner``.  The adapter
+    core handles a late answer as it does live: a fallback decision and a back-off."""
+
+    def __init__(self, inner: InProcessBackend, share: float, seed: int) -> None:
+        if not 0 <= share < 1:
+            raise ValueError(f"share must be in [0, 1), got {share}")
+        self.inner, self.share = inner, float(share)
+        self._rng = np.random.default_rng([seed, 7919])
+
+    def schedule(self, snapshot: Any, timeout_s: float) -> Any:
+        if self.share and self._rng.random() < self.share:
+            raise TimeoutError("a late answer (replayed)")
+        return self.inner.schedule(snapshot, timeout_s)
+
+    def report(self, samples: Sequence[IterationSample]) -> None:
+        self.inner.report(samples)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def late_share(run: dict[str, Any] | None) -> float:
+    """The share of a live run's decisions answered late (0 without a count)."""
+    ad = (run or {}).get("adapter") or {}
+    it = float(ad.get("iterations") or 0.0)
+    return min(float(ad.get("fallback_deadline") or 0.0) / it, 0.5) if it > 0 else 0.0
+
+
 def _policy(c: Config) -> tuple[str, dict[str, str]]:
     return ("vllm-fcfs", {}) if c.mode == "native" else (c.policy, dict(c.params))
 
 
 def simulate_run(spec: LiveSpec, c: Config, rate: float, seed: int, truth: FittedTruth,
-                 frontend: Frontend | None = None) -> dict[str, Any]:
+                 frontend: Frontend | None = None, late: float = 0.0) -> dict[str, Any]:
     """One live run replayed in the simulator (with ``frontend``: the client's recorded
-    delays added back)."""
+    delays added back; ``late``: that share of the decisions answered late)."""
     reqs = make_requests(spec.workload, rate, seed)
     n = len(reqs)
     slo = spec.slo
-    late = np.zeros(n)
+    sent_late = np.zeros(n)
     if frontend is not None and len(frontend.late_s) == n:
-        late = np.maximum(frontend.late_s, 0.0)
-    at = np.array([r.at_s for r in reqs]) + late
+        sent_late = np.maximum(frontend.late_s, 0.0)
+    at = np.array([r.at_s for r in reqs]) + sent_late
     order = np.argsort(at, kind="stable")  # the engine takes requests in the order they came
     row = np.empty(n, np.int64)
     row[order] = np.arange(n)  # request index -> the engine's row
@@ -174,7 +208,7 @@ def simulate_run(spec: LiveSpec, c: Config, rate: float, seed: int, truth: Fitte
                  ttft_slo=np.full(n, slo.ttft_ms / 1e3), tbt_slo=np.full(n, slo.tbt_ms / 1e3),
                  protected=np.zeros(n, bool), name=f"live-{rate:g}-{seed}",
                  tpot_slo=np.full(n, slo.tbt_ms / 1e3) if c.objective == "tpot" else None)
-    eng = _replay(spec, c, w, truth, seed)
+    eng, fallbacks = _replay(spec, c, w, truth, seed, late)
     assert eng.token_times is not None
     measured = [r for r in reqs if not r.warmup]
     firsts = np.array([eng.token_times[row[r.index]][0] for r in measured if eng.token_times[row[r.index]]])
@@ -191,7 +225,8 @@ def simulate_run(spec: LiveSpec, c: Config, rate: float, seed: int, truth: Fitte
         results.append(res)
     return {"config": c.label, "mode": c.mode, "policy": _policy(c)[0], "rate": rate, "seed": seed,
             **summarize(results, slo).to_dict(), "source": "sim" if frontend is None else "sim+client",
-            "itl_mean_ms": itl_mean_ms(eng.token_times), "speed": truth.scale, "noise_sigma": truth.noise_sigma}
+            "itl_mean_ms": itl_mean_ms(eng.token_times), "speed": truth.scale, "noise_sigma": truth.noise_sigma,
+            "late_share": late, "fallbacks": fallbacks}
 
 
 def itl_mean_ms(token_times: Sequence[Sequence[float]]) -> float:
@@ -248,12 +283,16 @@ def _next_factor(tries: Sequence[tuple[float, float, Any]]) -> float:
     return x1 - max(-math.log(2), min(math.log(2), e1 / slope))  # at most a factor of 2 per step
 
 
-def _replay(spec: LiveSpec, c: Config, w: Workload, truth: FittedTruth, seed: int) -> SimulatedEngine:
-    """``w`` through the simulated engine under ``c``'s policy, from the bundled predictor."""
+def _replay(spec: LiveSpec, c: Config, w: Workload, truth: FittedTruth, seed: int, late: float
+            ) -> tuple[SimulatedEngine, dict[str, int]]:
+    """``w`` through the simulated engine under ``c``'s policy, from the bundled predictor
+    (``late``: that share of its decisions answered late); the engine, and its decisions
+    and fallbacks by reason."""
     policy, params = _policy(c)
     settings = AdapterSettings(policy=policy, params=params, profile=DEFAULT_PROFILE, report_inline=True)
     pred = default_predictor()
-    adapter = AdapterCore(InProcessBackend(settings, pred), settings, pred)
+    backend = InProcessBackend(settings, pred)
+    adapter = AdapterCore(LateAnswers(backend, late, seed) if late else backend, settings, pred)  # type: ignore[arg-type]
     profile = dataclasses.replace(PROFILES[DEFAULT_PROFILE], key="live-sim")
     cfg = EngineConfig(max_batch_tokens=spec.engine.max_num_batched_tokens, max_num_seqs=spec.engine.max_num_seqs,
                        noise_seed=seed, keep_token_times=True)
@@ -262,7 +301,8 @@ def _replay(spec: LiveSpec, c: Config, w: Workload, truth: FittedTruth, seed: in
         eng.run()
     finally:
         adapter.close()
-    return eng
+    return eng, {"decisions": adapter.remote_decisions + adapter.fallback_total,
+                 **{k: int(v) for k, v in adapter.fallbacks.items() if v}}
 
 
 def simulate_sweep(spec: LiveSpec, predictor: BatchLatencyPredictor, noise_sigma: float,
@@ -274,13 +314,13 @@ def simulate_sweep(spec: LiveSpec, predictor: BatchLatencyPredictor, noise_sigma
     whose client delays were recorded there is replayed a second time with them added
     (``source: "sim+client"``); with the ``live`` records, each run whose vLLM inter-token
     latency they hold is replayed once more at that run's speed (``source: "sim+speed"``,
-    with the client's delays where recorded; :func:`match_speed`)."""
+    with the client's delays where recorded and, remote, its late answers;
+    :func:`match_speed`, :class:`LateAnswers`)."""
     from clients.bench.runner import quiet_logs
 
     quiet_logs()  # one refit log line per few hundred iterations otherwise
     truth = FittedTruth(predictor, noise_sigma)
-    itl = {(r["config"], float(r["rate"]), int(r["seed"])): (r.get("vllm_timings") or {}).get("itl_mean_ms")
-           for r in live}
+    runs = {(r["config"], float(r["rate"]), int(r["seed"])): r for r in live}
     todo = [(rate, seed, c) for rate, seed, c in spec.order() if configs is None or c in configs]
     out = []
     for i, (rate, seed, c) in enumerate(todo, 1):
@@ -288,10 +328,12 @@ def simulate_sweep(spec: LiveSpec, predictor: BatchLatencyPredictor, noise_sigma
         fe = Frontend.load(frontend_path(live_dir, c.label, rate, seed)) if live_dir is not None else None
         if fe is not None:
             out.append(simulate_run(spec, c, rate, seed, truth, fe))
-        live_itl = itl.get((c.label, float(rate), int(seed)))
+        run = runs.get((c.label, float(rate), int(seed)))
+        live_itl = ((run or {}).get("vllm_timings") or {}).get("itl_mean_ms")
         if live_itl:
-            rec = match_speed(lambda t, c=c, rate=rate, seed=seed, fe=fe: simulate_run(spec, c, rate, seed, t, fe),
-                              truth, float(live_itl))
+            late = late_share(run) if c.mode == "remote" else 0.0
+            rec = match_speed(lambda t, c=c, rate=rate, seed=seed, fe=fe, late=late:
+                              simulate_run(spec, c, rate, seed, t, fe, late), truth, float(live_itl))
             out.append({**rec, "source": "sim+speed", "live_itl_mean_ms": float(live_itl)})
         if progress is not None:
             progress(i, len(todo), f"{c.label} at {rate:g} req/s, seed {seed} (simulated)")
