@@ -52,7 +52,8 @@ def assemble_plan(
     snap: Snapshot,
     predictor: BatchLatencyPredictor,
     decodes: np.ndarray,
-    pre_alloc: list[tuple[int, int]],
+    pre_rows: np.ndarray,
+    pre_toks: np.ndarray,
     path: str,
     t0: int,
     breakdown_ns: dict[str, int],
@@ -63,34 +64,33 @@ def assemble_plan(
     """Build the plan and predict the latency of exactly the batch it names
     (``predicted_ms`` when the caller already knows it); ``reasons``: the plan's, when
     the decision explains itself; ``facts`` (a dict, possibly empty): explain the plan
-    from them and from the rows it serves (``reasons.assembled_reasons``; ``pre_rows``
-    and ``pre_toks`` in ``facts``: ``pre_alloc`` as arrays, when the caller has them)."""
+    from them and from the rows it serves (``reasons.assembled_reasons``).  The plan gives
+    one token to each of ``decodes`` and ``pre_toks[j]`` to row ``pre_rows[j]``."""
     ids = snap.ids
     dec = decodes.tolist()
+    rows, toks = pre_rows.tolist(), pre_toks.tolist()
     if predicted_ms is not None:
         pred = predicted_ms
-    elif dec or pre_alloc:
-        idx = dec + [i for i, _ in pre_alloc]
-        c = np.array([1] * len(dec) + [t for _, t in pre_alloc], dtype=np.float64)
+    elif dec or rows:
+        idx = dec + rows
+        c = np.array([1] * len(dec) + toks, dtype=np.float64)
         u = snap.kv_tokens[np.array(idx)].astype(np.float64)
         x, s = batch_features(c, u)
         pred = float(predictor.predict_ms(x[None, :], np.array([s]))[0])
     else:
         pred = 0.0
     allocs = _decode_allocations(list(map(ids.__getitem__, dec)))
-    allocs += [Allocation(ids[i], t) for i, t in pre_alloc]
+    allocs += [Allocation(ids[i], t) for i, t in zip(rows, toks, strict=True)]
     if facts is not None and len(snap):
-        if "pre_rows" not in facts:  # the caller's own arrays of ``pre_alloc``, where it has them
-            facts["pre_rows"] = np.array([i for i, _ in pre_alloc], dtype=np.int64)
-            facts["pre_toks"] = np.array([t for _, t in pre_alloc], dtype=np.int64)
-        facts["decodes"] = np.asarray(decodes, dtype=np.int64)
+        facts.update(decodes=np.asarray(decodes, dtype=np.int64), pre_rows=np.asarray(pre_rows, dtype=np.int64),
+                     pre_toks=np.asarray(pre_toks, dtype=np.int64))
         reasons = assembled_reasons(policy, snap, predictor, facts)
     plan = Plan(
         policy=policy.name,
         policy_version=policy.version,
         predictor_version=predictor.version,
         path=path,
-        token_budget=len(dec) + int(sum(t for _, t in pre_alloc)),
+        token_budget=len(dec) + int(sum(toks)),
         predicted_latency_ms=pred,
         allocations=tuple(allocs),
         decision_us=(time.perf_counter_ns() - t0) // 1000,

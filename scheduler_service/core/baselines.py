@@ -92,7 +92,8 @@ class VllmFcfsPolicy:
         seqs = snap.max_num_seqs
         kv = kv_prefill_cap(snap, 0, n_dec_all, self.params.kv_decode_reserve)
         decodes: list[int] = []
-        pre: list[tuple[int, int]] = []
+        pre_rows: list[int] = []
+        pre_toks: list[int] = []
         for i in order.tolist():
             if budget <= 0 or seqs <= 0 or kv <= 0:
                 break
@@ -101,13 +102,15 @@ class VllmFcfsPolicy:
             if snap.is_decoding[i]:
                 decodes.append(i)
             else:
-                pre.append((i, take))
+                pre_rows.append(i)
+                pre_toks.append(take)
             budget -= take
             kv -= take
             seqs -= 1
         t1 = time.perf_counter_ns()
         return assemble_plan(
-            self, snap, predictor, np.array(decodes, dtype=np.int64), pre, self.name, t0,
+            self, snap, predictor, np.array(decodes, dtype=np.int64), np.array(pre_rows, dtype=np.int64),
+            np.array(pre_toks, dtype=np.int64), self.name, t0,
             {"sorter": t1 - t0}, facts={} if explain else None,
         )
 
@@ -154,11 +157,9 @@ class SarathiPolicy:
             snap, predictor, decodes, queue, n_all_decodes=len(dec_all),
             kv_decode_reserve=self.params.kv_decode_reserve, budget=budget,
         )
-        rows, toks = cq.fill_arrays(cq.first_cap)
-        pre_alloc = list(zip(rows.tolist(), toks.tolist(), strict=True))  # cq.fill, keeping its arrays
         return assemble_plan(
-            self, snap, predictor, decodes, pre_alloc, self.name, t0, {"sorter": t1 - t0},
-            facts={"budget": budget, "pre_rows": rows, "pre_toks": toks} if explain else None,
+            self, snap, predictor, decodes, *cq.fill_arrays(cq.first_cap), self.name, t0, {"sorter": t1 - t0},
+            facts={"budget": budget} if explain else None,
         )
 
 
@@ -244,11 +245,9 @@ class QoServePolicy:
         total = self.total_budget(snap, cq)
         p1 = int(np.clip(total - n_dec, 0, cq.first_cap))
         t2 = time.perf_counter_ns()
-        rows, toks = cq.fill_arrays(p1)
-        pre_alloc = list(zip(rows.tolist(), toks.tolist(), strict=True))  # cq.fill, keeping its arrays
         return assemble_plan(
-            self, snap, predictor, decodes, pre_alloc, self.name, t0,
+            self, snap, predictor, decodes, *cq.fill_arrays(p1), self.name, t0,
             {"sorter": t1 - t0, "chunker": t2 - t1},
-            facts={"budget": min(total, snap.max_batch_tokens), "lost_from": pre, "lost_mask": relegated,
-                   "pre_rows": rows, "pre_toks": toks} if explain else None,
+            facts={"budget": min(total, snap.max_batch_tokens), "lost_from": pre, "lost_mask": relegated}
+            if explain else None,
         )

@@ -384,7 +384,7 @@ class SlidingServePolicy:
             self, snap, trace, decodes=decodes, pre_rows=pre_rows, pre_toks=pre_toks, W=W, lost_from=pre,
             lost_mask=lost, n_decoding=len(dec_all), holders=holders)
         return assemble_plan(
-            self, snap, predictor, decodes, list(zip(pre_rows.tolist(), pre_toks.tolist(), strict=True)), path, t0,
+            self, snap, predictor, decodes, pre_rows, pre_toks, path, t0,
             {"sorter": t1 - t0, "predictor": t2 - t1, "constructor": t3 - t2, "chunker": t4 - t3},
             predicted, reasons,
         )
