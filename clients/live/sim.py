@@ -237,9 +237,10 @@ def itl_mean_ms(token_times: Sequence[Sequence[float]]) -> float:
 
 
 def match_speed(run: Callable[[FittedTruth], dict[str, Any]], truth: FittedTruth, live_itl_ms: float,
-                tol: float = 0.03, steps: int = 8) -> dict[str, Any]:
+                tol: float = 0.03, steps: int = 8, first: dict[str, Any] | None = None) -> dict[str, Any]:
     """The replay ``run`` at the speed under which its mean inter-token latency is the live
-    run's ``live_itl_ms`` (within ``tol``, relative), else the closest of ``steps`` tries.
+    run's ``live_itl_ms`` (within ``tol``, relative), else the closest of ``steps`` tries;
+    ``first``: ``run(truth)`` where the caller has it already (the first try).
 
     The inter-token latency grows with the factor, and faster than it near saturation
     (queues grow), so the search is on the logarithms: secant steps, kept inside the
@@ -250,8 +251,8 @@ def match_speed(run: Callable[[FittedTruth], dict[str, Any]], truth: FittedTruth
     target = math.log(live_itl_ms)
     tries: list[tuple[float, float, dict[str, Any]]] = []  # (log factor, log itl - target, record)
     x = math.log(truth.scale)
-    for _ in range(steps):
-        rec = run(truth.scaled(math.exp(x)))
+    for step in range(steps):
+        rec = first if step == 0 and first is not None else run(truth.scaled(math.exp(x)))
         itl = rec["itl_mean_ms"]
         if not (math.isfinite(itl) and itl > 0):
             break
@@ -333,7 +334,8 @@ def simulate_sweep(spec: LiveSpec, predictor: BatchLatencyPredictor, noise_sigma
         if live_itl:
             late = late_share(run) if c.mode == "remote" else 0.0
             rec = match_speed(lambda t, c=c, rate=rate, seed=seed, fe=fe, late=late:
-                              simulate_run(spec, c, rate, seed, t, fe, late), truth, float(live_itl))
+                              simulate_run(spec, c, rate, seed, t, fe, late), truth, float(live_itl),
+                              first=None if late else out[-1])  # the replay just made, at the fitted speed
             out.append({**rec, "source": "sim+speed", "live_itl_mean_ms": float(live_itl)})
         if progress is not None:
             progress(i, len(todo), f"{c.label} at {rate:g} req/s, seed {seed} (simulated)")
