@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -60,12 +60,14 @@ def assemble_plan(
     predicted_ms: float | None = None,
     reasons: Sequence[Reason] = (),
     facts: dict[str, Any] | None = None,
+    explain: Callable[[int], Sequence[Reason]] | None = None,
 ) -> Plan:
     """Build the plan and predict the latency of exactly the batch it names
     (``predicted_ms`` when the caller already knows it); ``reasons``: the plan's, when
-    the decision explains itself; ``facts`` (a dict, possibly empty): explain the plan
-    from them and from the rows it serves (``reasons.assembled_reasons``).  The plan gives
-    one token to each of ``decodes`` and ``pre_toks[j]`` to row ``pre_rows[j]``."""
+    the decision explains itself; ``explain``: called with the plan's token budget, it
+    returns them (``reasons.sliding_reasons``); ``facts`` (a dict, possibly empty):
+    explain the plan from them and from the rows it serves (``reasons.assembled_reasons``).
+    The plan gives one token to each of ``decodes`` and ``pre_toks[j]`` to row ``pre_rows[j]``."""
     ids = snap.ids
     dec = decodes.tolist()
     rows, toks = pre_rows.tolist(), pre_toks.tolist()
@@ -85,12 +87,15 @@ def assemble_plan(
         facts.update(decodes=np.asarray(decodes, dtype=np.int64), pre_rows=np.asarray(pre_rows, dtype=np.int64),
                      pre_toks=np.asarray(pre_toks, dtype=np.int64))
         reasons = assembled_reasons(policy, snap, predictor, facts)
+    budget = len(dec) + int(sum(toks))
+    if explain is not None:
+        reasons = explain(budget)
     plan = Plan(
         policy=policy.name,
         policy_version=policy.version,
         predictor_version=predictor.version,
         path=path,
-        token_budget=len(dec) + int(sum(toks)),
+        token_budget=budget,
         predicted_latency_ms=pred,
         allocations=tuple(allocs),
         decision_us=(time.perf_counter_ns() - t0) // 1000,

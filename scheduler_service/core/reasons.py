@@ -5,7 +5,7 @@ policy that made ``plan`` against the plan itself and returns the same plan with
 ``reasons`` set (docs/reasons.md).  It reads the plan and never changes an allocation, a
 path, a rejection or a preemption.  ``plan_explained`` asks a policy that explains
 itself (``explains``: every registered one) for ``plan(..., explain=True)`` instead: the
-decision keeps what it knew (:func:`traced_reasons`, SlidingServe; :func:`assembled_reasons`,
+decision keeps what it knew (:func:`sliding_reasons`, SlidingServe; :func:`assembled_reasons`,
 the baselines) and the same rules classify from it, without replaying.  Deciding without
 reasons costs nothing more either way.
 
@@ -41,8 +41,8 @@ from .snapshot import Snapshot
 from .sorter import prefill_indices
 
 __all__ = ["CODES", "REASON_CODES", "Decided", "PlanLike", "Reason", "Reasons", "assembled_reasons", "explain",
-           "kv_left", "kv_watermark", "plan_explained", "reason_counts", "reserve_ms", "token_budget",
-           "traced_reasons"]
+           "kv_left", "kv_watermark", "plan_explained", "reason_counts", "reserve_ms", "sliding_reasons",
+           "token_budget"]
 
 _C = {c: k for k, c in enumerate(CODES)}
 
@@ -84,7 +84,7 @@ def assembled_reasons(policy: Policy, snapshot: Snapshot, predictor: BatchLatenc
     used and the rows it relegated (``lost_mask`` over ``lost_from``), and, set before
     the reasons are read, the ``plan`` itself (as :class:`Decided`).  Classified when
     first read, as :func:`explain`'s."""
-    return Reasons(snapshot.ids, compute=lambda: _classify(policy, snapshot, predictor, facts["plan"], None, facts))
+    return Reasons(snapshot.ids, compute=lambda: _classify(policy, snapshot, predictor, facts["plan"], facts))
 
 
 def reason_counts(reasons: Sequence[Reason]) -> dict[str, int]:
@@ -96,28 +96,17 @@ def reason_counts(reasons: Sequence[Reason]) -> dict[str, int]:
     return {c: n[c] for c in (*CODES, *sorted(set(n) - set(CODES))) if n[c]}
 
 
-def explain(policy: Policy, snapshot: Snapshot, predictor: BatchLatencyPredictor, plan: Plan,
-            trace: dict[str, Any] | None = None) -> Plan:
+def explain(policy: Policy, snapshot: Snapshot, predictor: BatchLatencyPredictor, plan: Plan) -> Plan:
     """``plan`` (made by ``policy`` for ``snapshot``) with a reason for every request it
-    does not fully serve; the plan is otherwise returned as it is.  ``trace``: what a
-    SlidingServe decision recorded while deciding (``plan(..., explain=True)``); without
-    it the rules are replayed.  The reasons are classified when first read (their
-    inputs, the snapshot, the plan and the trace, are immutable), so a caller that
-    never reads them pays only for this call."""
+    does not fully serve, the policy's rules replayed; the plan is otherwise returned as
+    it is.  The reasons are classified when first read (their inputs, the snapshot and
+    the plan, are immutable), so a caller that never reads them pays only for this call."""
     if len(snapshot) == 0:
         return plan
-    reasons = Reasons(snapshot.ids, compute=lambda: _classify(policy, snapshot, predictor, plan, trace))
+    reasons = Reasons(snapshot.ids, compute=lambda: _classify(policy, snapshot, predictor, plan))
     return Plan(plan.policy, plan.policy_version, plan.predictor_version, plan.path, plan.token_budget,
                 plan.predicted_latency_ms, plan.allocations, plan.decision_us, plan.breakdown_us, plan.deployment,
                 plan.rejections, plan.preemptions, reasons)
-
-
-def traced_reasons(policy: Policy, snapshot: Snapshot, trace: dict[str, Any]) -> Reasons:
-    """The reasons of the plan a SlidingServe decision is assembling, from what it
-    records in ``trace``, classified when first read: by then ``trace`` holds the facts
-    of the plan the decision returned (the last one it assembled) and, as
-    ``trace["plan"]``, that plan itself (as :class:`Decided`)."""
-    return Reasons(snapshot.ids, compute=lambda: _traced(policy, snapshot, trace["plan"], trace))
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -146,16 +135,13 @@ _SLIDING_ON = (_rules_on("late", "ahead"), _rules_on("given_up", "expired", "lat
 
 
 def _classify(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor, plan: PlanLike,
-              trace: dict[str, Any] | None, facts: dict[str, Any] | None = None
-              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+              facts: dict[str, Any] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(waiting rows, their code indices, their values): what :func:`explain` promises.
 
     Here only the plan-wide facts are gathered (which rules apply, their numbers, the
     sets the decision held back); the per-request work, one pass over the rows that also
     counts each row's tokens, is the ``reason_codes`` operation of the kernels facade
     (``reference.reason_codes``)."""
-    if trace is not None:  # SlidingServe's own decision
-        return _traced(policy, snap, plan, trace)
     got = None
     if facts is not None:  # what the decision assembled (the kernel finds whether anything waits)
         dec_rows, pre_rows, pre_toks = facts["decodes"], facts["pre_rows"], facts["pre_toks"]
@@ -186,47 +172,50 @@ def _classify(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor, 
                                       _verdicts(snap, plan), rules)
 
 
-def _traced(policy: Any, snap: Snapshot, plan: PlanLike, trace: dict[str, Any]
-            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`_classify` from SlidingServe's own decision (``trace``): its decodes and
-    prefills, the sets it held back and the counts it already took, so that the
-    plan-wide facts cost a few scalar comparisons (a decision that preempts plans a
-    smaller snapshot and is replayed instead).  The same rules as :func:`_limits` and
-    :func:`_sliding` (``tests/test_reasons.py`` checks the two give the same reasons)."""
+def sliding_reasons(policy: Any, snap: Snapshot, budget: int, decodes: np.ndarray, pre_rows: np.ndarray,
+                    pre_toks: np.ndarray, path: str, W: np.ndarray | None, lost_from: np.ndarray,
+                    lost_mask: np.ndarray, n_decoding: int, holders: int, classes: dict[str, Any]) -> Reasons:
+    """The reasons of the plan a SlidingServe decision is assembling, classified now
+    from what the decision knows: the plan's token ``budget``, its ``decodes`` and
+    prefills, its ``path`` and decode windows ``W``, the prefills it considered
+    (``lost_from``) and gave up on (``lost_mask``), the count of decoding requests and
+    of requests holding KV, and in ``classes`` the rows the class reserve held back
+    (``held``, with ``reserve_ms``) and the decodes the class rescue sat out
+    (``rescued``), when it did.  The plan-wide facts cost a few scalar comparisons; a
+    decision with rejections or preemptions is explained by the post-pass instead.  The
+    same rules as :func:`_limits` and :func:`_sliding` (``tests/test_reasons.py``
+    checks the two give the same reasons)."""
     p = policy.params
-    n_alloc = len(plan.allocations)
-    lost_from, lost_mask = _EMPTY, _NO_MASK
-    held: np.ndarray | None = _EMPTY
-    rescued: np.ndarray | None = _EMPTY
-    if plan.token_budget >= snap.max_batch_tokens:
+    n_alloc = len(decodes) + len(pre_rows)
+    held = rescued = lost = _EMPTY
+    mask = _NO_MASK
+    if budget >= snap.max_batch_tokens:
         rules = _RULES_OFF.copy()
         rules[_TOKEN_BUDGET], rules[_S + _TOKEN_BUDGET] = 1.0, snap.max_batch_tokens
-    elif snap.free_kv_tokens is not None and (
-            left := snap.free_kv_tokens - plan.token_budget - p.kv_decode_reserve * trace["n_decoding"]) < 1:
+    elif (free := snap.free_kv_tokens) is not None and (left := free - budget - p.kv_decode_reserve * n_decoding) < 1:
         rules = _RULES_OFF.copy()
         rules[_KV], rules[_S + _KV] = 1.0, left
     else:
         rules = _SLIDING_ON[p.order == "mlps"].copy()  # the sit-out rules (and the lost rule's with MLPS)
-        if snap.free_kv_tokens is not None and left - (mark := p.kv_growth_iters * trace["holders"]) < 1:
+        if free is not None and left - (mark := p.kv_growth_iters * holders) < 1:
             rules[_KV_WATERMARK], rules[_S + _KV_WATERMARK] = 1.0, mark
-        lost_from, lost_mask = trace["lost_from"], trace["lost_mask"]
-        if (held := trace.get("held")) is not None:
-            rules[_CLASS_RESERVE], rules[_S + _CLASS_RESERVE] = 1.0, trace["reserve_ms"]
-        if (rescued := trace.get("rescued")) is not None:
-            rules[_CLASS_RESCUE], rules[_S + _CLASS_RESCUE] = 1.0, len(rescued)
+        lost, mask = lost_from, lost_mask
+        if classes:
+            if (h := classes.get("held")) is not None:
+                held, rules[_CLASS_RESERVE], rules[_S + _CLASS_RESERVE] = h, 1.0, classes["reserve_ms"]
+            if (r := classes.get("rescued")) is not None:
+                rescued, rules[_CLASS_RESCUE], rules[_S + _CLASS_RESCUE] = r, 1.0, len(r)
         if not snap.one_class:
             rules[_CLASS_SIT_OUT] = 1.0
-        if plan.path == "batch_constructor":
-            rules[_NOT_CHOSEN], rules[_S + _NOT_CHOSEN] = 1.0, len(trace["pre_rows"])
-        elif (W := trace["W"]) is not None:
+        if path == "batch_constructor":
+            rules[_NOT_CHOSEN], rules[_S + _NOT_CHOSEN] = 1.0, len(pre_rows)
+        elif W is not None:
             rules[_TIME_BUDGET], rules[_S + _TIME_BUDGET] = 1.0, W[0]
     if n_alloc >= snap.max_num_seqs:
         rules[_MAX_NUM_SEQS], rules[_S + _MAX_NUM_SEQS] = 1.0, snap.max_num_seqs
     rules[_S + _BEHIND], rules[RULE_STARVE], rules[RULE_SKIP] = n_alloc, p.starve_after, p.decode_skip_tbts
-    verdicts = _verdicts(snap, plan) if plan.rejections or plan.preemptions else _NO_VERDICTS
-    return kernels.ops().reason_codes(snap, trace["decodes"], trace["pre_rows"], trace["pre_toks"], lost_from,
-                                      lost_mask, _EMPTY if held is None else held,
-                                      _EMPTY if rescued is None else rescued, verdicts, rules)
+    return Reasons(snap.ids, *kernels.ops().reason_codes(snap, decodes, pre_rows, pre_toks, lost, mask, held, rescued,
+                                                         _NO_VERDICTS, rules))
 
 
 def _allocated(snap: Snapshot, plan: PlanLike) -> tuple[np.ndarray, np.ndarray]:

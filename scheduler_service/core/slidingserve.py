@@ -33,8 +33,8 @@ from .features import DECODE
 from .params import param
 from .plan import Plan, Reasons, Rejection
 from .predictor import BatchLatencyPredictor
-from .reasons import Decided, reserve_ms, traced_reasons
 from .reasons import explain as with_reasons
+from .reasons import reserve_ms, sliding_reasons
 from .snapshot import Snapshot
 from .sorter import edf_order, late_set, mlps_order, ordered, prefill_indices
 
@@ -157,15 +157,14 @@ class SlidingServePolicy:
                                                                                    explain=explain)
         if not explain:
             return self._decide(snapshot, predictor, None)
-        trace: dict[str, Any] = {}
-        plan = self._decide(snapshot, predictor, trace)
-        if not trace:  # a preempting decision planned a smaller snapshot: replayed
-            return with_reasons(self, snapshot, predictor, plan, None)
-        trace["plan"] = Decided.of(plan)  # what its reasons (attached when it was assembled) explain
-        return plan
+        plan = self._decide(snapshot, predictor, {})
+        if isinstance(plan.reasons, Reasons):  # classified as it was assembled
+            return plan
+        return with_reasons(self, snapshot, predictor, plan)  # it preempted or rejected: replayed
 
     def _decide(self, snapshot: Snapshot, predictor: BatchLatencyPredictor, trace: dict[str, Any] | None) -> Plan:
-        """:meth:`plan`; ``trace`` (explaining only) receives the decision's masks."""
+        """:meth:`plan`; with ``trace`` (explaining only: it receives what the class rules
+        held back) the plan is classified as it is assembled, unless it preempts or rejects."""
         p = self.params
         snap = snapshot
         t0 = time.perf_counter_ns()
@@ -187,7 +186,7 @@ class SlidingServePolicy:
                                decision_us=(time.perf_counter_ns() - t0) // 1000)
         if p.shed and snap.any_sheddable and len(pre) and bool(snap.sheddable[pre].any()):
             pre, lost, rejections = _shed(snap, pre, lost)
-            plan = self._choose(snap, predictor, t0, dec_all, pre, lost, rho, trace)
+            plan = self._choose(snap, predictor, t0, dec_all, pre, lost, rho, None if rejections else trace)
             return replace(plan, rejections=rejections) if rejections else plan
         return self._choose(snap, predictor, t0, dec_all, pre, lost, rho, trace)
 
@@ -380,21 +379,12 @@ class SlidingServePolicy:
             predicted = float(curve.times[p1])  # the curve holds exactly this batch
             path = "sliding_chunker" if len(pre_rows) else ("decode_only" if n_dec else "idle")
             t4 = time.perf_counter_ns()
-        reasons = () if trace is None else _record(  # what explaining needs of this decision (the last one wins)
-            self, snap, trace, decodes=decodes, pre_rows=pre_rows, pre_toks=pre_toks, W=W, lost_from=pre,
-            lost_mask=lost, n_decoding=len(dec_all), holders=holders)
         return assemble_plan(
             self, snap, predictor, decodes, pre_rows, pre_toks, path, t0,
             {"sorter": t1 - t0, "predictor": t2 - t1, "constructor": t3 - t2, "chunker": t4 - t3},
-            predicted, reasons,
+            predicted, explain=None if trace is None or not len(snap) else lambda budget: sliding_reasons(
+                self, snap, budget, decodes, pre_rows, pre_toks, path, W, pre, lost, len(dec_all), holders, trace),
         )
-
-
-def _record(policy: SlidingServePolicy, snap: Snapshot, trace: dict[str, Any], **facts: Any) -> Reasons | tuple[()]:
-    """Keep a decision's ``facts`` in ``trace`` and return the reasons of the plan being
-    assembled, which explain from them (``reasons.traced_reasons``)."""
-    trace.update(facts)
-    return traced_reasons(policy, snap, trace) if len(snap) else ()
 
 
 def _reserve(snap: Snapshot, predictor: BatchLatencyPredictor, dec_all: np.ndarray, pre: np.ndarray,
