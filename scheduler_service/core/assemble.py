@@ -83,25 +83,23 @@ def assemble_plan(
         pred = 0.0
     allocs = _decode_allocations(list(map(ids.__getitem__, dec)))
     allocs += [Allocation(ids[i], t) for i, t in zip(rows, toks, strict=True)]
-    if facts is not None and len(snap):
-        facts.update(decodes=np.asarray(decodes, dtype=np.int64), pre_rows=np.asarray(pre_rows, dtype=np.int64),
-                     pre_toks=np.asarray(pre_toks, dtype=np.int64))
-        reasons = assembled_reasons(policy, snap, predictor, facts)
+    allocations = tuple(allocs)
     budget = len(dec) + int(sum(toks))
     if explain is not None:
         reasons = explain(budget)
-    plan = Plan(
+    elif facts is not None and len(snap):
+        facts.update(decodes=np.asarray(decodes, dtype=np.int64), pre_rows=np.asarray(pre_rows, dtype=np.int64),
+                     pre_toks=np.asarray(pre_toks, dtype=np.int64))
+        reasons = assembled_reasons(policy, snap, predictor, Decided(allocations, budget, path, (), ()), facts)
+    return Plan(
         policy=policy.name,
         policy_version=policy.version,
         predictor_version=predictor.version,
         path=path,
         token_budget=budget,
         predicted_latency_ms=pred,
-        allocations=tuple(allocs),
+        allocations=allocations,
         decision_us=(time.perf_counter_ns() - t0) // 1000,
         breakdown_us={k: v // 1000 for k, v in breakdown_ns.items()},
         reasons=reasons,
     )
-    if facts is not None:
-        facts["plan"] = Decided.of(plan)
-    return plan

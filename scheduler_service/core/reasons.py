@@ -48,19 +48,15 @@ _C = {c: k for k, c in enumerate(CODES)}
 
 
 class Decided(NamedTuple):
-    """What explaining reads of a plan: its own fields without its reasons, which the
-    reasons of a plan explained from its decision keep, so that they do not keep the plan
-    that keeps them (a reference cycle per plan would be left to the garbage collector)."""
+    """What explaining reads of a plan: its own fields without its reasons, for the
+    reasons of a plan being assembled (:func:`assembled_reasons`), classified before the
+    plan that carries them exists."""
 
     allocations: tuple[Allocation, ...]
     token_budget: int
     path: str
     rejections: tuple[Rejection, ...]
     preemptions: tuple[str, ...]
-
-    @classmethod
-    def of(cls, plan: Plan) -> Decided:
-        return cls(plan.allocations, plan.token_budget, plan.path, plan.rejections, plan.preemptions)
 
 
 #: A plan as explaining reads it.
@@ -76,15 +72,14 @@ def plan_explained(policy: Policy, snapshot: Snapshot, predictor: BatchLatencyPr
     return explain(policy, snapshot, predictor, policy.plan(snapshot, predictor))
 
 
-def assembled_reasons(policy: Policy, snapshot: Snapshot, predictor: BatchLatencyPredictor,
+def assembled_reasons(policy: Policy, snapshot: Snapshot, predictor: BatchLatencyPredictor, plan: Decided,
                       facts: dict[str, Any]) -> Reasons:
-    """The reasons of a plan being assembled (``assemble.assemble_plan``) from what the
-    decision knew, ``facts``: its ``decodes``, ``pre_rows`` and ``pre_toks`` (what each
-    row gets, so that no allocation is looked up by id), optionally the ``budget`` it
-    used and the rows it relegated (``lost_mask`` over ``lost_from``), and, set before
-    the reasons are read, the ``plan`` itself (as :class:`Decided`).  Classified when
-    first read, as :func:`explain`'s."""
-    return Reasons(snapshot.ids, compute=lambda: _classify(policy, snapshot, predictor, facts["plan"], facts))
+    """The reasons of ``plan``, being assembled (``assemble.assemble_plan``), classified
+    now from what the decision knew, ``facts``: its ``decodes``, ``pre_rows`` and
+    ``pre_toks`` (what each row gets, so that no allocation is looked up by id),
+    optionally the ``budget`` it used and the rows it relegated (``lost_mask`` over
+    ``lost_from``)."""
+    return Reasons(snapshot.ids, *_classify(policy, snapshot, predictor, plan, facts))
 
 
 def reason_counts(reasons: Sequence[Reason]) -> dict[str, int]:
