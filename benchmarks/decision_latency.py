@@ -18,7 +18,9 @@ decision on the same snapshot (the order alternating), and prints the overhead a
 (target: at most 5% for slidingserve) both as the difference of the two medians and
 paired (the median of the pairs' differences in each order, averaged: see
 :func:`paired_overhead`), and the
-times with the reasons not read and with every one read as a ``Reason`` object.
+times with the reasons not read (an explaining policy has classified them as it assembled
+the plan; only a replayed plan's wait for their first read) and with every one read as a
+``Reason`` object.
 
 ``--encode`` also times what the service does with a plan: ``encode_plan`` to the wire
 message and its serialisation, for the plain plan, for the explained one in the compact

@@ -58,15 +58,14 @@ def assemble_plan(
     t0: int,
     breakdown_ns: dict[str, int],
     predicted_ms: float | None = None,
-    reasons: Sequence[Reason] = (),
     facts: dict[str, Any] | None = None,
     explain: Callable[[int], Sequence[Reason]] | None = None,
 ) -> Plan:
     """Build the plan and predict the latency of exactly the batch it names
-    (``predicted_ms`` when the caller already knows it); ``reasons``: the plan's, when
-    the decision explains itself; ``explain``: called with the plan's token budget, it
-    returns them (``reasons.sliding_reasons``); ``facts`` (a dict, possibly empty):
-    explain the plan from them and from the rows it serves (``reasons.assembled_reasons``).
+    (``predicted_ms`` when the caller already knows it).  Its reasons, when the decision
+    explains itself: ``explain``, called with the plan's token budget, returns them
+    (``reasons.sliding_reasons``); or ``facts`` (a dict, possibly empty): they are
+    classified from them and from the rows the plan serves (``reasons.assembled_reasons``).
     The plan gives one token to each of ``decodes`` and ``pre_toks[j]`` to row ``pre_rows[j]``."""
     ids = snap.ids
     dec = decodes.tolist()
@@ -85,6 +84,7 @@ def assemble_plan(
     allocs += [Allocation(ids[i], t) for i, t in zip(rows, toks, strict=True)]
     allocations = tuple(allocs)
     budget = len(dec) + int(sum(toks))
+    reasons: Sequence[Reason] = ()
     if explain is not None:
         reasons = explain(budget)
     elif facts is not None and len(snap):
