@@ -181,6 +181,17 @@ def test_cpu_use_accounts_each_process_tree_and_the_cores() -> None:
     assert use["client_s"] >= 0.0
 
 
+def test_a_core_whose_counters_run_backwards_reads_idle_not_negative() -> None:
+    """Busy time is a core's counters less idle and iowait, and Linux's iowait can decrease:
+    an idle core's busy share must come out 0, not a hair below it (a run's record once
+    read -6e-13)."""
+    start = CpuUse(1, {0}, {}, cores={"worker_core": 10.0, "other_cores": 5.000000000001}, at=100.0)
+    end = CpuUse(1, {0}, {}, cores={"worker_core": 11.5, "other_cores": 5.0}, at=102.0)
+    use = end.since(start)
+    assert use["other_cores_busy"] == 0.0
+    assert use["worker_core_busy"] == pytest.approx(0.75)
+
+
 def test_the_timing_table_says_where_the_cpu_went() -> None:
     base = {"rate": 3.0, "vllm_timings": {"ttft_mean_ms": 200.0}}
     runs = [{**base, "config": "inproc:slidingserve", "seed": 1,

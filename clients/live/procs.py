@@ -275,10 +275,12 @@ class CpuUse:
     def since(self, start: CpuUse) -> dict[str, float]:
         """Busy shares of the cores and CPU seconds per process over ``[start, self]``."""
         wall = max(self.at - start.at, 1e-9)
-        out = {"wall_s": wall, "worker_core_busy": (self.cores["worker_core"] - start.cores["worker_core"]) / wall}
+        # Busy time is the sum of a core's counters less idle and iowait, and Linux's iowait
+        # can run backwards: an idle core's difference can come out a hair below zero.
+        busy = {k: max(v - start.cores.get(k, 0.0), 0.0) for k, v in self.cores.items()}
+        out = {"wall_s": wall, "worker_core_busy": busy["worker_core"] / wall}
         n_other = max(len(self.other_cores - {self.worker_core}), 1)
-        out["other_cores_busy"] = (self.cores.get("other_cores", 0.0) - start.cores.get("other_cores", 0.0)) / (
-            wall * n_other)
+        out["other_cores_busy"] = busy.get("other_cores", 0.0) / (wall * n_other)
         out |= {f"{k}_s": v - start.procs.get(k, 0.0) for k, v in self.procs.items()}
         out["engine_on_worker_s"] = sum(v - start.bound[t] for t, v in self.bound.items() if t in start.bound)
         return out
