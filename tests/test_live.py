@@ -16,7 +16,15 @@ from hypothesis import strategies as st
 
 from clients.live.command import main, parser, spec_of
 from clients.live.measure import RequestResult, Slo, goodput, summarize
-from clients.live.report import goodputs, judge_table, markdown, noise_table, sim_table, timing_table
+from clients.live.report import (
+    goodputs,
+    judge_table,
+    markdown,
+    noise_table,
+    sim_table,
+    timing_table,
+    write_plot,
+)
 from clients.live.runner import Config, LiveSpec, _spec_dict, check_resumable
 from clients.live.workload import WorkloadSpec, make_requests
 
@@ -483,3 +491,21 @@ def test_a_remote_runs_late_answers_are_replayed() -> None:
     assert late["requests"] == late["completed"] == 40  # nothing lost to a late answer
     with pytest.raises(ValueError, match="share"):
         LateAnswers(None, 1.0, 1)  # type: ignore[arg-type]
+
+
+def test_the_plot_has_a_predictor_panel_only_where_remote_runs_reported_one(tmp_path: Path) -> None:
+    """In-process and vLLM runs carry no service predictor error: their plot has three
+    panels, not an empty fourth."""
+    import matplotlib.pyplot as plt
+
+    def run(config: str, rate: float, seed: int, **extra: Any) -> dict[str, Any]:
+        return {"config": config, "rate": rate, "seed": seed, "attain_f1": 0.9, "attain_tpot": 0.95,
+                "ttft_max_ms": 1200.0, "time": rate + seed, **extra}
+
+    local = [run(c, r, 1) for c in ("vllm", "inproc:slidingserve") for r in (1.0, 2.0)]
+    three = write_plot(local, tmp_path / "local.png", 0.9)
+    four = write_plot([*local, *(run("remote:slidingserve", r, 1, service_mae_ms=0.4) for r in (1.0, 2.0))],
+                      tmp_path / "remote.png", 0.9)
+    assert three is not None and four is not None
+    w3, w4 = plt.imread(three).shape[1], plt.imread(four).shape[1]
+    assert w3 < 0.8 * w4  # 14.5 against 19 inches wide

@@ -206,7 +206,8 @@ def _fallbacks(rs: Sequence[dict[str, Any]]) -> str:
 def write_plot(runs: Sequence[dict[str, Any]], path: Path, threshold: float,
                sim: Sequence[dict[str, Any]] = ()) -> Path | None:
     """attainment vs rate under both definitions, TTFT max vs rate, and the service's
-    predictor error run by run; None when matplotlib is missing."""
+    predictor error run by run (where remote runs reported it: no empty panel otherwise);
+    None when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -217,7 +218,8 @@ def write_plot(runs: Sequence[dict[str, Any]], path: Path, threshold: float,
     configs = _configs(runs)
     by = _by(runs)
     rates = sorted({float(r["rate"]) for r in runs})
-    fig, axes = plt.subplots(1, 4, figsize=(19, 4.2))
+    remote = sorted((v for v in runs if v.get("service_mae_ms") is not None), key=lambda v: v["time"])
+    fig, axes = plt.subplots(1, 4 if remote else 3, figsize=(19 if remote else 14.5, 4.2))
     for c in configs:
         for ax, (key, title) in zip(axes[:2], DEFS, strict=True):
             m, lo, hi = [], [], []
@@ -245,11 +247,11 @@ def write_plot(runs: Sequence[dict[str, Any]], path: Path, threshold: float,
     axes[2].set_title("TTFT maximum")
     axes[2].set_xlabel("request rate (req/s)")
     axes[2].set_ylabel("s")
-    remote = sorted((v for v in runs if v.get("service_mae_ms") is not None), key=lambda v: v["time"])
-    axes[3].plot(range(1, len(remote) + 1), [v["service_mae_ms"] for v in remote], marker=".")
-    axes[3].set_title("service predictor: |predicted − measured|")
-    axes[3].set_xlabel("run (in order; remote runs report)")
-    axes[3].set_ylabel("mean absolute error (ms)")
+    if remote:
+        axes[3].plot(range(1, len(remote) + 1), [v["service_mae_ms"] for v in remote], marker=".")
+        axes[3].set_title("service predictor: |predicted − measured|")
+        axes[3].set_xlabel("run (in order; remote runs report)")
+        axes[3].set_ylabel("mean absolute error (ms)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
