@@ -297,6 +297,9 @@ class TestTP1:
                 await asyncio.sleep(2.0)
 
                 # 1. kill the service (no drain)
+                # each fault waits for a request in flight: with short requests the stream can
+                # be empty for an instant (it once was at the restart)
+                await until("a request in flight before the kill", lambda: in_flight() > 0, 30)
                 a0 = adapter(v)
                 marks["in_flight_at_kill"] = in_flight()
                 service.kill()
@@ -312,6 +315,7 @@ class TestTP1:
                 marks["completed_while_down"] = sum(t.done() for t in tasks) - done0
 
                 # 2. restart it on the same port: the adapter finds it by itself
+                await until("a request in flight before the restart", lambda: in_flight() > 0, 30)
                 marks["in_flight_at_restart"] = in_flight()
                 service.start()
                 r0 = marks["down"]["remote_decisions"]
@@ -321,6 +325,7 @@ class TestTP1:
                     service.metrics(), "slidingserve_version_decisions_total", version="v1") > 0, 30)
 
                 # 3. swap the default policy version while requests stream
+                await until("a request in flight before the swap", lambda: in_flight() > 0, 30)
                 marks["in_flight_at_swap"] = in_flight()
                 service.write_policies("v2")
                 await until("decisions by v2 after the swap", lambda: total(
