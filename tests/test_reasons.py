@@ -369,3 +369,26 @@ def test_every_code_is_documented() -> None:
     section = (docs / "reasons.md").read_text().split("## The codes", 1)[1].split("\n## ", 1)[0]
     assert [c for c in CODES if f"| `{c}` |" not in section] == []  # a row of the table per code
     assert "(reasons.md)" in (docs / "policies.md").read_text()  # the policies page points there
+
+
+def test_a_shedding_decision_explains_itself_without_a_replay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SlidingServe's rejections are verdicts of its own decision: the plan is classified as
+    it is assembled (no replay of the rules), with the same reasons as the replay."""
+    from scheduler_service.core import slidingserve
+    from scheduler_service.core.snapshot import Request
+
+    reqs = [Request("gone", 0.0, 400, ttft_slo=0.1, sheddable=True),
+            Request("kept", 0.0, 400, ttft_slo=0.1),
+            Request("fine", 1.9, 40, ttft_slo=5.0, sheddable=True)]
+    snap, pred = Snapshot.from_requests(reqs, now=2.0), default_predictor()
+    policy = registry.create("slidingserve")
+    told = explain(policy, snap, pred, policy.plan(snap, pred))
+
+    def no_replay(*_: Any) -> Plan:
+        raise AssertionError("a shedding decision was replayed")
+
+    monkeypatch.setattr(slidingserve, "with_reasons", no_replay)
+    traced = plan_explained(policy, snap, pred)
+    assert traced.rejections == told.rejections and traced.rejections
+    assert list(traced.reasons) == list(told.reasons)
+    assert ("gone", "ttft_expired") in {(r.id, r.code) for r in traced.reasons}

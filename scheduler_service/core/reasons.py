@@ -164,20 +164,20 @@ def _classify(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor, 
             lost_mask = policy.relegated(snap, predictor, lost_from)
         rules[_C["given_up"]] = 1.0
     return kernels.ops().reason_codes(snap, dec_rows, pre_rows, pre_toks, lost_from, lost_mask, held, rescued,
-                                      _verdicts(snap, plan), rules)
+                                      _verdicts(snap, plan.rejections, plan.preemptions), rules)
 
 
 def sliding_reasons(policy: Any, snap: Snapshot, budget: int, decodes: np.ndarray, pre_rows: np.ndarray,
                     pre_toks: np.ndarray, path: str, W: np.ndarray | None, lost_from: np.ndarray,
-                    lost_mask: np.ndarray, n_decoding: int, holders: int, classes: dict[str, Any]) -> Reasons:
+                    lost_mask: np.ndarray, n_decoding: int, holders: int, held_back: dict[str, Any]) -> Reasons:
     """The reasons of the plan a SlidingServe decision is assembling, classified now
     from what the decision knows: the plan's token ``budget``, its ``decodes`` and
     prefills, its ``path`` and decode windows ``W``, the prefills it considered
     (``lost_from``) and gave up on (``lost_mask``), the count of decoding requests and
-    of requests holding KV, and in ``classes`` the rows the class reserve held back
+    of requests holding KV, and in ``held_back`` the rows the class reserve held back
     (``held``, with ``reserve_ms``) and the decodes the class rescue sat out
-    (``rescued``), when it did.  The plan-wide facts cost a few scalar comparisons; a
-    decision with rejections or preemptions is explained by the post-pass instead.  The
+    (``rescued``), when it did, and the ``rejections`` it shed.  The plan-wide facts cost
+    a few scalar comparisons; a decision that preempts is explained by the post-pass.  The
     same rules as :func:`_limits` and :func:`_sliding` (``tests/test_reasons.py``
     checks the two give the same reasons)."""
     p = policy.params
@@ -195,10 +195,10 @@ def sliding_reasons(policy: Any, snap: Snapshot, budget: int, decodes: np.ndarra
         if free is not None and left - (mark := p.kv_growth_iters * holders) < 1:
             rules[_KV_WATERMARK], rules[_S + _KV_WATERMARK] = 1.0, mark
         lost, mask = lost_from, lost_mask
-        if classes:
-            if (h := classes.get("held")) is not None:
-                held, rules[_CLASS_RESERVE], rules[_S + _CLASS_RESERVE] = h, 1.0, classes["reserve_ms"]
-            if (r := classes.get("rescued")) is not None:
+        if held_back:
+            if (h := held_back.get("held")) is not None:
+                held, rules[_CLASS_RESERVE], rules[_S + _CLASS_RESERVE] = h, 1.0, held_back["reserve_ms"]
+            if (r := held_back.get("rescued")) is not None:
                 rescued, rules[_CLASS_RESCUE], rules[_S + _CLASS_RESCUE] = r, 1.0, len(r)
         if not snap.one_class:
             rules[_CLASS_SIT_OUT] = 1.0
@@ -209,8 +209,9 @@ def sliding_reasons(policy: Any, snap: Snapshot, budget: int, decodes: np.ndarra
     if n_alloc >= snap.max_num_seqs:
         rules[_MAX_NUM_SEQS], rules[_S + _MAX_NUM_SEQS] = 1.0, snap.max_num_seqs
     rules[_S + _BEHIND], rules[RULE_STARVE], rules[RULE_SKIP] = n_alloc, p.starve_after, p.decode_skip_tbts
+    verdicts = _verdicts(snap, held_back["rejections"]) if "rejections" in held_back else _NO_VERDICTS
     return Reasons(snap.ids, *kernels.ops().reason_codes(snap, decodes, pre_rows, pre_toks, lost, mask, held, rescued,
-                                                         _NO_VERDICTS, rules))
+                                                         verdicts, rules))
 
 
 def _allocated(snap: Snapshot, plan: PlanLike) -> tuple[np.ndarray, np.ndarray]:
@@ -222,15 +223,15 @@ def _allocated(snap: Snapshot, plan: PlanLike) -> tuple[np.ndarray, np.ndarray]:
             np.array(toks, dtype=np.int64))
 
 
-def _verdicts(snap: Snapshot, plan: PlanLike) -> np.ndarray:
+def _verdicts(snap: Snapshot, rejections: Sequence[Rejection], preemptions: Sequence[str] = ()) -> np.ndarray:
     """The rejections and preemptions, which come before every rule: their rows over
     their codes (int64, two rows)."""
-    if not plan.rejections and not plan.preemptions:
+    if not rejections and not preemptions:
         return _NO_VERDICTS
     index = snap.index_of
-    rows = [index[r.id] for r in plan.rejections] + [index[r] for r in plan.preemptions]
-    codes = [_C[r.reason] if r.reason in _C else _C["ttft_unreachable"] for r in plan.rejections]
-    codes += [_C["preempted"]] * len(plan.preemptions)
+    rows = [index[r.id] for r in rejections] + [index[r] for r in preemptions]
+    codes = [_C[r.reason] if r.reason in _C else _C["ttft_unreachable"] for r in rejections]
+    codes += [_C["preempted"]] * len(preemptions)
     return np.array([rows, codes], dtype=np.int64)
 
 

@@ -160,11 +160,11 @@ class SlidingServePolicy:
         plan = self._decide(snapshot, predictor, {})
         if isinstance(plan.reasons, Reasons):  # classified as it was assembled
             return plan
-        return with_reasons(self, snapshot, predictor, plan)  # it preempted or rejected: replayed
+        return with_reasons(self, snapshot, predictor, plan)  # it preempted (planned a smaller snapshot): replayed
 
     def _decide(self, snapshot: Snapshot, predictor: BatchLatencyPredictor, trace: dict[str, Any] | None) -> Plan:
         """:meth:`plan`; with ``trace`` (explaining only: it receives what the class rules
-        held back) the plan is classified as it is assembled, unless it preempts or rejects."""
+        held back and the rejections it shed) the plan is classified as it is assembled, unless it preempts."""
         p = self.params
         snap = snapshot
         t0 = time.perf_counter_ns()
@@ -186,7 +186,9 @@ class SlidingServePolicy:
                                decision_us=(time.perf_counter_ns() - t0) // 1000)
         if p.shed and snap.any_sheddable and len(pre) and bool(snap.sheddable[pre].any()):
             pre, lost, rejections = _shed(snap, pre, lost)
-            plan = self._choose(snap, predictor, t0, dec_all, pre, lost, rho, None if rejections else trace)
+            if trace is not None and rejections:
+                trace["rejections"] = rejections  # verdicts: they come before every rule
+            plan = self._choose(snap, predictor, t0, dec_all, pre, lost, rho, trace)
             return replace(plan, rejections=rejections) if rejections else plan
         return self._choose(snap, predictor, t0, dec_all, pre, lost, rho, trace)
 
