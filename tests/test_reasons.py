@@ -304,6 +304,56 @@ def test_the_reasons_kernel_is_the_reference_on_loaded_engines(name: str) -> Non
         assert all(a.tobytes() == b.tobytes() for got in others for a, b in zip(got, ref, strict=True))
 
 
+
+@st.composite
+def kernel_inputs(draw: st.DrawFn) -> tuple[np.ndarray, ...]:
+    """``reason_codes``'s arguments drawn directly: any mix of rules on (with their
+    numbers, the starvation bound and the decode skip), rows in several sets at once,
+    verdicts on waiting and on served rows, slacks on both sides of every threshold."""
+    from scheduler_service.core.reference import RULE_SCALAR, RULE_SKIP, RULE_STARVE, RULES_LEN
+
+    n = draw(st.integers(1, 40))
+    rows = st.lists(st.integers(0, n - 1), max_size=n, unique=True).map(lambda v: np.array(v, dtype=np.int64))
+    is_dec = np.array(draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+    remaining = np.where(is_dec, 0, np.array(draw(st.lists(st.integers(1, 9), min_size=n, max_size=n))))
+    slack = np.array(draw(st.lists(st.sampled_from([-1.0, -0.2, -0.05, 0.0, 0.01, 0.05, 0.3, np.inf]),
+                                   min_size=n, max_size=n)))
+    cols = [np.array(draw(st.lists(st.sampled_from(v), min_size=n, max_size=n)), dtype=dt)
+            for v, dt in (([0.02, 0.1], np.float64), ([0.02, 0.05], np.float64), ([-1, 0, 3], np.int64),
+                          ([0, 17, 4096], np.int64))]
+    dec_rows = draw(rows)
+    pre_rows = np.setdiff1d(draw(rows), dec_rows)
+    pre_toks = np.array([draw(st.integers(0, 10)) for _ in pre_rows], dtype=np.int64)
+    lost_from = draw(rows)
+    lost_mask = np.array([draw(st.booleans()) for _ in lost_from], dtype=bool)
+    v_rows = draw(rows)
+    verdicts = np.array([v_rows, [draw(st.sampled_from(range(len(CODES)))) for _ in v_rows]], dtype=np.int64)
+    rules = np.zeros(RULES_LEN)
+    rules[:RULE_SCALAR] = draw(st.lists(st.sampled_from([0.0, 0.0, 1.0]), min_size=RULE_SCALAR,
+                                        max_size=RULE_SCALAR))
+    rules[RULE_SCALAR:RULE_STARVE] = draw(st.lists(st.sampled_from([-3.0, 0.0, 2.5, 512.0]),
+                                                   min_size=RULE_SCALAR, max_size=RULE_SCALAR))
+    rules[RULE_STARVE], rules[RULE_SKIP] = draw(st.sampled_from([0.0, 2.0])), draw(st.sampled_from([0.0, 1.0, 4.0]))
+    return (dec_rows, pre_rows, pre_toks, lost_from, lost_mask, draw(rows), draw(rows), verdicts, rules,
+            is_dec, remaining, slack, *cols)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("numba") is None, reason="numba is not installed")
+@settings(max_examples=400, deadline=None, derandomize=True, database=None)
+@given(kernel_inputs())
+def test_the_branch_free_reasons_kernel_is_the_reference_under_every_rule_mix(args: tuple[np.ndarray, ...]) -> None:
+    """The compiled pass, which finds a row's first rule by bit arithmetic, gives the rows,
+    codes and values of the reference's if-order on inputs no policy would build: every
+    mix of rules on, a row in several sets, verdicts on served rows."""
+    from scheduler_service.core import reference
+
+    with kernels.using("numba"):
+        got = kernels.jit().reason_codes(*args)  # type: ignore[union-attr]
+    want = reference.reason_codes(*args)
+    assert [a.dtype for a in got] == [b.dtype for b in want]
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(got, want, strict=True))
+
+
 # ------------------------------------------------------------------ the data model
 def _plan_with_reasons() -> tuple[Snapshot, Plan]:
     from .test_classes import classed

@@ -124,9 +124,28 @@ def _rules_on(*codes: str) -> np.ndarray:
 
 
 _RULES_OFF = _rules_on()
-#: The rules SlidingServe always applies when no hard limit closes the plan: the decode
-#: sit-outs, and with MLPS order the lost rule's (given_up, expired); copied, then set.
-_SLIDING_ON = (_rules_on("late", "ahead"), _rules_on("given_up", "expired", "late", "ahead"))
+#: The rules a SlidingServe plan that no hard limit closes switches on, by what they
+#: depend on (built once each, read-only; a plan copies one and writes its own numbers):
+#: ``(mlps, one_class, path rule, starve_after, decode_skip_tbts)`` → rules.  The decode
+#: sit-outs always, the lost rule's with MLPS order, the class sit-out with several
+#: classes, and the rule of the batch the plan was not in (``not_chosen``:
+#: BatchConstructor, ``time_budget``: the decode windows, or none).
+_SLIDING_ON: dict[tuple[bool, bool, int, float, float], np.ndarray] = {}
+
+
+def _sliding_on(mlps: bool, one_class: bool, path_rule: int, starve: float, skip: float) -> np.ndarray:
+    key = (mlps, one_class, path_rule, starve, skip)
+    rules = _SLIDING_ON.get(key)
+    if rules is None:
+        codes = ["late", "ahead"] + ["given_up", "expired"] * mlps + ["class_sit_out"] * (not one_class)
+        rules = _rules_on(*codes, *([CODES[path_rule]] if path_rule >= 0 else []))
+        rules.flags.writeable = True
+        rules[RULE_STARVE], rules[RULE_SKIP] = starve, skip
+        rules.flags.writeable = False
+        if len(_SLIDING_ON) > 64:  # bounded: a key per configuration, a handful in a process
+            _SLIDING_ON.clear()
+        _SLIDING_ON[key] = rules
+    return rules
 
 
 def _classify(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor, plan: PlanLike,
@@ -190,8 +209,11 @@ def sliding_reasons(policy: Any, snap: Snapshot, budget: int, decodes: np.ndarra
     elif (free := snap.free_kv_tokens) is not None and (left := free - budget - p.kv_decode_reserve * n_decoding) < 1:
         rules = _RULES_OFF.copy()
         rules[_KV], rules[_S + _KV] = 1.0, left
-    else:
-        rules = _SLIDING_ON[p.order == "mlps"].copy()  # the sit-out rules (and the lost rule's with MLPS)
+    else:  # the common plan: its configuration's rules, then its own numbers
+        path_rule = _NOT_CHOSEN if path == "batch_constructor" else _TIME_BUDGET if W is not None else -1
+        rules = _sliding_on(p.order == "mlps", snap.one_class, path_rule, p.starve_after, p.decode_skip_tbts).copy()
+        if path_rule >= 0:
+            rules[_S + path_rule] = len(pre_rows) if path_rule == _NOT_CHOSEN else W[0]  # type: ignore[index]
         if free is not None and left - (mark := p.kv_growth_iters * holders) < 1:
             rules[_KV_WATERMARK], rules[_S + _KV_WATERMARK] = 1.0, mark
         lost, mask = lost_from, lost_mask
@@ -200,15 +222,9 @@ def sliding_reasons(policy: Any, snap: Snapshot, budget: int, decodes: np.ndarra
                 held, rules[_CLASS_RESERVE], rules[_S + _CLASS_RESERVE] = h, 1.0, held_back["reserve_ms"]
             if (r := held_back.get("rescued")) is not None:
                 rescued, rules[_CLASS_RESCUE], rules[_S + _CLASS_RESCUE] = r, 1.0, len(r)
-        if not snap.one_class:
-            rules[_CLASS_SIT_OUT] = 1.0
-        if path == "batch_constructor":
-            rules[_NOT_CHOSEN], rules[_S + _NOT_CHOSEN] = 1.0, len(pre_rows)
-        elif W is not None:
-            rules[_TIME_BUDGET], rules[_S + _TIME_BUDGET] = 1.0, W[0]
     if n_alloc >= snap.max_num_seqs:
         rules[_MAX_NUM_SEQS], rules[_S + _MAX_NUM_SEQS] = 1.0, snap.max_num_seqs
-    rules[_S + _BEHIND], rules[RULE_STARVE], rules[RULE_SKIP] = n_alloc, p.starve_after, p.decode_skip_tbts
+    rules[_S + _BEHIND] = n_alloc  # (a hard limit holds for every row: no decode rule reads the bounds)
     verdicts = _verdicts(snap, held_back["rejections"]) if "rejections" in held_back else _NO_VERDICTS
     return Reasons(snap.ids, *kernels.ops().reason_codes(snap, decodes, pre_rows, pre_toks, lost, mask, held, rescued,
                                                          verdicts, rules))
