@@ -422,8 +422,11 @@ class Snapshot:
     def one_class(self) -> bool:
         """Every request has the same priority (the v1 contract, and the common case): the
         class-aware steps of a policy can skip their per-subset checks."""
-        p = self.priority
-        return self._flag("one_class", lambda: len(p) == 0 or p.min() == p.max())
+        v = self._cache.get("one_class")  # read on every plan: no closure once known
+        if v is None:
+            p = self.priority
+            v = self._flag("one_class", lambda: len(p) == 0 or p.min() == p.max())
+        return v  # type: ignore[no-any-return]
 
     @property
     def any_sheddable(self) -> bool:

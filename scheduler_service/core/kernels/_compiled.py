@@ -804,6 +804,7 @@ _PREFILL_RULES = (1 << _RULE_BIT[RC_KV_WATERMARK]) | (1 << _RULE_BIT[RC_NOT_CHOS
 _EXPIRED_AT, _LATE_AT, _AHEAD_AT = (_RULE_BIT[c] for c in (RC_EXPIRED, RC_LATE, RC_AHEAD))
 #: The lowest set bit of a word below 2**32 by de Bruijn's multiply-and-look-up; here the
 #: code of the rule at that bit (bits past ``behind``'s are never set).
+assert max(REASON_VALUE[c] for c in (*REASON_RULES, RC_BEHIND)) < 3, "a rule's value is never a KV count"
 _DE_BRUIJN = 0x077CB531
 _LOWEST_CODE = np.full(32, RC_BEHIND, dtype=np.int8)
 for _b, _c in enumerate((*REASON_RULES, RC_BEHIND)):
@@ -861,7 +862,7 @@ def reason_codes(dec_rows, pre_rows, pre_toks, lost_from, lost_mask, held, rescu
     buf = np.empty(2 * n, dtype=np.int64)
     rows = buf[:n]
     values = buf[n:].view(np.float64)
-    k = _waiting_codes(flags, codes, rows, values, rules, is_dec, slack, tbt, step, prio, kv)
+    k = _waiting_codes(flags, codes, rows, values, rules, is_dec, slack, tbt, step, prio)
     for j in range(verdicts.shape[1]):  # the verdicts, which come before every rule (waiting rows)
         r = verdicts[0, j]
         at = np.searchsorted(rows[:k], r)
@@ -874,7 +875,7 @@ def reason_codes(dec_rows, pre_rows, pre_toks, lost_from, lost_mask, held, rescu
 
 
 @_jit
-def _waiting_codes(flags, codes, rows, values, rules, is_dec, slack, tbt, step, prio, kv):  # type: ignore[no-untyped-def]
+def _waiting_codes(flags, codes, rows, values, rules, is_dec, slack, tbt, step, prio):  # type: ignore[no-untyped-def]
     """The pass of :func:`reason_codes` over the rows' ``flags``: each waiting row's
     first rule that is on (``rules[c]`` nonzero) and holds, its row, code and value
     written at the next place of ``rows``, ``codes``, ``values``; how many."""
@@ -882,16 +883,18 @@ def _waiting_codes(flags, codes, rows, values, rules, is_dec, slack, tbt, step, 
     for j in range(_BEHIND_BIT):
         if rules[REASON_RULES[j]] != 0:
             on |= np.int64(1) << j
-    # per de Bruijn index: the rule's own number and what its value is
-    scalar = np.empty(32, dtype=np.float64)
-    kind = np.empty(32, dtype=np.int64)
+    # per de Bruijn index: what the rule's value is and its own number; a row's values by
+    # kind (picked by an index, not a branch; a verdict's KV value is never a rule's)
+    aux = np.empty(67, dtype=np.int64)
+    kind = aux[:32]
+    scalar = aux[32:64].view(np.float64)
+    value = aux[64:].view(np.float64)
     for b in range(32):
         scalar[b] = rules[RULE_SCALAR + _LOWEST_CODE[b]]
         kind[b] = REASON_VALUE[_LOWEST_CODE[b]]
     starve = rules[RULE_STARVE]
     skip = rules[RULE_SKIP]
     unbounded = np.int64(starve <= 0)
-    value = np.empty(4, dtype=np.float64)  # by kind: picked by an index, not a branch
     k = 0
     for i in range(flags.shape[0]):
         m = np.int64(flags[i])
@@ -908,7 +911,6 @@ def _waiting_codes(flags, codes, rows, values, rules, is_dec, slack, tbt, step, 
         value[0] = scalar[b]
         value[1] = s * 1e3
         value[2] = prio[i]
-        value[3] = kv[i]
         rows[k] = i
         codes[k] = _LOWEST_CODE[b]
         values[k] = value[kind[b]]
