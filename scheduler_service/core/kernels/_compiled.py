@@ -850,11 +850,12 @@ def _reason_value(kind, slack, prio, kv, scalar):  # type: ignore[no-untyped-def
 @_jit
 def reason_codes(dec_rows, pre_rows, pre_toks, lost_from, lost_mask, held, rescued, verdicts, rules,  # type: ignore[no-untyped-def]
                  is_dec, remaining, slack, tbt, step, prio, kv):
-    """``reference.reason_codes`` in one pass over the snapshot's rows, without a branch
-    on their data: each row's rules that hold as bits, the first that is on by its lowest
-    set bit; every row is written and only a waiting one advances the output (the
-    verdicts, few, looked up afterwards).  The rows and the values share one allocation:
-    what a plan keeps are views of the two."""
+    """``reference.reason_codes`` in two passes over the snapshot's rows, without a
+    branch on their data: each row's rules that hold as bits, the first that is on by its
+    lowest set bit; then every row is written and only a waiting one advances the output
+    (the verdicts, few, looked up afterwards; a plan that fills its token budget or KV
+    takes :func:`_limited_codes`).  The rows and the values share one allocation: what a
+    plan keeps are views of the two."""
     n = is_dec.shape[0]
     flags = np.zeros(n, dtype=np.uint8)
     _row_flags(flags, dec_rows, pre_rows, pre_toks, lost_from, lost_mask, held, rescued, is_dec, remaining)
@@ -879,6 +880,8 @@ def _waiting_codes(flags, codes, rows, values, rules, is_dec, slack, tbt, step, 
     """The pass of :func:`reason_codes` over the rows' ``flags``: each waiting row's
     first rule that is on (``rules[c]`` nonzero) and holds, its row, code and value
     written at the next place of ``rows``, ``codes``, ``values``; how many."""
+    if rules[RC_TOKEN_BUDGET] != 0 or rules[RC_KV] != 0:  # a hard limit holds for every row
+        return _limited_codes(flags, codes, rows, values, rules)
     on = np.int64(1) << _BEHIND_BIT
     for j in range(_BEHIND_BIT):
         if rules[REASON_RULES[j]] != 0:
@@ -894,25 +897,54 @@ def _waiting_codes(flags, codes, rows, values, rules, is_dec, slack, tbt, step, 
         kind[b] = REASON_VALUE[_LOWEST_CODE[b]]
     starve = rules[RULE_STARVE]
     skip = rules[RULE_SKIP]
-    unbounded = np.int64(starve <= 0)
-    k = 0
+    unbounded = np.int32(starve <= 0)
+    on32 = np.int32(on)
+    # 1. per row, the de Bruijn index of its first rule, in the codes' bytes: no table and
+    # no output position here, so that the compiler vectorises the loop
+    first = codes.view(np.uint8)
     for i in range(flags.shape[0]):
-        m = np.int64(flags[i])
-        d = np.int64(is_dec[i])
+        m = np.int32(flags[i])
+        d = np.int32(is_dec[i])
         s = slack[i]
-        gone = np.int64(s <= 0)
-        late = gone & (unbounded | np.int64(s > -starve * tbt[i]))
-        ahead = np.int64(s > skip * step[i])
+        gone = np.int32(s <= 0)
+        late = gone & (unbounded | np.int32(s > -starve * tbt[i]))
+        ahead = np.int32(s > skip * step[i])
         as_decode = _DECODE_RULES | (late << _LATE_AT) | (ahead << _AHEAD_AT)
         as_prefill = _PREFILL_RULES | (gone << _EXPIRED_AT)
         holds = ((m ^ _GETS) & _FLAG_RULES) | _ALWAYS | (as_prefill + d * (as_decode - as_prefill))
-        x = holds & on
-        b = (((x & -x) * _DE_BRUIJN) & 0xFFFFFFFF) >> 27
+        x = np.uint32(holds & on32)
+        first[i] = ((np.int64(x & (np.uint32(0) - x)) * _DE_BRUIJN) & 0xFFFFFFFF) >> 27
+    # 2. the waiting rows' codes and values, packed: every row is written, only a waiting
+    # one advances (a row's index is read before a code is written over it: k <= i)
+    k = 0
+    for i in range(flags.shape[0]):
+        b = first[i]
         value[0] = scalar[b]
-        value[1] = s * 1e3
+        value[1] = slack[i] * 1e3
         value[2] = prio[i]
         rows[k] = i
         codes[k] = _LOWEST_CODE[b]
         values[k] = value[kind[b]]
+        k += 1 - ((flags[i] & _SERVED) != 0)
+    return k
+
+
+@_jit
+def _limited_codes(flags, codes, rows, values, rules):  # type: ignore[no-untyped-def]
+    """:func:`_waiting_codes` where the token budget or KV holds every row back (a plan
+    that fills its budget: most of Sarathi's and vLLM's): ``max_num_seqs`` for a row with
+    no token when that rule is on, else the limit's code, each with its rule's number."""
+    limit = RC_TOKEN_BUDGET if rules[RC_TOKEN_BUDGET] != 0 else RC_KV
+    seqs = np.int64(rules[RC_MAX_NUM_SEQS] != 0)
+    value = np.empty(2, dtype=np.float64)
+    value[0] = rules[RULE_SCALAR + limit]
+    value[1] = rules[RULE_SCALAR + RC_MAX_NUM_SEQS]
+    k = 0
+    for i in range(flags.shape[0]):
+        m = np.int64(flags[i])
+        by_seqs = seqs & ((m & _GETS) == 0)
+        rows[k] = i
+        codes[k] = limit + by_seqs * (RC_MAX_NUM_SEQS - limit)
+        values[k] = value[by_seqs]
         k += 1 - ((m & _SERVED) != 0)
     return k

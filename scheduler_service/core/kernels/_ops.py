@@ -47,8 +47,10 @@ _INT64 = np.dtype(np.int64)
 
 
 def _idx(a: np.ndarray) -> np.ndarray:
-    """Row indices as the compiled kernels take them (int64; no copy when they are)."""
-    return a if a.dtype is _INT64 else a.astype(np.int64)
+    """Row indices as the compiled kernels take them (int64; no copy when they are).  An
+    array a kernel returned carries an int64 dtype equal to, but not the same object as,
+    numpy's own: compared by identity first, then by value."""
+    return a if a.dtype is _INT64 or a.dtype == _INT64 else a.astype(np.int64)
 
 
 class QueueView(NamedTuple):
