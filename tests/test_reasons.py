@@ -308,8 +308,9 @@ def test_the_reasons_kernel_is_the_reference_on_loaded_engines(name: str) -> Non
 @st.composite
 def kernel_inputs(draw: st.DrawFn) -> tuple[np.ndarray, ...]:
     """``reason_codes``'s arguments drawn directly: any mix of rules on (with their
-    numbers, the starvation bound and the decode skip), rows in several sets at once,
-    verdicts on waiting and on served rows, slacks on both sides of every threshold."""
+    numbers, one of them passed apart, the starvation bound and the decode skip), rows in
+    several sets at once, verdicts on waiting and on served rows, slacks on both sides of
+    every threshold."""
     from scheduler_service.core.reference import RULE_SCALAR, RULE_SKIP, RULE_STARVE, RULES_LEN
 
     n = draw(st.integers(1, 40))
@@ -334,8 +335,9 @@ def kernel_inputs(draw: st.DrawFn) -> tuple[np.ndarray, ...]:
     rules[RULE_SCALAR:RULE_STARVE] = draw(st.lists(st.sampled_from([-3.0, 0.0, 2.5, 512.0]),
                                                    min_size=RULE_SCALAR, max_size=RULE_SCALAR))
     rules[RULE_STARVE], rules[RULE_SKIP] = draw(st.sampled_from([0.0, 2.0])), draw(st.sampled_from([0.0, 1.0, 4.0]))
+    own_rule, own_value = draw(st.sampled_from([-1, *range(len(CODES))])), draw(st.sampled_from([0.0, 0.25, 7.0]))
     return (dec_rows, pre_rows, pre_toks, lost_from, lost_mask, draw(rows), draw(rows), verdicts, rules,
-            is_dec, remaining, slack, *cols)
+            own_rule, own_value, is_dec, remaining, slack, *cols)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("numba") is None, reason="numba is not installed")

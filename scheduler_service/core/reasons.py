@@ -108,9 +108,9 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 _NO_CODES = np.zeros(0, dtype=np.int8)
 _NO_MASK = np.zeros(0, dtype=bool)
 _NO_VERDICTS = np.zeros((2, 0), dtype=np.int64)
-(_MAX_NUM_SEQS, _TOKEN_BUDGET, _KV, _KV_WATERMARK, _CLASS_RESERVE, _CLASS_RESCUE, _CLASS_SIT_OUT, _NOT_CHOSEN,
- _TIME_BUDGET, _BEHIND) = (_C[c] for c in ("max_num_seqs", "token_budget", "kv", "kv_watermark", "class_reserve",
-                                            "class_rescue", "class_sit_out", "not_chosen", "time_budget", "behind"))
+(_MAX_NUM_SEQS, _TOKEN_BUDGET, _KV, _KV_WATERMARK, _CLASS_RESERVE, _CLASS_RESCUE, _NOT_CHOSEN, _TIME_BUDGET) = (
+    _C[c] for c in ("max_num_seqs", "token_budget", "kv", "kv_watermark", "class_reserve", "class_rescue",
+                    "not_chosen", "time_budget"))
 #: The kernel's ``rules`` (``reference.RULE_SCALAR``): rule c on at ``rules[c]``, its number at
 #: ``rules[_S + c]``.
 _S = RULE_SCALAR
@@ -165,7 +165,6 @@ def _classify(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor, 
         if not (got < np.where(snap.is_decoding, 1, snap.remaining_prefill)).any():
             return _EMPTY, _NO_CODES, np.zeros(0)  # nothing waits: no rule to replay
     rules = _RULES_OFF.copy()
-    rules[_S + _BEHIND] = len(plan.allocations)
     budget = facts.get("budget") if facts is not None else None
     closed = _limits(policy, snap, predictor, plan, rules, budget)
     lost_from, lost_mask, held, rescued = _EMPTY, _NO_MASK, _EMPTY, _EMPTY
@@ -200,34 +199,37 @@ def sliding_reasons(policy: Any, snap: Snapshot, budget: int, decodes: np.ndarra
     same rules as :func:`_limits` and :func:`_sliding` (``tests/test_reasons.py``
     checks the two give the same reasons)."""
     p = policy.params
-    n_alloc = len(decodes) + len(pre_rows)
     held = rescued = lost = _EMPTY
     mask = _NO_MASK
+    own_rule, own = -1, 0.0
     if budget >= snap.max_batch_tokens:
         rules = _RULES_OFF.copy()
         rules[_TOKEN_BUDGET], rules[_S + _TOKEN_BUDGET] = 1.0, snap.max_batch_tokens
     elif (free := snap.free_kv_tokens) is not None and (left := free - budget - p.kv_decode_reserve * n_decoding) < 1:
         rules = _RULES_OFF.copy()
         rules[_KV], rules[_S + _KV] = 1.0, left
-    else:  # the common plan: its configuration's rules, then its own numbers
-        path_rule = _NOT_CHOSEN if path == "batch_constructor" else _TIME_BUDGET if W is not None else -1
-        rules = _sliding_on(p.order == "mlps", snap.one_class, path_rule, p.starve_after, p.decode_skip_tbts).copy()
-        if path_rule >= 0:
-            rules[_S + path_rule] = len(pre_rows) if path_rule == _NOT_CHOSEN else W[0]  # type: ignore[index]
-        if free is not None and left - (mark := p.kv_growth_iters * holders) < 1:
-            rules[_KV_WATERMARK], rules[_S + _KV_WATERMARK] = 1.0, mark
+    else:  # the common plan: its configuration's rules (shared), its own number apart
+        own_rule = _NOT_CHOSEN if path == "batch_constructor" else _TIME_BUDGET if W is not None else -1
+        rules = _sliding_on(p.order == "mlps", snap.one_class, own_rule, p.starve_after, p.decode_skip_tbts)
+        if own_rule >= 0:
+            own = len(pre_rows) if own_rule == _NOT_CHOSEN else W[0]  # type: ignore[index]
         lost, mask = lost_from, lost_mask
-        if held_back:
+        watermark = free is not None and left - (mark := p.kv_growth_iters * holders) < 1
+        if watermark or held_back:  # rules of this plan alone: on a copy
+            rules = rules.copy()
+            if watermark:
+                rules[_KV_WATERMARK], rules[_S + _KV_WATERMARK] = 1.0, mark
             if (h := held_back.get("held")) is not None:
                 held, rules[_CLASS_RESERVE], rules[_S + _CLASS_RESERVE] = h, 1.0, held_back["reserve_ms"]
             if (r := held_back.get("rescued")) is not None:
                 rescued, rules[_CLASS_RESCUE], rules[_S + _CLASS_RESCUE] = r, 1.0, len(r)
-    if n_alloc >= snap.max_num_seqs:
+    if len(decodes) + len(pre_rows) >= snap.max_num_seqs:
+        rules = rules.copy() if not rules.flags.writeable else rules
         rules[_MAX_NUM_SEQS], rules[_S + _MAX_NUM_SEQS] = 1.0, snap.max_num_seqs
-    rules[_S + _BEHIND] = n_alloc  # (a hard limit holds for every row: no decode rule reads the bounds)
+    # (under a hard limit no decode rule is on: the starvation bound and the skip go unread)
     verdicts = _verdicts(snap, held_back["rejections"]) if "rejections" in held_back else _NO_VERDICTS
     return Reasons(snap.ids, *kernels.ops().reason_codes(snap, decodes, pre_rows, pre_toks, lost, mask, held, rescued,
-                                                         verdicts, rules))
+                                                         verdicts, rules, own_rule, own))
 
 
 def _allocated(snap: Snapshot, plan: PlanLike) -> tuple[np.ndarray, np.ndarray]:

@@ -422,7 +422,8 @@ REASON_VALUE.flags.writeable = False
 
 #: Where :func:`reason_codes` reads the plan-wide facts in its one ``rules`` array (float64):
 #: ``rules[c]`` nonzero where rule ``c`` is on, ``rules[RULE_SCALAR + c]`` the rule's own
-#: number, then the starvation bound and the decode skip.
+#: number (but ``behind``'s, counted, and the one passed apart), then the starvation bound
+#: and the decode skip.
 RULE_SCALAR = len(CODES)
 RULE_STARVE = 2 * len(CODES)
 RULE_SKIP = RULE_STARVE + 1
@@ -440,8 +441,8 @@ def reason_tokens(n: int, dec_rows: np.ndarray, pre_rows: np.ndarray, pre_toks: 
 
 def reason_codes(dec_rows: np.ndarray, pre_rows: np.ndarray, pre_toks: np.ndarray, lost_from: np.ndarray,
                  lost_mask: np.ndarray, held: np.ndarray, rescued: np.ndarray, verdicts: np.ndarray,
-                 rules: np.ndarray, is_dec: np.ndarray, remaining: np.ndarray, slack: np.ndarray,
-                 tbt: np.ndarray, step: np.ndarray, prio: np.ndarray,
+                 rules: np.ndarray, own_rule: int, own_value: float, is_dec: np.ndarray, remaining: np.ndarray,
+                 slack: np.ndarray, tbt: np.ndarray, step: np.ndarray, prio: np.ndarray,
                  kv: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(waiting rows, their code indices, their values): the rows that get fewer tokens
     (:func:`reason_tokens`) than they need (a decode one, a
@@ -454,9 +455,10 @@ def reason_codes(dec_rows: np.ndarray, pre_rows: np.ndarray, pre_toks: np.ndarra
     ``class_rescue`` in ``rescued``; ``late`` a decode with slack <= 0 (and, the starvation
     bound > 0, above minus that many TBTs); ``ahead`` a decode with slack > the decode skip's
     steps; ``class_sit_out`` a decode; ``not_chosen``, ``time_budget`` a prefill.  Values per
-    :data:`REASON_VALUE`, the rule's own number for the rules'."""
+    :data:`REASON_VALUE`, the rule's own number for the rules' (:func:`_rule_numbers`;
+    ``own_rule``, −1 for none: a plan's own number on a ``rules`` array plans share)."""
     on = rules[:RULE_SCALAR] != 0
-    scalar = rules[RULE_SCALAR:RULE_STARVE]
+    scalar = _rule_numbers(rules, own_rule, own_value, len(dec_rows) + len(pre_rows))
     starve, skip = float(rules[RULE_STARVE]), float(rules[RULE_SKIP])
     lost, v_rows, v_codes = lost_from[lost_mask], verdicts[0], verdicts[1].astype(np.int8)
     got = reason_tokens(len(is_dec), dec_rows, pre_rows, pre_toks)
@@ -497,6 +499,16 @@ def reason_codes(dec_rows: np.ndarray, pre_rows: np.ndarray, pre_toks: np.ndarra
         keep = (at < len(rows)) & (rows[np.minimum(at, len(rows) - 1)] == v_rows)  # waiting verdicts only
         code[at[keep]] = v_codes[keep]
     return rows, code, _reason_values(code, scalar, s, prio[rows], kv[rows])
+
+
+def _rule_numbers(rules: np.ndarray, own_rule: int, own_value: float, served: int) -> np.ndarray:
+    """Each rule's number (code-indexed): ``rules``'s, ``own_rule``'s ``own_value``, and
+    ``behind``'s the count of requests served."""
+    scalar = rules[RULE_SCALAR:RULE_STARVE].copy()
+    if own_rule >= 0:
+        scalar[own_rule] = own_value
+    scalar[RC_BEHIND] = served
+    return scalar
 
 
 def _reason_values(code: np.ndarray, scalar: np.ndarray, s: np.ndarray, prio: np.ndarray,

@@ -848,8 +848,19 @@ def _reason_value(kind, slack, prio, kv, scalar):  # type: ignore[no-untyped-def
 
 
 @_jit
+def _scalar(rules, c, behind, own_rule, own_value):  # type: ignore[no-untyped-def]
+    """Rule ``c``'s number: ``behind``'s the plan's count, ``own_rule``'s ``own_value``,
+    any other's in ``rules``."""
+    if c == RC_BEHIND:
+        return behind
+    if c == own_rule:
+        return own_value
+    return rules[RULE_SCALAR + c]
+
+
+@_jit
 def reason_codes(dec_rows, pre_rows, pre_toks, lost_from, lost_mask, held, rescued, verdicts, rules,  # type: ignore[no-untyped-def]
-                 is_dec, remaining, slack, tbt, step, prio, kv):
+                 own_rule, own_value, is_dec, remaining, slack, tbt, step, prio, kv):
     """``reference.reason_codes`` in two passes over the snapshot's rows, without a
     branch on their data: each row's rules that hold as bits, the first that is on by its
     lowest set bit; then every row is written and only a waiting one advances the output
@@ -863,7 +874,8 @@ def reason_codes(dec_rows, pre_rows, pre_toks, lost_from, lost_mask, held, rescu
     buf = np.empty(2 * n, dtype=np.int64)
     rows = buf[:n]
     values = buf[n:].view(np.float64)
-    k = _waiting_codes(flags, codes, rows, values, rules, is_dec, slack, tbt, step, prio)
+    behind = float(dec_rows.shape[0] + pre_rows.shape[0])
+    k = _waiting_codes(flags, codes, rows, values, rules, behind, own_rule, own_value, is_dec, slack, tbt, step, prio)
     for j in range(verdicts.shape[1]):  # the verdicts, which come before every rule (waiting rows)
         r = verdicts[0, j]
         at = np.searchsorted(rows[:k], r)
@@ -871,17 +883,19 @@ def reason_codes(dec_rows, pre_rows, pre_toks, lost_from, lost_mask, held, rescu
             continue
         c = verdicts[1, j]
         codes[at] = c
-        values[at] = _reason_value(REASON_VALUE[c], slack[r], prio[r], kv[r], rules[RULE_SCALAR + c])
+        values[at] = _reason_value(REASON_VALUE[c], slack[r], prio[r], kv[r],
+                                   _scalar(rules, c, behind, own_rule, own_value))
     return rows[:k], codes[:k], values[:k]  # views: no copy of what a plan keeps anyway
 
 
 @_jit
-def _waiting_codes(flags, codes, rows, values, rules, is_dec, slack, tbt, step, prio):  # type: ignore[no-untyped-def]
+def _waiting_codes(flags, codes, rows, values, rules, behind, own_rule, own_value, is_dec, slack, tbt,  # type: ignore[no-untyped-def]
+                   step, prio):
     """The pass of :func:`reason_codes` over the rows' ``flags``: each waiting row's
     first rule that is on (``rules[c]`` nonzero) and holds, its row, code and value
     written at the next place of ``rows``, ``codes``, ``values``; how many."""
     if rules[RC_TOKEN_BUDGET] != 0 or rules[RC_KV] != 0:  # a hard limit holds for every row
-        return _limited_codes(flags, codes, rows, values, rules)
+        return _limited_codes(flags, codes, rows, values, rules, behind, own_rule, own_value)
     on = np.int64(1) << _BEHIND_BIT
     for j in range(_BEHIND_BIT):
         if rules[REASON_RULES[j]] != 0:
@@ -893,7 +907,7 @@ def _waiting_codes(flags, codes, rows, values, rules, is_dec, slack, tbt, step, 
     scalar = aux[32:64].view(np.float64)
     value = aux[64:].view(np.float64)
     for b in range(32):
-        scalar[b] = rules[RULE_SCALAR + _LOWEST_CODE[b]]
+        scalar[b] = _scalar(rules, _LOWEST_CODE[b], behind, own_rule, own_value)
         kind[b] = REASON_VALUE[_LOWEST_CODE[b]]
     starve = rules[RULE_STARVE]
     skip = rules[RULE_SKIP]
@@ -930,15 +944,15 @@ def _waiting_codes(flags, codes, rows, values, rules, is_dec, slack, tbt, step, 
 
 
 @_jit
-def _limited_codes(flags, codes, rows, values, rules):  # type: ignore[no-untyped-def]
+def _limited_codes(flags, codes, rows, values, rules, behind, own_rule, own_value):  # type: ignore[no-untyped-def]
     """:func:`_waiting_codes` where the token budget or KV holds every row back (a plan
     that fills its budget: most of Sarathi's and vLLM's): ``max_num_seqs`` for a row with
     no token when that rule is on, else the limit's code, each with its rule's number."""
     limit = RC_TOKEN_BUDGET if rules[RC_TOKEN_BUDGET] != 0 else RC_KV
     seqs = np.int64(rules[RC_MAX_NUM_SEQS] != 0)
     value = np.empty(2, dtype=np.float64)
-    value[0] = rules[RULE_SCALAR + limit]
-    value[1] = rules[RULE_SCALAR + RC_MAX_NUM_SEQS]
+    value[0] = _scalar(rules, limit, behind, own_rule, own_value)
+    value[1] = _scalar(rules, RC_MAX_NUM_SEQS, behind, own_rule, own_value)
     k = 0
     for i in range(flags.shape[0]):
         m = np.int64(flags[i])
