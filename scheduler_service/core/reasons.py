@@ -133,10 +133,11 @@ _RULES_OFF = _rules_on()
 _SLIDING_ON: dict[tuple[bool, bool, int, float, float], np.ndarray] = {}
 
 
-def _sliding_on(mlps: bool, one_class: bool, path_rule: int, starve: float, skip: float) -> np.ndarray:
-    key = (mlps, one_class, path_rule, starve, skip)
+def _sliding_on(key: tuple[bool, bool, int, float, float]) -> np.ndarray:
+    """:data:`_SLIDING_ON`'s rules for ``key``, built on first use."""
     rules = _SLIDING_ON.get(key)
     if rules is None:
+        mlps, one_class, path_rule, starve, skip = key
         codes = ["late", "ahead"] + ["given_up", "expired"] * mlps + ["class_sit_out"] * (not one_class)
         rules = _rules_on(*codes, *([CODES[path_rule]] if path_rule >= 0 else []))
         rules.flags.writeable = True
@@ -210,9 +211,11 @@ def sliding_reasons(policy: Any, snap: Snapshot, budget: int, decodes: np.ndarra
         rules[_KV], rules[_S + _KV] = 1.0, left
     else:  # the common plan: its configuration's rules (shared), its own number apart
         own_rule = _NOT_CHOSEN if path == "batch_constructor" else _TIME_BUDGET if W is not None else -1
-        rules = _sliding_on(p.order == "mlps", snap.one_class, own_rule, p.starve_after, p.decode_skip_tbts)
+        key = (p.order == "mlps", snap.one_class, own_rule, p.starve_after, p.decode_skip_tbts)
+        shared = _SLIDING_ON.get(key)
+        rules = shared if shared is not None else _sliding_on(key)
         if own_rule >= 0:
-            own = len(pre_rows) if own_rule == _NOT_CHOSEN else W[0]  # type: ignore[index]
+            own = float(len(pre_rows)) if own_rule == _NOT_CHOSEN else float(W[0])  # type: ignore[index]
         lost, mask = lost_from, lost_mask
         watermark = free is not None and left - (mark := p.kv_growth_iters * holders) < 1
         if watermark or held_back:  # rules of this plan alone: on a copy
