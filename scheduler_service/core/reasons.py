@@ -149,6 +149,20 @@ def _sliding_on(key: tuple[bool, bool, int, float, float]) -> np.ndarray:
     return rules
 
 
+#: Policy type → the rules of its own it replays: ``held_back`` (SlidingServe's),
+#: ``relegated`` (QoServe's lost set), or none; looked up once per type (``hasattr`` on
+#: a missing attribute raises inside, on every plan).
+_OWN_RULES: dict[type, str] = {}
+
+
+def _own_rules(policy: Policy) -> str:
+    kind = _OWN_RULES.get(type(policy))
+    if kind is None:
+        t = type(policy)
+        kind = _OWN_RULES[t] = next((a for a in ("held_back", "relegated") if hasattr(t, a)), "")
+    return kind
+
+
 def _classify(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor, plan: PlanLike,
               facts: dict[str, Any] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(waiting rows, their code indices, their values): what :func:`explain` promises.
@@ -169,18 +183,18 @@ def _classify(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor, 
     budget = facts.get("budget") if facts is not None else None
     closed = _limits(policy, snap, predictor, plan, rules, budget)
     lost_from, lost_mask, held, rescued = _EMPTY, _NO_MASK, _EMPTY, _EMPTY
-    if hasattr(policy, "held_back"):
-        if not closed:
-            if got is None:
-                got = reason_tokens(len(snap), dec_rows, pre_rows, pre_toks)
-            lost_from, held, rescued = _sliding(policy, snap, predictor, plan, got, rules)
-            lost_mask = np.ones(len(lost_from), dtype=bool)
-    elif hasattr(policy, "relegated") and not closed:  # QoServe
+    own = "" if closed else _own_rules(policy)
+    if own == "held_back":
+        if got is None:
+            got = reason_tokens(len(snap), dec_rows, pre_rows, pre_toks)
+        lost_from, held, rescued = _sliding(policy, snap, predictor, plan, got, rules)
+        lost_mask = np.ones(len(lost_from), dtype=bool)
+    elif own == "relegated":  # QoServe
         if facts is not None and "lost_from" in facts:
             lost_from, lost_mask = facts["lost_from"], facts["lost_mask"]
         else:
             lost_from = prefill_indices(snap)
-            lost_mask = policy.relegated(snap, predictor, lost_from)
+            lost_mask = policy.relegated(snap, predictor, lost_from)  # type: ignore[attr-defined]
         rules[_C["given_up"]] = 1.0
     return kernels.ops().reason_codes(snap, dec_rows, pre_rows, pre_toks, lost_from, lost_mask, held, rescued,
                                       _verdicts(snap, plan.rejections, plan.preemptions), rules)
