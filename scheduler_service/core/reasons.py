@@ -151,15 +151,18 @@ def _sliding_on(key: tuple[bool, bool, int, float, float]) -> np.ndarray:
 
 #: Policy type → the rules of its own it replays: ``held_back`` (SlidingServe's),
 #: ``relegated`` (QoServe's lost set), or none; looked up once per type (``hasattr`` on
-#: a missing attribute raises inside, on every plan).
+#: a missing attribute raises inside, on every plan), unless the type answers attributes
+#: itself (``__getattr__``: a wrapper, whose instances may differ).
 _OWN_RULES: dict[type, str] = {}
 
 
 def _own_rules(policy: Policy) -> str:
-    kind = _OWN_RULES.get(type(policy))
+    t = type(policy)
+    kind = _OWN_RULES.get(t)
     if kind is None:
-        t = type(policy)
-        kind = _OWN_RULES[t] = next((a for a in ("held_back", "relegated") if hasattr(t, a)), "")
+        kind = next((a for a in ("held_back", "relegated") if hasattr(policy, a)), "")
+        if not hasattr(t, "__getattr__"):
+            _OWN_RULES[t] = kind
     return kind
 
 
