@@ -171,8 +171,8 @@ def _classify(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor, 
     """(waiting rows, their code indices, their values): what :func:`explain` promises.
 
     Here only the plan-wide facts are gathered (which rules apply, their numbers, the
-    sets the decision held back); the per-request work, one pass over the rows that also
-    counts each row's tokens, is the ``reason_codes`` operation of the kernels facade
+    sets the decision held back); the per-request work, over the rows, which also counts
+    each row's tokens, is the ``reason_codes`` operation of the kernels facade
     (``reference.reason_codes``)."""
     got = None
     if facts is not None:  # what the decision assembled (the kernel finds whether anything waits)

@@ -780,7 +780,7 @@ def read_back(take: np.ndarray, w: np.ndarray, pa: int, c: int) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------- reasons
-# The pass over the rows has no branch that depends on the data.  A waiting row's reason
+# The passes over the rows have no branch on their data.  A waiting row's reason
 # is the first rule of REASON_RULES that is on and holds: the lowest set bit of (the
 # rules on) & (the rules that hold for the row), rule j at bit j and ``behind`` (always on,
 # always holds) above them.  A snapshot's slacks and sets are new every iteration, so a
