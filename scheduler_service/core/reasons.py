@@ -125,7 +125,8 @@ def _rules_on(*codes: str) -> np.ndarray:
 
 _RULES_OFF = _rules_on()
 #: The rules a SlidingServe plan that no hard limit closes switches on, by what they
-#: depend on (built once each, read-only; a plan copies one and writes its own numbers):
+#: depend on (built once each, read-only: a plan passes its own number apart, and copies
+#: them only for rules of its own, the KV watermark, a class hold, ``max_num_seqs``):
 #: ``(mlps, one_class, path rule, starve_after, decode_skip_tbts)`` → rules.  The decode
 #: sit-outs always, the lost rule's with MLPS order, the class sit-out with several
 #: classes, and the rule of the batch the plan was not in (``not_chosen``:

@@ -802,9 +802,9 @@ _DECODE_RULES = 1 << _RULE_BIT[RC_CLASS_SIT_OUT]
 _PREFILL_RULES = (1 << _RULE_BIT[RC_KV_WATERMARK]) | (1 << _RULE_BIT[RC_NOT_CHOSEN]) | (
     1 << _RULE_BIT[RC_TIME_BUDGET])
 _EXPIRED_AT, _LATE_AT, _AHEAD_AT = (_RULE_BIT[c] for c in (RC_EXPIRED, RC_LATE, RC_AHEAD))
+assert max(REASON_VALUE[c] for c in (*REASON_RULES, RC_BEHIND)) < 3, "a rule's value is never a KV count"
 #: The lowest set bit of a word below 2**32 by de Bruijn's multiply-and-look-up; here the
 #: code of the rule at that bit (bits past ``behind``'s are never set).
-assert max(REASON_VALUE[c] for c in (*REASON_RULES, RC_BEHIND)) < 3, "a rule's value is never a KV count"
 _DE_BRUIJN = 0x077CB531
 _LOWEST_CODE = np.full(32, RC_BEHIND, dtype=np.int8)
 for _b, _c in enumerate((*REASON_RULES, RC_BEHIND)):
