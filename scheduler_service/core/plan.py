@@ -135,8 +135,7 @@ class Reasons(Sequence[Reason]):
         return {names[k]: int(v) for k, v in enumerate(c) if v}
 
     def __len__(self) -> int:
-        a = self._arrays
-        return len(a[0] if a is not None else self.arrays()[0])  # type: ignore[arg-type]
+        return len(self.arrays()[0])
 
     @overload
     def __getitem__(self, k: int) -> Reason: ...

@@ -116,9 +116,11 @@ _NO_VERDICTS = np.zeros((2, 0), dtype=np.int64)
 _S = RULE_SCALAR
 
 
-def _rules_on(*codes: str) -> np.ndarray:
+def _rules_on(*codes: str, starve: float = 0.0, skip: float = 0.0) -> np.ndarray:
+    """Read-only rules with ``codes`` on (no numbers), the starvation bound and the decode skip."""
     rules = np.zeros(RULES_LEN)
     rules[[_C[c] for c in codes]] = 1.0
+    rules[RULE_STARVE], rules[RULE_SKIP] = starve, skip
     rules.flags.writeable = False
     return rules
 
@@ -135,36 +137,14 @@ _SLIDING_ON: dict[tuple[bool, bool, int, float, float], np.ndarray] = {}
 
 
 def _sliding_on(key: tuple[bool, bool, int, float, float]) -> np.ndarray:
-    """:data:`_SLIDING_ON`'s rules for ``key``, built on first use."""
-    rules = _SLIDING_ON.get(key)
-    if rules is None:
-        mlps, one_class, path_rule, starve, skip = key
-        codes = ["late", "ahead"] + ["given_up", "expired"] * mlps + ["class_sit_out"] * (not one_class)
-        rules = _rules_on(*codes, *([CODES[path_rule]] if path_rule >= 0 else []))
-        rules.flags.writeable = True
-        rules[RULE_STARVE], rules[RULE_SKIP] = starve, skip
-        rules.flags.writeable = False
-        if len(_SLIDING_ON) > 64:  # bounded: a key per configuration, a handful in a process
-            _SLIDING_ON.clear()
-        _SLIDING_ON[key] = rules
+    """Build and keep :data:`_SLIDING_ON`'s rules for ``key`` (the caller looked it up)."""
+    mlps, one_class, path_rule, starve, skip = key
+    codes = ["late", "ahead"] + ["given_up", "expired"] * mlps + ["class_sit_out"] * (not one_class)
+    rules = _rules_on(*codes, *([CODES[path_rule]] if path_rule >= 0 else []), starve=starve, skip=skip)
+    if len(_SLIDING_ON) > 64:  # bounded: a key per configuration, a handful in a process
+        _SLIDING_ON.clear()
+    _SLIDING_ON[key] = rules
     return rules
-
-
-#: Policy type → the rules of its own it replays: ``held_back`` (SlidingServe's),
-#: ``relegated`` (QoServe's lost set), or none; looked up once per type (``hasattr`` on
-#: a missing attribute raises inside, on every plan), unless the type answers attributes
-#: itself (``__getattr__``: a wrapper, whose instances may differ).
-_OWN_RULES: dict[type, str] = {}
-
-
-def _own_rules(policy: Policy) -> str:
-    t = type(policy)
-    kind = _OWN_RULES.get(t)
-    if kind is None:
-        kind = next((a for a in ("held_back", "relegated") if hasattr(policy, a)), "")
-        if not hasattr(t, "__getattr__"):
-            _OWN_RULES[t] = kind
-    return kind
 
 
 def _classify(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor, plan: PlanLike,
@@ -187,13 +167,12 @@ def _classify(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor, 
     budget = facts.get("budget") if facts is not None else None
     closed = _limits(policy, snap, predictor, plan, rules, budget)
     lost_from, lost_mask, held, rescued = _EMPTY, _NO_MASK, _EMPTY, _EMPTY
-    own = "" if closed else _own_rules(policy)
-    if own == "held_back":
+    if not closed and hasattr(policy, "held_back"):  # (closed: no rule of the policy's own is reached)
         if got is None:
             got = reason_tokens(len(snap), dec_rows, pre_rows, pre_toks)
         lost_from, held, rescued = _sliding(policy, snap, predictor, plan, got, rules)
         lost_mask = np.ones(len(lost_from), dtype=bool)
-    elif own == "relegated":  # QoServe
+    elif not closed and hasattr(policy, "relegated"):  # QoServe
         if facts is not None and "lost_from" in facts:
             lost_from, lost_mask = facts["lost_from"], facts["lost_mask"]
         else:

@@ -422,11 +422,8 @@ class Snapshot:
     def one_class(self) -> bool:
         """Every request has the same priority (the v1 contract, and the common case): the
         class-aware steps of a policy can skip their per-subset checks."""
-        v = self._cache.get("one_class")  # read on every plan: no closure once known
-        if v is None:
-            p = self.priority
-            v = self._flag("one_class", lambda: len(p) == 0 or p.min() == p.max())
-        return v  # type: ignore[no-any-return]
+        p = self.priority
+        return self._flag("one_class", lambda: len(p) == 0 or p.min() == p.max())
 
     @property
     def any_sheddable(self) -> bool:

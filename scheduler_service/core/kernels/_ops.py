@@ -216,8 +216,8 @@ class NumbaOps(NumpyOps):
             pre_toks if pre_toks.dtype is i8 else _idx(pre_toks),
             lost_from if lost_from.dtype is i8 else _idx(lost_from), lost_mask,
             held if held.dtype is i8 else _idx(held), rescued if rescued.dtype is i8 else _idx(rescued),
-            verdicts if verdicts.dtype is i8 else _idx(verdicts), rules, own_rule,
-            own_value if own_value.__class__ is float else float(own_value), *snap.reason_columns)
+            verdicts if verdicts.dtype is i8 else _idx(verdicts), rules, int(own_rule), float(own_value),
+            *snap.reason_columns)
 
     def queue_arrays(self, snap: Snapshot, predictor: BatchLatencyPredictor, fast: int,
                      queue: np.ndarray) -> tuple[np.ndarray, ...]:
