@@ -309,8 +309,8 @@ def test_the_reasons_kernel_is_the_reference_on_loaded_engines(name: str) -> Non
 def kernel_inputs(draw: st.DrawFn) -> tuple[np.ndarray, ...]:
     """``reason_codes``'s arguments drawn directly: any mix of rules on (with their
     numbers, one of them passed apart, the starvation bound and the decode skip), rows in
-    several sets at once, verdicts on waiting and on served rows, slacks on both sides of
-    every threshold."""
+    several sets at once (marked: held back, a prefill, or rescued, a decode), verdicts on
+    waiting and on served rows, slacks on both sides of every threshold."""
     from scheduler_service.core.reference import RULE_SCALAR, RULE_SKIP, RULE_STARVE, RULES_LEN
 
     n = draw(st.integers(1, 40))
@@ -320,15 +320,15 @@ def kernel_inputs(draw: st.DrawFn) -> tuple[np.ndarray, ...]:
     slack = np.array(draw(st.lists(st.sampled_from([-1.0, -0.2, -0.05, 0.0, 0.01, 0.05, 0.3, np.inf]),
                                    min_size=n, max_size=n)))
     cols = [np.array(draw(st.lists(st.sampled_from(v), min_size=n, max_size=n)), dtype=dt)
-            for v, dt in (([0.02, 0.1], np.float64), ([0.02, 0.05], np.float64), ([-1, 0, 3], np.int64),
-                          ([0, 17, 4096], np.int64))]
+            for v, dt in (([0.02, 0.1], np.float64), ([0.02, 0.05], np.float64), ([-1, 0, 3], np.int64))]
     dec_rows = draw(rows)
     pre_rows = np.setdiff1d(draw(rows), dec_rows)
     pre_toks = np.array([draw(st.integers(0, 10)) for _ in pre_rows], dtype=np.int64)
     lost_from = draw(rows)
     lost_mask = np.array([draw(st.booleans()) for _ in lost_from], dtype=bool)
     v_rows = draw(rows)
-    verdicts = np.array([v_rows, [draw(st.sampled_from(range(len(CODES)))) for _ in v_rows]], dtype=np.int64)
+    verdicts = np.array([v_rows, [draw(st.sampled_from(range(len(CODES)))) for _ in v_rows],
+                         [draw(st.sampled_from([0, 17, 4096])) for _ in v_rows]], dtype=np.int64).reshape(3, -1)
     rules = np.zeros(RULES_LEN)
     rules[:RULE_SCALAR] = draw(st.lists(st.sampled_from([0.0, 0.0, 1.0]), min_size=RULE_SCALAR,
                                         max_size=RULE_SCALAR))
@@ -336,8 +336,8 @@ def kernel_inputs(draw: st.DrawFn) -> tuple[np.ndarray, ...]:
                                                    min_size=RULE_SCALAR, max_size=RULE_SCALAR))
     rules[RULE_STARVE], rules[RULE_SKIP] = draw(st.sampled_from([0.0, 2.0])), draw(st.sampled_from([0.0, 1.0, 4.0]))
     own_rule, own_value = draw(st.sampled_from([-1, *range(len(CODES))])), draw(st.sampled_from([0.0, 0.25, 7.0]))
-    return (dec_rows, pre_rows, pre_toks, lost_from, lost_mask, draw(rows), draw(rows), verdicts, rules,
-            own_rule, own_value, is_dec, remaining, slack, *cols)
+    return (dec_rows, pre_rows, pre_toks, lost_from, lost_mask, draw(rows), verdicts, rules, own_rule, own_value,
+            remaining, slack, *cols)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("numba") is None, reason="numba is not installed")

@@ -107,7 +107,7 @@ def explain(policy: Policy, snapshot: Snapshot, predictor: BatchLatencyPredictor
 _EMPTY = np.zeros(0, dtype=np.int64)
 _NO_CODES = np.zeros(0, dtype=np.int8)
 _NO_MASK = np.zeros(0, dtype=bool)
-_NO_VERDICTS = np.zeros((2, 0), dtype=np.int64)
+_NO_VERDICTS = np.zeros((3, 0), dtype=np.int64)
 (_MAX_NUM_SEQS, _TOKEN_BUDGET, _KV, _KV_WATERMARK, _CLASS_RESERVE, _CLASS_RESCUE, _NOT_CHOSEN, _TIME_BUDGET) = (
     _C[c] for c in ("max_num_seqs", "token_budget", "kv", "kv_watermark", "class_reserve", "class_rescue",
                     "not_chosen", "time_budget"))
@@ -126,25 +126,19 @@ def _rules_on(*codes: str, starve: float = 0.0, skip: float = 0.0) -> np.ndarray
 
 
 _RULES_OFF = _rules_on()
-#: The rules a SlidingServe plan that no hard limit closes switches on, by what they
-#: depend on (built once each, read-only: a plan passes its own number apart, and copies
-#: them only for rules of its own, the KV watermark, a class hold, ``max_num_seqs``):
-#: ``(mlps, one_class, path rule, starve_after, decode_skip_tbts)`` → rules.  The decode
-#: sit-outs always, the lost rule's with MLPS order, the class sit-out with several
-#: classes, and the rule of the batch the plan was not in (``not_chosen``:
-#: BatchConstructor, ``time_budget``: the decode windows, or none).
-_SLIDING_ON: dict[tuple[bool, bool, int, float, float], np.ndarray] = {}
 
 
-def _sliding_on(key: tuple[bool, bool, int, float, float]) -> np.ndarray:
-    """Build and keep :data:`_SLIDING_ON`'s rules for ``key`` (the caller looked it up)."""
-    mlps, one_class, path_rule, starve, skip = key
-    codes = ["late", "ahead"] + ["given_up", "expired"] * mlps + ["class_sit_out"] * (not one_class)
-    rules = _rules_on(*codes, *([CODES[path_rule]] if path_rule >= 0 else []), starve=starve, skip=skip)
-    if len(_SLIDING_ON) > 64:  # bounded: a key per configuration, a handful in a process
-        _SLIDING_ON.clear()
-    _SLIDING_ON[key] = rules
-    return rules
+def _sliding_rules(p: Any, one_class: bool, own_rule: int) -> np.ndarray:
+    """The rules a SlidingServe plan that no hard limit closes switches on (read-only: a
+    plan passes its own number apart, and copies them only for rules of its own, the KV
+    watermark, a class hold, ``max_num_seqs``), for parameters ``p``: the decode sit-outs
+    always, the lost rule's with MLPS order, the class sit-out with several classes, and
+    ``own_rule``, the rule of the batch the plan was not in (``not_chosen``:
+    BatchConstructor, ``time_budget``: the decode windows, −1: none).  A policy keeps them
+    (``SlidingServePolicy.reason_rules``)."""
+    codes = ["late", "ahead"] + ["given_up", "expired"] * (p.order == "mlps") + ["class_sit_out"] * (not one_class)
+    return _rules_on(*codes, *([CODES[own_rule]] if own_rule >= 0 else []), starve=p.starve_after,
+                     skip=p.decode_skip_tbts)
 
 
 def _classify(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor, plan: PlanLike,
@@ -166,11 +160,11 @@ def _classify(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor, 
     rules = _RULES_OFF.copy()
     budget = facts.get("budget") if facts is not None else None
     closed = _limits(policy, snap, predictor, plan, rules, budget)
-    lost_from, lost_mask, held, rescued = _EMPTY, _NO_MASK, _EMPTY, _EMPTY
+    lost_from, lost_mask, marked = _EMPTY, _NO_MASK, _EMPTY
     if not closed and hasattr(policy, "held_back"):  # (closed: no rule of the policy's own is reached)
         if got is None:
             got = reason_tokens(len(snap), dec_rows, pre_rows, pre_toks)
-        lost_from, held, rescued = _sliding(policy, snap, predictor, plan, got, rules)
+        lost_from, marked = _sliding(policy, snap, predictor, plan, got, rules)
         lost_mask = np.ones(len(lost_from), dtype=bool)
     elif not closed and hasattr(policy, "relegated"):  # QoServe
         if facts is not None and "lost_from" in facts:
@@ -179,7 +173,7 @@ def _classify(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor, 
             lost_from = prefill_indices(snap)
             lost_mask = policy.relegated(snap, predictor, lost_from)  # type: ignore[attr-defined]
         rules[_C["given_up"]] = 1.0
-    return kernels.ops().reason_codes(snap, dec_rows, pre_rows, pre_toks, lost_from, lost_mask, held, rescued,
+    return kernels.ops().reason_codes(snap, dec_rows, pre_rows, pre_toks, lost_from, lost_mask, marked,
                                       _verdicts(snap, plan.rejections, plan.preemptions), rules)
 
 
@@ -197,22 +191,25 @@ def sliding_reasons(policy: Any, snap: Snapshot, budget: int, decodes: np.ndarra
     same rules as :func:`_limits` and :func:`_sliding` (``tests/test_reasons.py``
     checks the two give the same reasons)."""
     p = policy.params
-    held = rescued = lost = _EMPTY
-    mask = _NO_MASK
+    lost, mask, marked = _EMPTY, _NO_MASK, _EMPTY
     own_rule, own = -1, 0.0
+    free = snap.free_kv_tokens
+    left = 1 if free is None else free - budget - p.kv_decode_reserve * n_decoding
     if budget >= snap.max_batch_tokens:
         rules = _RULES_OFF.copy()
         rules[_TOKEN_BUDGET], rules[_S + _TOKEN_BUDGET] = 1.0, snap.max_batch_tokens
-    elif (free := snap.free_kv_tokens) is not None and (left := free - budget - p.kv_decode_reserve * n_decoding) < 1:
+    elif left < 1:
         rules = _RULES_OFF.copy()
         rules[_KV], rules[_S + _KV] = 1.0, left
     else:  # the common plan: its configuration's rules (shared), its own number apart
-        own_rule = _NOT_CHOSEN if path == "batch_constructor" else _TIME_BUDGET if W is not None else -1
-        key = (p.order == "mlps", snap.one_class, own_rule, p.starve_after, p.decode_skip_tbts)
-        shared = _SLIDING_ON.get(key)
-        rules = shared if shared is not None else _sliding_on(key)
-        if own_rule >= 0:
-            own = float(len(pre_rows)) if own_rule == _NOT_CHOSEN else float(W[0])  # type: ignore[index]
+        at = 3 * snap.one_class  # where in the policy's reason_rules
+        if path == "batch_constructor":
+            own_rule, own, at = _NOT_CHOSEN, float(len(pre_rows)), at + 1
+        elif W is not None:
+            own_rule, own, at = _TIME_BUDGET, W.item(0), at + 2
+        rules = policy.reason_rules[at]
+        if rules is None:
+            rules = policy.reason_rules[at] = _sliding_rules(p, snap.one_class, own_rule)
         lost, mask = lost_from, lost_mask
         watermark = free is not None and left - (mark := p.kv_growth_iters * holders) < 1
         if watermark or held_back:  # rules of this plan alone: on a copy
@@ -220,15 +217,16 @@ def sliding_reasons(policy: Any, snap: Snapshot, budget: int, decodes: np.ndarra
             if watermark:
                 rules[_KV_WATERMARK], rules[_S + _KV_WATERMARK] = 1.0, mark
             if (h := held_back.get("held")) is not None:
-                held, rules[_CLASS_RESERVE], rules[_S + _CLASS_RESERVE] = h, 1.0, held_back["reserve_ms"]
+                marked, rules[_CLASS_RESERVE], rules[_S + _CLASS_RESERVE] = h, 1.0, held_back["reserve_ms"]
             if (r := held_back.get("rescued")) is not None:
-                rescued, rules[_CLASS_RESCUE], rules[_S + _CLASS_RESCUE] = r, 1.0, len(r)
+                marked, rules[_CLASS_RESCUE], rules[_S + _CLASS_RESCUE] = (np.concatenate([marked, r]), 1.0,
+                                                                           len(r))
     if len(decodes) + len(pre_rows) >= snap.max_num_seqs:
         rules = rules.copy() if not rules.flags.writeable else rules
         rules[_MAX_NUM_SEQS], rules[_S + _MAX_NUM_SEQS] = 1.0, snap.max_num_seqs
     # (under a hard limit no decode rule is on: the starvation bound and the skip go unread)
     verdicts = _verdicts(snap, held_back["rejections"]) if "rejections" in held_back else _NO_VERDICTS
-    return Reasons(snap.ids, *kernels.ops().reason_codes(snap, decodes, pre_rows, pre_toks, lost, mask, held, rescued,
+    return Reasons(snap.ids, *kernels.ops().reason_codes(snap, decodes, pre_rows, pre_toks, lost, mask, marked,
                                                          verdicts, rules, own_rule, own))
 
 
@@ -242,15 +240,15 @@ def _allocated(snap: Snapshot, plan: PlanLike) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _verdicts(snap: Snapshot, rejections: Sequence[Rejection], preemptions: Sequence[str] = ()) -> np.ndarray:
-    """The rejections and preemptions, which come before every rule: their rows over
-    their codes (int64, two rows)."""
+    """The rejections and preemptions, which come before every rule: their rows, their
+    codes and their KV tokens (int64, three rows)."""
     if not rejections and not preemptions:
         return _NO_VERDICTS
     index = snap.index_of
     rows = [index[r.id] for r in rejections] + [index[r] for r in preemptions]
     codes = [_C[r.reason] if r.reason in _C else _C["ttft_unreachable"] for r in rejections]
     codes += [_C["preempted"]] * len(preemptions)
-    return np.array([rows, codes], dtype=np.int64)
+    return np.array([rows, codes, snap.kv_tokens[rows]], dtype=np.int64)
 
 
 def token_budget(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor) -> int:
@@ -310,9 +308,9 @@ def _limits(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor, pl
 
 
 def _sliding(policy: Any, snap: Snapshot, predictor: BatchLatencyPredictor, plan: PlanLike, got: np.ndarray,
-             rules: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """SlidingServe's own rules replayed (``got``: tokens per row): (lost, held, rescued
-    rows), the rules switched on in ``rules`` with the starvation bound and the decode skip."""
+             rules: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """SlidingServe's own rules replayed (``got``: tokens per row): (lost rows, the rows
+    held back by the class reserve or sat out by the class rescue), the rules switched on in ``rules`` with the starvation bound and the decode skip."""
     p = policy.params
     lost, held, rescued, W = _state(policy, snap, predictor, plan, got)
     if held is not None:
@@ -331,7 +329,8 @@ def _sliding(policy: Any, snap: Snapshot, predictor: BatchLatencyPredictor, plan
     elif W is not None:
         _rule(rules, "time_budget", float(W[0]))
     rules[RULE_STARVE], rules[RULE_SKIP] = p.starve_after, p.decode_skip_tbts
-    return lost, _EMPTY if held is None else held, _EMPTY if rescued is None else rescued
+    marked = [m for m in (held, rescued) if m is not None]
+    return lost, _EMPTY if not marked else marked[0] if len(marked) == 1 else np.concatenate(marked)
 
 
 def _state(policy: Any, snap: Snapshot, predictor: BatchLatencyPredictor, plan: PlanLike, got: np.ndarray

@@ -440,19 +440,19 @@ def reason_tokens(n: int, dec_rows: np.ndarray, pre_rows: np.ndarray, pre_toks: 
 
 
 def reason_codes(dec_rows: np.ndarray, pre_rows: np.ndarray, pre_toks: np.ndarray, lost_from: np.ndarray,
-                 lost_mask: np.ndarray, held: np.ndarray, rescued: np.ndarray, verdicts: np.ndarray,
-                 rules: np.ndarray, own_rule: int, own_value: float, is_dec: np.ndarray, remaining: np.ndarray,
-                 slack: np.ndarray, tbt: np.ndarray, step: np.ndarray, prio: np.ndarray,
-                 kv: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                 lost_mask: np.ndarray, marked: np.ndarray, verdicts: np.ndarray, rules: np.ndarray,
+                 own_rule: int, own_value: float, remaining: np.ndarray, slack: np.ndarray, tbt: np.ndarray,
+                 step: np.ndarray, prio: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(waiting rows, their code indices, their values): the rows that get fewer tokens
-    (:func:`reason_tokens`) than they need (a decode one, a
-    prefill what remains), each given the first rule of :data:`REASON_RULES` that is
+    (:func:`reason_tokens`) than they need (a decode, ``remaining`` 0, one; a prefill what
+    remains), each given the first rule of :data:`REASON_RULES` that is
     on (``rules``, laid out as :data:`RULE_SCALAR` says) and holds for it, a verdict
-    (``verdicts``: rows, then their codes, waiting rows) overriding it.  The rules'
+    (``verdicts``: rows, their codes, their KV tokens; waiting rows) overriding it.  The rules'
     predicates: ``max_num_seqs`` no token;
-    ``token_budget``, ``kv`` every row; ``kv_watermark`` a prefill; ``class_reserve`` in
-    ``held``; ``given_up`` in ``lost_from[lost_mask]``; ``expired`` a prefill with slack <= 0;
-    ``class_rescue`` in ``rescued``; ``late`` a decode with slack <= 0 (and, the starvation
+    ``token_budget``, ``kv`` every row; ``kv_watermark`` a prefill; ``class_reserve`` a
+    prefill in ``marked`` (held back); ``given_up`` in ``lost_from[lost_mask]``; ``expired`` a
+    prefill with slack <= 0; ``class_rescue`` a decode in ``marked`` (sat out); ``late`` a
+    decode with slack <= 0 (and, the starvation
     bound > 0, above minus that many TBTs); ``ahead`` a decode with slack > the decode skip's
     steps; ``class_sit_out`` a decode; ``not_chosen``, ``time_budget`` a prefill.  Values per
     :data:`REASON_VALUE`, the rule's own number for the rules' (:func:`_rule_numbers`;
@@ -460,7 +460,8 @@ def reason_codes(dec_rows: np.ndarray, pre_rows: np.ndarray, pre_toks: np.ndarra
     on = rules[:RULE_SCALAR] != 0
     scalar = _rule_numbers(rules, own_rule, own_value, len(dec_rows) + len(pre_rows))
     starve, skip = float(rules[RULE_STARVE]), float(rules[RULE_SKIP])
-    lost, v_rows, v_codes = lost_from[lost_mask], verdicts[0], verdicts[1].astype(np.int8)
+    lost = lost_from[lost_mask]
+    is_dec = remaining == 0
     got = reason_tokens(len(is_dec), dec_rows, pre_rows, pre_toks)
     rows = np.flatnonzero(got < np.where(is_dec, 1, remaining))
     if not len(rows):
@@ -479,10 +480,10 @@ def reason_codes(dec_rows: np.ndarray, pre_rows: np.ndarray, pre_toks: np.ndarra
         RC_TOKEN_BUDGET: lambda: None,
         RC_KV: lambda: None,
         RC_KV_WATERMARK: lambda: ~d,
-        RC_CLASS_RESERVE: lambda: member(held),
+        RC_CLASS_RESERVE: lambda: member(marked) & ~d,
         RC_GIVEN_UP: lambda: member(lost),
         RC_EXPIRED: lambda: ~d & (s <= 0),
-        RC_CLASS_RESCUE: lambda: member(rescued),
+        RC_CLASS_RESCUE: lambda: member(marked) & d,
         RC_LATE: lambda: d & (s <= 0) & ((s > -starve * tbt[rows]) if starve > 0 else True),
         RC_AHEAD: lambda: d & (s > skip * step[rows]),
         RC_CLASS_SIT_OUT: lambda: d,
@@ -494,11 +495,19 @@ def reason_codes(dec_rows: np.ndarray, pre_rows: np.ndarray, pre_toks: np.ndarra
         if on[c]:
             m = masks[c]()
             code[slice(None) if m is None else m] = c
-    if len(v_rows):
-        at = np.searchsorted(rows, v_rows)
-        keep = (at < len(rows)) & (rows[np.minimum(at, len(rows) - 1)] == v_rows)  # waiting verdicts only
-        code[at[keep]] = v_codes[keep]
-    return rows, code, _reason_values(code, scalar, s, prio[rows], kv[rows])
+    return rows, code, _reason_values(code, scalar, s, prio[rows], _verdicts_over(rows, code, verdicts))
+
+
+def _verdicts_over(rows: np.ndarray, code: np.ndarray, verdicts: np.ndarray) -> np.ndarray:
+    """The verdicts' codes written over the waiting ``rows``' ``code`` (a served row's
+    verdict is dropped); their KV tokens (a verdict's value may be its row's), 0 elsewhere."""
+    kv = np.zeros(len(rows), dtype=np.int64)
+    if verdicts.shape[1]:
+        at = np.searchsorted(rows, verdicts[0])
+        keep = (at < len(rows)) & (rows[np.minimum(at, len(rows) - 1)] == verdicts[0])
+        code[at[keep]] = verdicts[1][keep]
+        kv[at[keep]] = verdicts[2][keep]
+    return kv
 
 
 def _rule_numbers(rules: np.ndarray, own_rule: int, own_value: float, served: int) -> np.ndarray:

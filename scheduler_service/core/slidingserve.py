@@ -19,7 +19,7 @@ The ablations switch parts off: ``sarathi-edf+sc`` (EDF order, chunker only),
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -146,6 +146,10 @@ class SlidingServePolicy:
     name: str
     version: str
     params: SlidingServeParams
+    #: The rules its plans' reasons switch on when no hard limit closes them (read-only,
+    #: shared by its plans), built on first use by ``reasons.sliding_reasons``: by one
+    #: class (3 ×) and the plan's own rule (none, ``not_chosen``, ``time_budget``).
+    reason_rules: list[np.ndarray | None] = field(default_factory=lambda: [None] * 6, repr=False, compare=False)
 
     def plan(self, snapshot: Snapshot, predictor: BatchLatencyPredictor, *, explain: bool = False) -> Plan:
         """Decide one iteration; with ``explain`` the plan also carries a reason for every
@@ -153,8 +157,9 @@ class SlidingServePolicy:
         the same plan, with ``reasons`` set)."""
         p = self.params
         if p.learned_margin and predictor.margin > p.margin:
-            return replace(self, params=replace(p, margin=predictor.margin)).plan(snapshot, predictor,
-                                                                                   explain=explain)
+            # (the same reason rules: they do not depend on the margin)
+            return replace(self, params=replace(p, margin=predictor.margin), reason_rules=self.reason_rules).plan(
+                snapshot, predictor, explain=explain)
         if not explain:
             return self._decide(snapshot, predictor, None)
         plan = self._decide(snapshot, predictor, {})

@@ -26,7 +26,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -113,6 +113,22 @@ class Request:
 
     if TYPE_CHECKING:
         def __getattr__(self, name: str) -> Any: ...
+
+
+class _fact:  # (lower case: a decorator, like property)
+    """A memoised yes/no fact about a snapshot: a read-only property computed once into
+    the snapshot's cache (a policy asks some of them several times a decision)."""
+
+    def __init__(self, fn: Callable[[Any], bool]) -> None:
+        self.fn, self.key, self.__doc__ = fn, fn.__name__, fn.__doc__
+
+    def __get__(self, snap: Any, owner: type | None = None) -> bool:
+        if snap is None:
+            return self  # type: ignore[return-value]
+        v = snap._cache.get(self.key)
+        if v is None:
+            v = snap._cache[self.key] = self.fn(snap)
+        return v  # type: ignore[no-any-return]
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
@@ -375,15 +391,15 @@ class Snapshot:
         """a_i + e2e_slo_i, by when the last token must be out; +inf without an objective."""
         return self._memo("e2e_deadline", lambda: np.where(self.e2e_slo > 0, self.arrival + self.e2e_slo, np.inf))
 
-    @property
+    @_fact
     def any_e2e(self) -> bool:
         """Some request has an end-to-end objective."""
-        return self._flag("any_e2e", lambda: self.e2e_slo.any())
+        return bool(self.e2e_slo.any())
 
-    @property
+    @_fact
     def any_tpot(self) -> bool:
         """Some request has an objective on its mean time per output token."""
-        return self._flag("any_tpot", lambda: self.tpot_slo.any())
+        return bool(self.tpot_slo.any())
 
     @property
     def paced(self) -> np.ndarray:
@@ -418,16 +434,16 @@ class Snapshot:
 
         return self._memo("slack", compute)
 
-    @property
+    @_fact
     def one_class(self) -> bool:
         """Every request has the same priority (the v1 contract, and the common case): the
         class-aware steps of a policy can skip their per-subset checks."""
         p = self.priority
-        return self._flag("one_class", lambda: len(p) == 0 or p.min() == p.max())
+        return bool(len(p) == 0 or p.min() == p.max())
 
-    @property
+    @_fact
     def any_sheddable(self) -> bool:
-        return self._flag("any_sheddable", lambda: self.sheddable.any())
+        return bool(self.sheddable.any())
 
     @property
     def kv_tokens(self) -> np.ndarray:
@@ -444,13 +460,13 @@ class Snapshot:
 
     @property
     def reason_columns(self) -> tuple[np.ndarray, ...]:
-        """(``is_decoding``, ``remaining_prefill``, ``slack``, ``tbt_slo``, ``step``,
-        ``priority``, ``kv_tokens``): the columns the reasons' kernel reads, memoised
-        together (one look-up where each is a property of its own)."""
+        """(``remaining_prefill``, ``slack``, ``tbt_slo``, ``step``, ``priority``): the
+        columns the reasons' kernel reads (a decode is a row with nothing left to prefill),
+        memoised together (one look-up where each is a property of its own)."""
         cols = self._cache.get("reason_columns")
         if cols is None:
-            cols = self._cache["reason_columns"] = (self.is_decoding, self.remaining_prefill, self.slack,
-                                                    self.tbt_slo, self.step, self.priority, self.kv_tokens)
+            cols = self._cache["reason_columns"] = (self.remaining_prefill, self.slack, self.tbt_slo, self.step,
+                                                    self.priority)
         return cols  # type: ignore[no-any-return]
 
     def _memo(self, key: str, fn: Any) -> np.ndarray:
@@ -459,13 +475,6 @@ class Snapshot:
             v = _readonly(np.asarray(fn()))
             self._cache[key] = v
         return v
-
-    def _flag(self, key: str, fn: Any) -> bool:
-        """A memoised yes/no fact about the snapshot (``_memo`` for a bool)."""
-        v = self._cache.get(key)
-        if v is None:
-            v = self._cache[key] = bool(fn())
-        return bool(v)
 
 
 #: The schema's columns: those every snapshot has, and the optional ones.

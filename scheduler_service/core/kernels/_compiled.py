@@ -809,29 +809,27 @@ _DE_BRUIJN = 0x077CB531
 _LOWEST_CODE = np.full(32, RC_BEHIND, dtype=np.int8)
 for _b, _c in enumerate((*REASON_RULES, RC_BEHIND)):
     _LOWEST_CODE[((1 << _b) * _DE_BRUIJN & 0xFFFFFFFF) >> 27] = _c
+_LOWEST_KIND = REASON_VALUE[_LOWEST_CODE]  # what that rule's value is (REASON_VALUE)
 
 
 @_jit
-def _row_flags(flags, dec_rows, pre_rows, pre_toks, lost_from, lost_mask, held, rescued, is_dec,  # type: ignore[no-untyped-def]
-               remaining):
+def _row_flags(flags, dec_rows, pre_rows, pre_toks, lost_from, lost_mask, marked, remaining):  # type: ignore[no-untyped-def]
     """Per row, in ``flags`` (one byte each, zeroed): what a plan that gives one token to
     each of ``dec_rows`` and ``pre_toks[j]`` to ``pre_rows[j]`` (the last word for a row)
-    gives it, and the sets it is in (the lost set: ``lost_from[lost_mask]``), as the bits
-    :data:`_GETS` to :data:`_SERVED`.  A row that gets no token always waits (a prefill
-    has at least one token left), so only the served rows read ``remaining``."""
+    gives it, and the sets it is in (the lost set: ``lost_from[lost_mask]``; ``marked``:
+    held back, a prefill, or rescued, a decode), as the bits :data:`_GETS` to
+    :data:`_SERVED`.  A decode has ``remaining`` 0 and needs one token; a row that gets no
+    token always waits (a prefill has at least one token left)."""
     for i in dec_rows:
-        flags[i] = _GETS | (_SERVED if is_dec[i] or remaining[i] <= 1 else 0)
+        flags[i] = _GETS | (remaining[i] <= 1) * _SERVED
     for j in range(pre_rows.shape[0]):
         i = pre_rows[j]
         g = pre_toks[j]
-        need = 1 if is_dec[i] else remaining[i]
-        flags[i] = (g > 0) * _GETS | (g >= need) * _SERVED
+        flags[i] = (g > 0) * _GETS | (g >= max(remaining[i], 1)) * _SERVED
     for j in range(lost_from.shape[0]):
         flags[lost_from[j]] |= lost_mask[j] * _LOST
-    for i in held:
-        flags[i] |= _HELD
-    for i in rescued:
-        flags[i] |= _RESCUED
+    for i in marked:
+        flags[i] |= _HELD + (remaining[i] == 0) * (_RESCUED - _HELD)
 
 
 @_jit
@@ -859,23 +857,24 @@ def _scalar(rules, c, behind, own_rule, own_value):  # type: ignore[no-untyped-d
 
 
 @_jit
-def reason_codes(dec_rows, pre_rows, pre_toks, lost_from, lost_mask, held, rescued, verdicts, rules,  # type: ignore[no-untyped-def]
-                 own_rule, own_value, is_dec, remaining, slack, tbt, step, prio, kv):
+def reason_codes(dec_rows, pre_rows, pre_toks, lost_from, lost_mask, marked, verdicts, rules, own_rule,  # type: ignore[no-untyped-def]
+                 own_value, remaining, slack, tbt, step, prio):
     """``reference.reason_codes`` in two passes over the snapshot's rows, without a
     branch on their data: each row's rules that hold as bits, the first that is on by its
     lowest set bit; then every row is written and only a waiting one advances the output
     (the verdicts, few, looked up afterwards; a plan that fills its token budget or KV
     takes :func:`_limited_codes`).  The rows and the values share one allocation: what a
     plan keeps are views of the two."""
-    n = is_dec.shape[0]
+    n = remaining.shape[0]
     flags = np.zeros(n, dtype=np.uint8)
-    _row_flags(flags, dec_rows, pre_rows, pre_toks, lost_from, lost_mask, held, rescued, is_dec, remaining)
+    _row_flags(flags, dec_rows, pre_rows, pre_toks, lost_from, lost_mask, marked, remaining)
     codes = np.empty(n, dtype=np.int8)
     buf = np.empty(2 * n, dtype=np.int64)
     rows = buf[:n]
     values = buf[n:].view(np.float64)
     behind = float(dec_rows.shape[0] + pre_rows.shape[0])
-    k = _waiting_codes(flags, codes, rows, values, rules, behind, own_rule, own_value, is_dec, slack, tbt, step, prio)
+    k = _waiting_codes(flags, codes, rows, values, rules, behind, own_rule, own_value, remaining, slack, tbt, step,
+                       prio)
     for j in range(verdicts.shape[1]):  # the verdicts, which come before every rule (waiting rows)
         r = verdicts[0, j]
         at = np.searchsorted(rows[:k], r)
@@ -883,13 +882,13 @@ def reason_codes(dec_rows, pre_rows, pre_toks, lost_from, lost_mask, held, rescu
             continue
         c = verdicts[1, j]
         codes[at] = c
-        values[at] = _reason_value(REASON_VALUE[c], slack[r], prio[r], kv[r],
+        values[at] = _reason_value(REASON_VALUE[c], slack[r], prio[r], verdicts[2, j],
                                    _scalar(rules, c, behind, own_rule, own_value))
     return rows[:k], codes[:k], values[:k]  # views: no copy of what a plan keeps anyway
 
 
 @_jit
-def _waiting_codes(flags, codes, rows, values, rules, behind, own_rule, own_value, is_dec, slack, tbt,  # type: ignore[no-untyped-def]
+def _waiting_codes(flags, codes, rows, values, rules, behind, own_rule, own_value, remaining, slack, tbt,  # type: ignore[no-untyped-def]
                    step, prio):
     """The pass of :func:`reason_codes` over the rows' ``flags``: each waiting row's
     first rule that is on (``rules[c]`` nonzero) and holds, its row, code and value
@@ -900,15 +899,10 @@ def _waiting_codes(flags, codes, rows, values, rules, behind, own_rule, own_valu
     for j in range(_BEHIND_BIT):
         if rules[REASON_RULES[j]] != 0:
             on |= np.int64(1) << j
-    # per de Bruijn index: what the rule's value is and its own number; a row's values by
-    # kind (picked by an index, not a branch; a verdict's KV value is never a rule's)
-    aux = np.empty(67, dtype=np.int64)
-    kind = aux[:32]
-    scalar = aux[32:64].view(np.float64)
-    value = aux[64:].view(np.float64)
+    # per de Bruijn index: the rule's own number (what its value is: _LOWEST_KIND)
+    scalar = np.empty(32)
     for b in range(32):
         scalar[b] = _scalar(rules, _LOWEST_CODE[b], behind, own_rule, own_value)
-        kind[b] = REASON_VALUE[_LOWEST_CODE[b]]
     starve = rules[RULE_STARVE]
     skip = rules[RULE_SKIP]
     unbounded = np.int32(starve <= 0)
@@ -918,7 +912,7 @@ def _waiting_codes(flags, codes, rows, values, rules, behind, own_rule, own_valu
     first = codes.view(np.uint8)
     for i in range(flags.shape[0]):
         m = np.int32(flags[i])
-        d = np.int32(is_dec[i])
+        d = np.int32(remaining[i] == 0)
         s = slack[i]
         gone = np.int32(s <= 0)
         late = gone & (unbounded | np.int32(s > -starve * tbt[i]))
@@ -930,15 +924,17 @@ def _waiting_codes(flags, codes, rows, values, rules, behind, own_rule, own_valu
         first[i] = ((np.int64(x & (np.uint32(0) - x)) * _DE_BRUIJN) & 0xFFFFFFFF) >> 27
     # 2. the waiting rows' codes and values, packed: every row is written, only a waiting
     # one advances (a row's index is read before a code is written over it: k <= i)
+    # (a value picked by selects, not a branch; a verdict's KV value is never a rule's)
     k = 0
     for i in range(flags.shape[0]):
         b = first[i]
-        value[0] = scalar[b]
-        value[1] = slack[i] * 1e3
-        value[2] = prio[i]
+        kb = _LOWEST_KIND[b]
+        v = scalar[b]
+        v = slack[i] * 1e3 if kb == 1 else v
+        v = float(prio[i]) if kb == 2 else v
         rows[k] = i
         codes[k] = _LOWEST_CODE[b]
-        values[k] = value[kind[b]]
+        values[k] = v
         k += 1 - ((flags[i] & _SERVED) != 0)
     return k
 

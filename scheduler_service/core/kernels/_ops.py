@@ -98,16 +98,18 @@ class NumpyOps:
 
     # ------------------------------------------------------------------ reasons
     def reason_codes(self, snap: Snapshot, dec_rows: np.ndarray, pre_rows: np.ndarray, pre_toks: np.ndarray,
-                     lost_from: np.ndarray, lost_mask: np.ndarray, held: np.ndarray, rescued: np.ndarray,
-                     verdicts: np.ndarray, rules: np.ndarray, own_rule: int = -1,
+                     lost_from: np.ndarray, lost_mask: np.ndarray, marked: np.ndarray, verdicts: np.ndarray,
+                     rules: np.ndarray, own_rule: int = -1,
                      own_value: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(waiting rows, code indices, values) of a plan (``reasons.explain``) that gives
         one token to each of ``dec_rows`` and ``pre_toks[j]`` to row ``pre_rows[j]``; the
-        lost set is ``lost_from[lost_mask]``, ``verdicts`` the rejected and preempted rows
-        over their codes (int64, two rows), ``rules`` as ``reference.RULE_SCALAR`` says,
-        rule ``own_rule``'s number (−1: none) ``own_value`` instead."""
-        return ref.reason_codes(dec_rows, pre_rows, pre_toks, lost_from, lost_mask, held, rescued, verdicts,
-                                rules, int(own_rule), float(own_value), *snap.reason_columns)
+        lost set is ``lost_from[lost_mask]``, ``marked`` the rows the class rules held
+        back (prefills) or sat out (decodes), ``verdicts`` the rejected and preempted rows,
+        their codes and their KV tokens (int64, three rows), ``rules`` as
+        ``reference.RULE_SCALAR`` says, rule ``own_rule``'s number (−1: none) ``own_value``
+        instead."""
+        return ref.reason_codes(dec_rows, pre_rows, pre_toks, lost_from, lost_mask, marked, verdicts, rules,
+                                int(own_rule), float(own_value), *snap.reason_columns)
 
     # -------------------------------------------------------- candidate queue
     def queue_arrays(self, snap: Snapshot, predictor: BatchLatencyPredictor, fast: int,
@@ -206,8 +208,8 @@ class NumbaOps(NumpyOps):
         return W if len(W) else None
 
     def reason_codes(self, snap: Snapshot, dec_rows: np.ndarray, pre_rows: np.ndarray, pre_toks: np.ndarray,
-                     lost_from: np.ndarray, lost_mask: np.ndarray, held: np.ndarray, rescued: np.ndarray,
-                     verdicts: np.ndarray, rules: np.ndarray, own_rule: int = -1,
+                     lost_from: np.ndarray, lost_mask: np.ndarray, marked: np.ndarray, verdicts: np.ndarray,
+                     rules: np.ndarray, own_rule: int = -1,
                      own_value: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         i8 = _INT64  # the checks of _idx inline: a call each costs more than the check (once per plan)
         return self.k.reason_codes(  # type: ignore[no-any-return]
@@ -215,9 +217,8 @@ class NumbaOps(NumpyOps):
             pre_rows if pre_rows.dtype is i8 else _idx(pre_rows),
             pre_toks if pre_toks.dtype is i8 else _idx(pre_toks),
             lost_from if lost_from.dtype is i8 else _idx(lost_from), lost_mask,
-            held if held.dtype is i8 else _idx(held), rescued if rescued.dtype is i8 else _idx(rescued),
-            verdicts if verdicts.dtype is i8 else _idx(verdicts), rules, int(own_rule), float(own_value),
-            *snap.reason_columns)
+            marked if marked.dtype is i8 else _idx(marked), verdicts if verdicts.dtype is i8 else _idx(verdicts),
+            rules, int(own_rule), float(own_value), *snap.reason_columns)
 
     def queue_arrays(self, snap: Snapshot, predictor: BatchLatencyPredictor, fast: int,
                      queue: np.ndarray) -> tuple[np.ndarray, ...]:
