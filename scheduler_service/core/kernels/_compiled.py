@@ -899,8 +899,9 @@ def _waiting_codes(flags, codes, rows, values, rules, behind, own_rule, own_valu
     for j in range(_BEHIND_BIT):
         if rules[REASON_RULES[j]] != 0:
             on |= np.int64(1) << j
-    # per de Bruijn index: the rule's own number (what its value is: _LOWEST_KIND)
-    scalar = np.empty(32)
+    # per de Bruijn index: the rule's own number (what its value is: _LOWEST_KIND), then
+    # a row's three values
+    scalar = np.empty(35)
     for b in range(32):
         scalar[b] = _scalar(rules, _LOWEST_CODE[b], behind, own_rule, own_value)
     starve = rules[RULE_STARVE]
@@ -924,17 +925,18 @@ def _waiting_codes(flags, codes, rows, values, rules, behind, own_rule, own_valu
         first[i] = ((np.int64(x & (np.uint32(0) - x)) * _DE_BRUIJN) & 0xFFFFFFFF) >> 27
     # 2. the waiting rows' codes and values, packed: every row is written, only a waiting
     # one advances (a row's index is read before a code is written over it: k <= i)
-    # (a value picked by selects, not a branch; a verdict's KV value is never a rule's)
+    # (a value picked by an index, not a branch: the compiler turned a select into one,
+    # mispredicted on a new snapshot, 1-2 us a plan; a verdict's KV value is never a rule's)
+    value = scalar[32:]
     k = 0
     for i in range(flags.shape[0]):
         b = first[i]
-        kb = _LOWEST_KIND[b]
-        v = scalar[b]
-        v = slack[i] * 1e3 if kb == 1 else v
-        v = float(prio[i]) if kb == 2 else v
+        value[0] = scalar[b]
+        value[1] = slack[i] * 1e3
+        value[2] = prio[i]
         rows[k] = i
         codes[k] = _LOWEST_CODE[b]
-        values[k] = v
+        values[k] = value[_LOWEST_KIND[b]]
         k += 1 - ((flags[i] & _SERVED) != 0)
     return k
 
