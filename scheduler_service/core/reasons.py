@@ -177,16 +177,17 @@ def _classify(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor, 
                                       _verdicts(snap, plan.rejections, plan.preemptions), rules)
 
 
-def sliding_reasons(policy: Any, snap: Snapshot, budget: int, decodes: np.ndarray, pre_rows: np.ndarray,
-                    pre_toks: np.ndarray, path: str, W: np.ndarray | None, lost_from: np.ndarray,
-                    lost_mask: np.ndarray, n_decoding: int, holders: int, held_back: dict[str, Any]) -> Reasons:
+def sliding_reasons(policy: Any, snap: Snapshot, decodes: np.ndarray, pre_rows: np.ndarray, pre_toks: np.ndarray,
+                    path: str, W: np.ndarray | None, lost_from: np.ndarray, lost_mask: np.ndarray, n_decoding: int,
+                    holders: int, held_back: dict[str, Any], budget: int) -> Reasons:
     """The reasons of the plan a SlidingServe decision is assembling, classified now
-    from what the decision knows: the plan's token ``budget``, its ``decodes`` and
+    from what the decision knows: the plan's ``decodes`` and
     prefills, its ``path`` and decode windows ``W``, the prefills it considered
     (``lost_from``) and gave up on (``lost_mask``), the count of decoding requests and
     of requests holding KV, and in ``held_back`` the rows the class reserve held back
     (``held``, with ``reserve_ms``) and the decodes the class rescue sat out
-    (``rescued``), when it did, and the ``rejections`` it shed.  The plan-wide facts cost
+    (``rescued``), when it did, and the ``rejections`` it shed; last, the plan's token
+    ``budget`` (``assemble_plan`` passes it).  The plan-wide facts cost
     a few scalar comparisons; a decision that preempts is explained by the post-pass.  The
     same rules as :func:`_limits` and :func:`_sliding` (``tests/test_reasons.py``
     checks the two give the same reasons)."""
@@ -202,14 +203,15 @@ def sliding_reasons(policy: Any, snap: Snapshot, budget: int, decodes: np.ndarra
         rules = _RULES_OFF.copy()
         rules[_KV], rules[_S + _KV] = 1.0, left
     else:  # the common plan: its configuration's rules (shared), its own number apart
-        at = 3 * snap.one_class  # where in the policy's reason_rules
+        one_class = snap._cache.get("one_class")  # memoised by the decision (no frame: see kernels._ops)
+        at = 3 if one_class or (one_class is None and snap.one_class) else 0  # where in the policy's reason_rules
         if path == "batch_constructor":
             own_rule, own, at = _NOT_CHOSEN, float(len(pre_rows)), at + 1
         elif W is not None:
             own_rule, own, at = _TIME_BUDGET, W.item(0), at + 2
         rules = policy.reason_rules[at]
         if rules is None:
-            rules = policy.reason_rules[at] = _sliding_rules(p, snap.one_class, own_rule)
+            rules = policy.reason_rules[at] = _sliding_rules(p, at >= 3, own_rule)
         lost, mask = lost_from, lost_mask
         watermark = free is not None and left - (mark := p.kv_growth_iters * holders) < 1
         if watermark or held_back:  # rules of this plan alone: on a copy

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, fields, replace
+from functools import partial
 from typing import Any, ClassVar
 
 import numpy as np
@@ -389,8 +390,10 @@ class SlidingServePolicy:
         return assemble_plan(
             self, snap, predictor, decodes, pre_rows, pre_toks, path, t0,
             {"sorter": t1 - t0, "predictor": t2 - t1, "constructor": t3 - t2, "chunker": t4 - t3},
-            predicted, explain=None if trace is None or not len(snap) else lambda budget: sliding_reasons(
-                self, snap, budget, decodes, pre_rows, pre_toks, path, W, pre, lost, len(dec_all), holders, trace),
+            predicted, explain=None if trace is None or not len(snap) else partial(  # (a closure would make cells of
+                # twelve of this function's locals, in every plan)
+                sliding_reasons, self, snap, decodes, pre_rows, pre_toks, path, W, pre, lost, len(dec_all), holders,
+                trace),
         )
 
 
