@@ -203,15 +203,14 @@ def sliding_reasons(policy: Any, snap: Snapshot, decodes: np.ndarray, pre_rows: 
         rules = _RULES_OFF.copy()
         rules[_KV], rules[_S + _KV] = 1.0, left
     else:  # the common plan: its configuration's rules (shared), its own number apart
-        one_class = snap._cache.get("one_class")  # memoised by the decision (no frame: see kernels._ops)
-        at = 3 if one_class or (one_class is None and snap.one_class) else 0  # where in the policy's reason_rules
+        at = 3 * snap.one_class  # where in the policy's reason_rules
         if path == "batch_constructor":
             own_rule, own, at = _NOT_CHOSEN, float(len(pre_rows)), at + 1
         elif W is not None:
             own_rule, own, at = _TIME_BUDGET, W.item(0), at + 2
         rules = policy.reason_rules[at]
         if rules is None:
-            rules = policy.reason_rules[at] = _sliding_rules(p, at >= 3, own_rule)
+            rules = policy.reason_rules[at] = _sliding_rules(p, snap.one_class, own_rule)
         lost, mask = lost_from, lost_mask
         watermark = free is not None and left - (mark := p.kv_growth_iters * holders) < 1
         if watermark or held_back:  # rules of this plan alone: on a copy

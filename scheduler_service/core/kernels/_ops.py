@@ -212,16 +212,13 @@ class NumbaOps(NumpyOps):
                      rules: np.ndarray, own_rule: int = -1,
                      own_value: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         i8 = _INT64  # the checks of _idx inline: a call each costs more than the check (once per plan)
-        # the columns from the snapshot's memo when there (a property is a Python frame, and
-        # in a decision's wake each frame costs about half a microsecond)
-        cols = snap._cache.get("reason_columns") or snap.reason_columns
         return self.k.reason_codes(  # type: ignore[no-any-return]
             dec_rows if dec_rows.dtype is i8 else _idx(dec_rows),
             pre_rows if pre_rows.dtype is i8 else _idx(pre_rows),
             pre_toks if pre_toks.dtype is i8 else _idx(pre_toks),
             lost_from if lost_from.dtype is i8 else _idx(lost_from), lost_mask,
             marked if marked.dtype is i8 else _idx(marked), verdicts if verdicts.dtype is i8 else _idx(verdicts),
-            rules, int(own_rule), float(own_value), *cols)
+            rules, int(own_rule), float(own_value), *snap.reason_columns)
 
     def queue_arrays(self, snap: Snapshot, predictor: BatchLatencyPredictor, fast: int,
                      queue: np.ndarray) -> tuple[np.ndarray, ...]:
