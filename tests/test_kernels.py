@@ -87,6 +87,29 @@ def test_queue_arrays_fill_curve_and_prefix_times_agree(snap: Snapshot, pred: Ba
     assert same(t_ref, t_got)
 
 
+@KERNELS
+@given(snap=snapshots(max_n=16, max_prompt=120, max_bmax=96), pred=any_predictor, no_decodes=st.booleans(),
+       data=st.data())
+def test_the_fill_agrees_and_what_the_explaining_chunker_derives_of_it_holds(
+        snap: Snapshot, pred: BatchLatencyPredictor, no_decodes: bool, data: st.DataObject) -> None:
+    """The compiled fill is ``CandidateQueue.fill_arrays`` bit for bit, for every prompt
+    token count up to past the supply; and what ``SlidingServePolicy._fill`` derives of
+    it before filling, to classify in the same call, holds: the fill gives ``min(p1,
+    supply)`` tokens, and it reaches ``max_num_seqs`` with the decodes exactly when the
+    queue's request at the last free place starts below ``p1``."""
+    cq = queue_of(snap, pred, n_dec_cap=0 if no_decodes else None)
+    seqs = data.draw(st.lists(st.integers(0, len(cq.queue) + cq.n_dec + 2), min_size=1, max_size=4))
+    for p1 in range(cq.supply + 3):
+        ref, got = both(lambda p=p1: kernels.ops().fill_prefills(cq, p))  # type: ignore[misc]
+        assert same(ref[0], got[0]) and same(ref[1], got[1]) and same(ref[0], cq.fill_arrays(p1)[0])
+        rows, toks = ref
+        assert int(toks.sum()) == min(p1, cq.supply) and (toks >= 1).all()
+        for max_seqs in seqs:
+            m = max_seqs - cq.n_dec
+            derived = m <= 0 or (m <= len(cq.queue) and bool(cq.R[m - 1] < p1))
+            assert derived == (cq.n_dec + len(rows) >= max_seqs), (p1, max_seqs)
+
+
 # ------------------------------------------------------------------ window search
 @KERNELS
 @given(snap=snapshots(max_n=16, max_prompt=120, max_bmax=96), pred=any_predictor, k=st.integers(1, 4),

@@ -42,7 +42,7 @@ from .sorter import prefill_indices
 
 __all__ = ["CODES", "REASON_CODES", "Decided", "PlanLike", "Reason", "Reasons", "assembled_reasons", "explain",
            "kv_left", "kv_watermark", "plan_explained", "reason_counts", "reserve_ms", "sliding_reasons",
-           "token_budget"]
+           "sliding_rules", "token_budget"]
 
 _C = {c: k for k, c in enumerate(CODES)}
 
@@ -181,16 +181,30 @@ def sliding_reasons(policy: Any, snap: Snapshot, decodes: np.ndarray, pre_rows: 
                     path: str, W: np.ndarray | None, lost_from: np.ndarray, lost_mask: np.ndarray, n_decoding: int,
                     holders: int, held_back: dict[str, Any], budget: int) -> Reasons:
     """The reasons of the plan a SlidingServe decision is assembling, classified now
-    from what the decision knows: the plan's ``decodes`` and
-    prefills, its ``path`` and decode windows ``W``, the prefills it considered
-    (``lost_from``) and gave up on (``lost_mask``), the count of decoding requests and
-    of requests holding KV, and in ``held_back`` the rows the class reserve held back
-    (``held``, with ``reserve_ms``) and the decodes the class rescue sat out
-    (``rescued``), when it did, and the ``rejections`` it shed; last, the plan's token
-    ``budget`` (``assemble_plan`` passes it).  The plan-wide facts cost
-    a few scalar comparisons; a decision that preempts is explained by the post-pass.  The
-    same rules as :func:`_limits` and :func:`_sliding` (``tests/test_reasons.py``
-    checks the two give the same reasons)."""
+    from what the decision knows: the plan's ``decodes`` and prefills, its ``path``, and
+    what :func:`sliding_rules` reads; last, the plan's token ``budget`` (``assemble_plan``
+    passes it).  (The sliding chunker's plans are classified as they are filled:
+    ``SlidingServePolicy._fill``.)"""
+    chosen = len(pre_rows) if path == "batch_constructor" else None
+    return Reasons(snap.ids, *kernels.ops().reason_codes(snap, decodes, pre_rows, pre_toks, *sliding_rules(
+        policy, snap, budget, len(decodes) + len(pre_rows) >= snap.max_num_seqs, chosen, W, lost_from, lost_mask,
+        n_decoding, holders, held_back)))
+
+
+def sliding_rules(policy: Any, snap: Snapshot, budget: int, seqs_full: bool, chosen: int | None,
+                  W: np.ndarray | None, lost_from: np.ndarray, lost_mask: np.ndarray, n_decoding: int, holders: int,
+                  held_back: dict[str, Any]) -> tuple[Any, ...]:
+    """What the reasons kernel needs beside the plan's rows (``reason_codes`` from
+    ``lost_from`` on) for a SlidingServe plan: its token ``budget``, whether it serves
+    ``max_num_seqs`` requests (``seqs_full``), ``chosen`` the prefills BatchConstructor
+    chose (None: not its plan), the decode windows ``W``, the prefills the decision
+    considered (``lost_from``) and gave up on (``lost_mask``), the count of decoding
+    requests and of requests holding KV, and in ``held_back`` the rows the class reserve
+    held back (``held``, with ``reserve_ms``) and the decodes the class rescue sat out
+    (``rescued``), when it did, and the ``rejections`` it shed.  A few scalar comparisons;
+    a decision that preempts is explained by the post-pass.  The same rules as
+    :func:`_limits` and :func:`_sliding` (``tests/test_reasons.py`` checks the two give
+    the same reasons)."""
     p = policy.params
     lost, mask, marked = _EMPTY, _NO_MASK, _EMPTY
     own_rule, own = -1, 0.0
@@ -204,8 +218,8 @@ def sliding_reasons(policy: Any, snap: Snapshot, decodes: np.ndarray, pre_rows: 
         rules[_KV], rules[_S + _KV] = 1.0, left
     else:  # the common plan: its configuration's rules (shared), its own number apart
         at = 3 * snap.one_class  # where in the policy's reason_rules
-        if path == "batch_constructor":
-            own_rule, own, at = _NOT_CHOSEN, float(len(pre_rows)), at + 1
+        if chosen is not None:
+            own_rule, own, at = _NOT_CHOSEN, float(chosen), at + 1
         elif W is not None:
             own_rule, own, at = _TIME_BUDGET, W.item(0), at + 2
         rules = policy.reason_rules[at]
@@ -222,13 +236,12 @@ def sliding_reasons(policy: Any, snap: Snapshot, decodes: np.ndarray, pre_rows: 
             if (r := held_back.get("rescued")) is not None:
                 marked, rules[_CLASS_RESCUE], rules[_S + _CLASS_RESCUE] = (np.concatenate([marked, r]), 1.0,
                                                                            len(r))
-    if len(decodes) + len(pre_rows) >= snap.max_num_seqs:
+    if seqs_full:
         rules = rules.copy() if not rules.flags.writeable else rules
         rules[_MAX_NUM_SEQS], rules[_S + _MAX_NUM_SEQS] = 1.0, snap.max_num_seqs
     # (under a hard limit no decode rule is on: the starvation bound and the skip go unread)
     verdicts = _verdicts(snap, held_back["rejections"]) if "rejections" in held_back else _NO_VERDICTS
-    return Reasons(snap.ids, *kernels.ops().reason_codes(snap, decodes, pre_rows, pre_toks, lost, mask, marked,
-                                                         verdicts, rules, own_rule, own))
+    return lost, mask, marked, verdicts, rules, own_rule, own
 
 
 def _allocated(snap: Snapshot, plan: PlanLike) -> tuple[np.ndarray, np.ndarray]:

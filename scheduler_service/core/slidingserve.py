@@ -35,7 +35,7 @@ from .params import param
 from .plan import Plan, Reasons, Rejection
 from .predictor import BatchLatencyPredictor
 from .reasons import explain as with_reasons
-from .reasons import reserve_ms, sliding_reasons
+from .reasons import reserve_ms, sliding_reasons, sliding_rules
 from .snapshot import Snapshot
 from .sorter import edf_order, late_set, mlps_order, ordered, prefill_indices
 
@@ -369,6 +369,7 @@ class SlidingServePolicy:
             )
             t3 = time.perf_counter_ns()
         predicted: float | None = None
+        filled = None
         if chosen is not None:
             pre_rows = in_queue_order(chosen.chosen, queue)
             pre_toks = snap.remaining_prefill[pre_rows]
@@ -383,18 +384,43 @@ class SlidingServePolicy:
                 p1 = sliding_chunk(cq, W, p.granularity, p.max_grid, curve, p.tie_tolerance_ms)
             if starving.any():  # the oldest starving prefill (the queue's head) gets its room
                 p1 = max(p1, min(int(cq.r[0]), cq.first_cap))
-            pre_rows, pre_toks = cq.fill_arrays(p1)
+            pre_rows, pre_toks, filled = self._fill(snap, cq, p1, W, pre, lost, len(dec_all), holders, trace)
             predicted = float(curve.times[p1])  # the curve holds exactly this batch
             path = "sliding_chunker" if len(pre_rows) else ("decode_only" if n_dec else "idle")
             t4 = time.perf_counter_ns()
         return assemble_plan(
             self, snap, predictor, decodes, pre_rows, pre_toks, path, t0,
             {"sorter": t1 - t0, "predictor": t2 - t1, "constructor": t3 - t2, "chunker": t4 - t3},
-            predicted, explain=None if trace is None or not len(snap) else partial(  # (a closure would make cells of
-                # twelve of this function's locals, in every plan)
+            predicted, explain=filled if trace is None or not len(snap) or filled is not None else partial(
                 sliding_reasons, self, snap, decodes, pre_rows, pre_toks, path, W, pre, lost, len(dec_all), holders,
-                trace),
+                trace),  # (not a closure: that would make cells of twelve locals here, in every plan)
         )
+
+    def _fill(self, snap: Snapshot, cq: CandidateQueue, p1: int, W: np.ndarray | None, pre: np.ndarray,
+              lost: np.ndarray, n_decoding: int, holders: int, trace: dict[str, Any] | None
+              ) -> tuple[np.ndarray, np.ndarray, Any]:
+        """The chunker's prefills for ``p1`` prompt tokens (rows, tokens) and, explaining
+        (``trace``), the plan's reasons as ``assemble_plan`` asks for them (a callable of
+        the plan's budget; None: not explaining), classified in the same compiled call as
+        the fill: in a decision's wake a compiled call's own cost is about that of the
+        classification.  The plan-wide facts come first, from ``p1``: the fill gives
+        ``min(p1, supply)`` tokens, and reaches ``max_num_seqs`` when the queue's request
+        at its last free place starts below ``p1`` (the queue's prefix sums rise)."""
+        if trace is None or not len(snap):
+            return (*kernels.ops().fill_prefills(cq, p1), None)
+        n_dec, m = cq.n_dec, snap.max_num_seqs - cq.n_dec
+        budget = n_dec + min(p1, cq.supply)
+        seqs_full = m <= 0 or (m <= len(cq.queue) and bool(cq.R[m - 1] < p1))
+        pre_rows, pre_toks, *arrays = kernels.ops().fill_reason_codes(
+            snap, cq, p1, cq.decodes, *sliding_rules(self, snap, budget, seqs_full, None, W, pre, lost, n_decoding,
+                                                     holders, trace))
+        reasons = Reasons(snap.ids, *arrays)
+
+        def filled(plan_budget: int) -> Reasons:
+            assert plan_budget == budget, (plan_budget, budget)  # the fill's tokens, as derived above
+            return reasons
+
+        return pre_rows, pre_toks, filled
 
 
 def _reserve(snap: Snapshot, predictor: BatchLatencyPredictor, dec_all: np.ndarray, pre: np.ndarray,

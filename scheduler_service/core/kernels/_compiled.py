@@ -59,6 +59,8 @@ from ._ops import CLASS_BITS, POS_BITS
 
 __all__ = [
     "fill_curve",
+    "fill_prefills",
+    "fill_reason_codes",
     "knapsack_pass",
     "late_set",
     "lex_order",
@@ -885,6 +887,30 @@ def reason_codes(dec_rows, pre_rows, pre_toks, lost_from, lost_mask, marked, ver
         values[at] = _reason_value(REASON_VALUE[c], slack[r], prio[r], verdicts[2, j],
                                    _scalar(rules, c, behind, own_rule, own_value))
     return rows[:k], codes[:k], values[:k]  # views: no copy of what a plan keeps anyway
+
+
+@_jit
+def fill_prefills(queue, R, r, p1):  # type: ignore[no-untyped-def]
+    """``reference.fill_prefills``: the greedy fill of ``p1`` prompt tokens over the
+    queue (``R`` its prefix sums, ``r`` what each needs), as (rows, tokens)."""
+    n = min(queue.shape[0], np.searchsorted(R, p1))
+    toks = np.empty(n, dtype=np.int64)
+    for j in range(n):
+        toks[j] = min(r[j], p1 - R[j])
+    return queue[:n], toks
+
+
+@_jit
+def fill_reason_codes(queue, R, r, p1, dec_rows, lost_from, lost_mask, marked, verdicts, rules, own_rule,  # type: ignore[no-untyped-def]
+                      own_value, remaining, slack, tbt, step, prio):
+    """:func:`fill_prefills`, then :func:`reason_codes` of the plan that gives one token
+    to each of ``dec_rows`` and the fill to the prefills, in one call (a compiled call's
+    own cost, in a decision's wake, is about that of the classification):
+    (prefill rows, their tokens, waiting rows, codes, values)."""
+    pre_rows, pre_toks = fill_prefills(queue, R, r, p1)
+    rows, codes, values = reason_codes(dec_rows, pre_rows, pre_toks, lost_from, lost_mask, marked, verdicts, rules,
+                                       own_rule, own_value, remaining, slack, tbt, step, prio)
+    return pre_rows, pre_toks, rows, codes, values
 
 
 @_jit

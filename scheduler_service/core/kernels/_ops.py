@@ -111,7 +111,21 @@ class NumpyOps:
         return ref.reason_codes(dec_rows, pre_rows, pre_toks, lost_from, lost_mask, marked, verdicts, rules,
                                 int(own_rule), float(own_value), *snap.reason_columns)
 
+    def fill_reason_codes(self, snap: Snapshot, cq: CandidateQueue, prefill_tokens: int, dec_rows: np.ndarray,
+                          lost_from: np.ndarray, lost_mask: np.ndarray, marked: np.ndarray, verdicts: np.ndarray,
+                          rules: np.ndarray, own_rule: int = -1,
+                          own_value: float = 0.0) -> tuple[np.ndarray, ...]:
+        """:meth:`fill_prefills` and :meth:`reason_codes` of the plan it makes, in one
+        operation: (prefill rows, their tokens, waiting rows, code indices, values)."""
+        pre_rows, pre_toks = self.fill_prefills(cq, prefill_tokens)
+        return (pre_rows, pre_toks, *self.reason_codes(snap, dec_rows, pre_rows, pre_toks, lost_from, lost_mask,
+                                                        marked, verdicts, rules, own_rule, own_value))
+
     # -------------------------------------------------------- candidate queue
+    def fill_prefills(self, cq: CandidateQueue, prefill_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """``cq.fill_arrays``: the greedy fill of ``prefill_tokens`` over the queue."""
+        return cq.fill_arrays(prefill_tokens)
+
     def queue_arrays(self, snap: Snapshot, predictor: BatchLatencyPredictor, fast: int,
                      queue: np.ndarray) -> tuple[np.ndarray, ...]:
         return ref.queue_arrays(snap, predictor.model(fast), queue)
@@ -219,6 +233,20 @@ class NumbaOps(NumpyOps):
             lost_from if lost_from.dtype is i8 else _idx(lost_from), lost_mask,
             marked if marked.dtype is i8 else _idx(marked), verdicts if verdicts.dtype is i8 else _idx(verdicts),
             rules, int(own_rule), float(own_value), *snap.reason_columns)
+
+    def fill_reason_codes(self, snap: Snapshot, cq: CandidateQueue, prefill_tokens: int, dec_rows: np.ndarray,
+                          lost_from: np.ndarray, lost_mask: np.ndarray, marked: np.ndarray, verdicts: np.ndarray,
+                          rules: np.ndarray, own_rule: int = -1,
+                          own_value: float = 0.0) -> tuple[np.ndarray, ...]:
+        i8 = _INT64
+        return self.k.fill_reason_codes(  # type: ignore[no-any-return]
+            cq.queue, cq.R, cq.r, int(prefill_tokens), dec_rows if dec_rows.dtype is i8 else _idx(dec_rows),
+            lost_from if lost_from.dtype is i8 else _idx(lost_from), lost_mask,
+            marked if marked.dtype is i8 else _idx(marked), verdicts if verdicts.dtype is i8 else _idx(verdicts),
+            rules, int(own_rule), float(own_value), *snap.reason_columns)
+
+    def fill_prefills(self, cq: CandidateQueue, prefill_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.k.fill_prefills(cq.queue, cq.R, cq.r, int(prefill_tokens))  # type: ignore[no-any-return]
 
     def queue_arrays(self, snap: Snapshot, predictor: BatchLatencyPredictor, fast: int,
                      queue: np.ndarray) -> tuple[np.ndarray, ...]:
