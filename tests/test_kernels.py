@@ -93,10 +93,9 @@ def test_queue_arrays_fill_curve_and_prefix_times_agree(snap: Snapshot, pred: Ba
 def test_the_fill_agrees_and_what_the_explaining_chunker_derives_of_it_holds(
         snap: Snapshot, pred: BatchLatencyPredictor, no_decodes: bool, data: st.DataObject) -> None:
     """The compiled fill is ``CandidateQueue.fill_arrays`` bit for bit, for every prompt
-    token count up to past the supply; and what ``SlidingServePolicy._fill`` derives of
-    it before filling, to classify in the same call, holds: the fill gives ``min(p1,
-    supply)`` tokens, and it reaches ``max_num_seqs`` with the decodes exactly when the
-    queue's request at the last free place starts below ``p1``."""
+    token count up to past the supply; and ``fill_extent``, what the explaining chunker
+    reads before filling, to classify in the same call, is what the fill gives: its
+    tokens (``min(p1, supply)``) and whether it reaches ``max_num_seqs`` with the decodes."""
     cq = queue_of(snap, pred, n_dec_cap=0 if no_decodes else None)
     seqs = data.draw(st.lists(st.integers(0, len(cq.queue) + cq.n_dec + 2), min_size=1, max_size=4))
     for p1 in range(cq.supply + 3):
@@ -105,9 +104,7 @@ def test_the_fill_agrees_and_what_the_explaining_chunker_derives_of_it_holds(
         rows, toks = ref
         assert int(toks.sum()) == min(p1, cq.supply) and (toks >= 1).all()
         for max_seqs in seqs:
-            m = max_seqs - cq.n_dec
-            derived = m <= 0 or (m <= len(cq.queue) and bool(cq.R[m - 1] < p1))
-            assert derived == (cq.n_dec + len(rows) >= max_seqs), (p1, max_seqs)
+            assert cq.fill_extent(p1, max_seqs) == (int(toks.sum()), cq.n_dec + len(rows) >= max_seqs), (p1, max_seqs)
 
 
 # ------------------------------------------------------------------ window search

@@ -99,7 +99,7 @@ class Reasons(Sequence[Reason]):
                  compute: Callable[[], tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None,
                  names: Sequence[str] | None = None) -> None:
         self._ids = ids
-        self._arrays = (rows, codes, values) if compute is None else None
+        self._arrays = None if compute is not None else (rows, codes, values)
         self._compute = compute
         self._items: tuple[Reason, ...] | None = None
         self.names: tuple[str, ...] = CODES if names is None else tuple(names)
@@ -135,8 +135,7 @@ class Reasons(Sequence[Reason]):
         return {names[k]: int(v) for k, v in enumerate(c) if v}
 
     def __len__(self) -> int:
-        a = self._arrays  # (classified: no call, as a frame costs in a decision's wake)
-        return len(a[0] if a is not None else self.arrays()[0])  # type: ignore[arg-type]
+        return len(self.arrays()[0])
 
     @overload
     def __getitem__(self, k: int) -> Reason: ...

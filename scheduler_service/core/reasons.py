@@ -324,7 +324,8 @@ def _limits(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor, pl
 def _sliding(policy: Any, snap: Snapshot, predictor: BatchLatencyPredictor, plan: PlanLike, got: np.ndarray,
              rules: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """SlidingServe's own rules replayed (``got``: tokens per row): (lost rows, the rows
-    held back by the class reserve or sat out by the class rescue), the rules switched on in ``rules`` with the starvation bound and the decode skip."""
+    held back by the class reserve or sat out by the class rescue), the rules switched on
+    in ``rules`` with the starvation bound and the decode skip."""
     p = policy.params
     lost, held, rescued, W = _state(policy, snap, predictor, plan, got)
     if held is not None:
@@ -343,8 +344,7 @@ def _sliding(policy: Any, snap: Snapshot, predictor: BatchLatencyPredictor, plan
     elif W is not None:
         _rule(rules, "time_budget", float(W[0]))
     rules[RULE_STARVE], rules[RULE_SKIP] = p.starve_after, p.decode_skip_tbts
-    marked = [m for m in (held, rescued) if m is not None]
-    return lost, _EMPTY if not marked else marked[0] if len(marked) == 1 else np.concatenate(marked)
+    return lost, np.concatenate([_EMPTY, *(m for m in (held, rescued) if m is not None)])
 
 
 def _state(policy: Any, snap: Snapshot, predictor: BatchLatencyPredictor, plan: PlanLike, got: np.ndarray

@@ -391,7 +391,7 @@ class SlidingServePolicy:
         return assemble_plan(
             self, snap, predictor, decodes, pre_rows, pre_toks, path, t0,
             {"sorter": t1 - t0, "predictor": t2 - t1, "constructor": t3 - t2, "chunker": t4 - t3},
-            predicted, explain=filled if trace is None or not len(snap) or filled is not None else partial(
+            predicted, explain=filled if filled is not None or trace is None or not len(snap) else partial(
                 sliding_reasons, self, snap, decodes, pre_rows, pre_toks, path, W, pre, lost, len(dec_all), holders,
                 trace),  # (not a closure: that would make cells of twelve locals here, in every plan)
         )
@@ -403,21 +403,19 @@ class SlidingServePolicy:
         (``trace``), the plan's reasons as ``assemble_plan`` asks for them (a callable of
         the plan's budget; None: not explaining), classified in the same compiled call as
         the fill: in a decision's wake a compiled call's own cost is about that of the
-        classification.  The plan-wide facts come first, from ``p1``: the fill gives
-        ``min(p1, supply)`` tokens, and reaches ``max_num_seqs`` when the queue's request
-        at its last free place starts below ``p1`` (the queue's prefix sums rise)."""
+        classification.  The plan-wide facts come first, from what the fill will give
+        (``cq.fill_extent``)."""
         if trace is None or not len(snap):
             return (*kernels.ops().fill_prefills(cq, p1), None)
-        n_dec, m = cq.n_dec, snap.max_num_seqs - cq.n_dec
-        budget = n_dec + min(p1, cq.supply)
-        seqs_full = m <= 0 or (m <= len(cq.queue) and bool(cq.R[m - 1] < p1))
+        tokens, seqs_full = cq.fill_extent(p1, snap.max_num_seqs)
+        budget = len(cq.decodes) + tokens
         pre_rows, pre_toks, *arrays = kernels.ops().fill_reason_codes(
             snap, cq, p1, cq.decodes, *sliding_rules(self, snap, budget, seqs_full, None, W, pre, lost, n_decoding,
                                                      holders, trace))
         reasons = Reasons(snap.ids, *arrays)
 
         def filled(plan_budget: int) -> Reasons:
-            assert plan_budget == budget, (plan_budget, budget)  # the fill's tokens, as derived above
+            assert plan_budget == budget, (plan_budget, budget)  # the fill gave what fill_extent said
             return reasons
 
         return pre_rows, pre_toks, filled

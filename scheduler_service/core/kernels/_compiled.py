@@ -891,7 +891,7 @@ def reason_codes(dec_rows, pre_rows, pre_toks, lost_from, lost_mask, marked, ver
 
 @_jit
 def fill_prefills(queue, R, r, p1):  # type: ignore[no-untyped-def]
-    """``reference.fill_prefills``: the greedy fill of ``p1`` prompt tokens over the
+    """``CandidateQueue.fill_arrays``: the greedy fill of ``p1`` prompt tokens over the
     queue (``R`` its prefix sums, ``r`` what each needs), as (rows, tokens)."""
     n = min(queue.shape[0], np.searchsorted(R, p1))
     toks = np.empty(n, dtype=np.int64)
