@@ -60,12 +60,14 @@ def assemble_plan(
     predicted_ms: float | None = None,
     facts: dict[str, Any] | None = None,
     explain: Callable[[int], Sequence[Reason]] | None = None,
+    reasons: Sequence[Reason] | None = None,
 ) -> Plan:
     """Build the plan and predict the latency of exactly the batch it names
     (``predicted_ms`` when the caller already knows it).  Its reasons, when the decision
-    explains itself: ``explain``, called with the plan's token budget, returns them
-    (``reasons.sliding_reasons``); or ``facts`` (a dict, possibly empty): they are
-    classified from them and from the rows the plan serves (``reasons.assembled_reasons``).
+    explains itself: ``reasons``, classified already; or ``explain``, called with the
+    plan's token budget, returns them (``reasons.sliding_reasons``); or ``facts`` (a dict,
+    possibly empty): they are classified from them and from the rows the plan serves
+    (``reasons.assembled_reasons``).
     The plan gives one token to each of ``decodes`` and ``pre_toks[j]`` to row ``pre_rows[j]``."""
     ids = snap.ids
     dec = decodes.tolist()
@@ -84,10 +86,9 @@ def assemble_plan(
     allocs += [Allocation(ids[i], t) for i, t in zip(rows, toks, strict=True)]
     allocations = tuple(allocs)
     budget = len(dec) + int(sum(toks))
-    reasons: Sequence[Reason] = ()
-    if explain is not None:
+    if reasons is None and explain is not None:
         reasons = explain(budget)
-    elif facts is not None and len(snap):
+    elif reasons is None and facts is not None and len(snap):
         facts.update(decodes=np.asarray(decodes, dtype=np.int64), pre_rows=np.asarray(pre_rows, dtype=np.int64),
                      pre_toks=np.asarray(pre_toks, dtype=np.int64))
         reasons = assembled_reasons(policy, snap, predictor, Decided(allocations, budget, path, (), ()), facts)
@@ -101,5 +102,5 @@ def assemble_plan(
         allocations=allocations,
         decision_us=(time.perf_counter_ns() - t0) // 1000,
         breakdown_us={k: v // 1000 for k, v in breakdown_ns.items()},
-        reasons=reasons,
+        reasons=() if reasons is None else reasons,
     )

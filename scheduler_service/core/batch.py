@@ -413,15 +413,6 @@ class CandidateQueue:
         rows, takes = self.fill_arrays(prefill_tokens)
         return list(zip(rows.tolist(), takes.tolist(), strict=True))
 
-    def fill_extent(self, prefill_tokens: int, max_seqs: int) -> tuple[int, bool]:
-        """What :meth:`fill_arrays` of ``prefill_tokens`` gives, without filling: its
-        prompt tokens, ``min(prefill_tokens, supply)``, and whether it serves at least
-        ``max_seqs`` requests with the decodes (the request at the last free place starts
-        below ``prefill_tokens``: the prefix sums ``R`` rise)."""
-        m = max_seqs - len(self.decodes)
-        return (min(prefill_tokens, int(self.R[-1])),
-                m <= 0 or (m <= len(self.queue) and bool(self.R[m - 1] < prefill_tokens)))
-
     def fill_arrays(self, prefill_tokens: int) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`fill` as arrays: (snapshot indices, tokens)."""
         n = min(len(self.queue), int(np.searchsorted(self.R, prefill_tokens, side="left")))

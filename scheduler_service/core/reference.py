@@ -430,6 +430,17 @@ RULE_SKIP = RULE_STARVE + 1
 RULES_LEN = RULE_SKIP + 1
 
 
+def seqs_rules(rules: np.ndarray, served: int, max_seqs: int) -> np.ndarray:
+    """A copy of ``rules`` with the ``max_num_seqs`` rule on (its number ``max_seqs``)
+    when a plan serving ``served`` requests reaches it (``rules`` may be shared and
+    read-only; plain enough for the compiled kernel to compile as it is)."""
+    own = rules.copy()
+    if served >= max_seqs:
+        own[RC_MAX_NUM_SEQS] = 1.0
+        own[RULE_SCALAR + RC_MAX_NUM_SEQS] = max_seqs
+    return own
+
+
 def reason_tokens(n: int, dec_rows: np.ndarray, pre_rows: np.ndarray, pre_toks: np.ndarray) -> np.ndarray:
     """Tokens per row of a plan: one for each of ``dec_rows`` (decodes), ``pre_toks[j]``
     for row ``pre_rows[j]``."""

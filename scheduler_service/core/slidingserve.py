@@ -391,34 +391,27 @@ class SlidingServePolicy:
         return assemble_plan(
             self, snap, predictor, decodes, pre_rows, pre_toks, path, t0,
             {"sorter": t1 - t0, "predictor": t2 - t1, "constructor": t3 - t2, "chunker": t4 - t3},
-            predicted, explain=filled if filled is not None or trace is None or not len(snap) else partial(
-                sliding_reasons, self, snap, decodes, pre_rows, pre_toks, path, W, pre, lost, len(dec_all), holders,
-                trace),  # (not a closure: that would make cells of twelve locals here, in every plan)
+            predicted, reasons=filled, explain=None if filled is not None or trace is None or not len(snap)
+            else partial(sliding_reasons, self, snap, decodes, pre_rows, pre_toks, path, W, pre, lost, len(dec_all),
+                         holders, trace),  # (not a closure: one would make cells of twelve locals, every plan)
         )
 
     def _fill(self, snap: Snapshot, cq: CandidateQueue, p1: int, W: np.ndarray | None, pre: np.ndarray,
               lost: np.ndarray, n_decoding: int, holders: int, trace: dict[str, Any] | None
-              ) -> tuple[np.ndarray, np.ndarray, Any]:
+              ) -> tuple[np.ndarray, np.ndarray, Reasons | None]:
         """The chunker's prefills for ``p1`` prompt tokens (rows, tokens) and, explaining
-        (``trace``), the plan's reasons as ``assemble_plan`` asks for them (a callable of
-        the plan's budget; None: not explaining), classified in the same compiled call as
-        the fill: in a decision's wake a compiled call's own cost is about that of the
-        classification.  The plan-wide facts come first, from what the fill will give
-        (``cq.fill_extent``)."""
+        (``trace``), the plan's reasons (None: not explaining), classified in the same
+        compiled call as the fill: in a decision's wake a compiled call's own cost is about
+        that of the classification.  The plan-wide facts come first: its budget is the
+        decodes and all ``p1`` tokens (``p1 <= first_cap``, which the queue's supply
+        bounds); whether the fill reaches ``max_num_seqs`` the kernel sees as it fills."""
         if trace is None or not len(snap):
             return (*kernels.ops().fill_prefills(cq, p1), None)
-        tokens, seqs_full = cq.fill_extent(p1, snap.max_num_seqs)
-        budget = len(cq.decodes) + tokens
+        assert 0 <= p1 <= cq.first_cap, (p1, cq.first_cap)  # so the fill gives all p1 tokens
         pre_rows, pre_toks, *arrays = kernels.ops().fill_reason_codes(
-            snap, cq, p1, cq.decodes, *sliding_rules(self, snap, budget, seqs_full, None, W, pre, lost, n_decoding,
-                                                     holders, trace))
-        reasons = Reasons(snap.ids, *arrays)
-
-        def filled(plan_budget: int) -> Reasons:
-            assert plan_budget == budget, (plan_budget, budget)  # the fill gave what fill_extent said
-            return reasons
-
-        return pre_rows, pre_toks, filled
+            snap, cq, p1, cq.decodes, *sliding_rules(self, snap, len(cq.decodes) + p1, False, None, W, pre, lost,
+                                                     n_decoding, holders, trace))
+        return pre_rows, pre_toks, Reasons(snap.ids, *arrays)
 
 
 def _reserve(snap: Snapshot, predictor: BatchLatencyPredictor, dec_all: np.ndarray, pre: np.ndarray,

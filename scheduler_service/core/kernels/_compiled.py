@@ -54,6 +54,7 @@ from ..reference import (
     RULE_SKIP,
     RULE_STARVE,
     SCALAR_MINOR,
+    seqs_rules,
 )
 from ._ops import CLASS_BITS, POS_BITS
 
@@ -900,15 +901,21 @@ def fill_prefills(queue, R, r, p1):  # type: ignore[no-untyped-def]
     return queue[:n], toks
 
 
+#: ``reference.seqs_rules``: the ``max_num_seqs`` rule on where a plan reaches it.
+_seqs_rules = _jit(seqs_rules)
+
+
 @_jit
-def fill_reason_codes(queue, R, r, p1, dec_rows, lost_from, lost_mask, marked, verdicts, rules, own_rule,  # type: ignore[no-untyped-def]
-                      own_value, remaining, slack, tbt, step, prio):
+def fill_reason_codes(queue, R, r, p1, max_seqs, dec_rows, lost_from, lost_mask, marked, verdicts, rules,  # type: ignore[no-untyped-def]
+                      own_rule, own_value, remaining, slack, tbt, step, prio):
     """:func:`fill_prefills`, then :func:`reason_codes` of the plan that gives one token
     to each of ``dec_rows`` and the fill to the prefills, in one call (a compiled call's
-    own cost, in a decision's wake, is about that of the classification):
+    own cost, in a decision's wake, is about that of the classification), the
+    ``max_num_seqs`` rule on (``max_seqs``) when the fill reaches it with the decodes:
     (prefill rows, their tokens, waiting rows, codes, values)."""
     pre_rows, pre_toks = fill_prefills(queue, R, r, p1)
-    rows, codes, values = reason_codes(dec_rows, pre_rows, pre_toks, lost_from, lost_mask, marked, verdicts, rules,
+    rows, codes, values = reason_codes(dec_rows, pre_rows, pre_toks, lost_from, lost_mask, marked, verdicts,
+                                       _seqs_rules(rules, dec_rows.shape[0] + pre_rows.shape[0], max_seqs),
                                        own_rule, own_value, remaining, slack, tbt, step, prio)
     return pre_rows, pre_toks, rows, codes, values
 

@@ -116,8 +116,11 @@ class NumpyOps:
                           rules: np.ndarray, own_rule: int = -1,
                           own_value: float = 0.0) -> tuple[np.ndarray, ...]:
         """:meth:`fill_prefills` and :meth:`reason_codes` of the plan it makes, in one
-        operation: (prefill rows, their tokens, waiting rows, code indices, values)."""
+        operation, the ``max_num_seqs`` rule on where the fill reaches ``max_num_seqs``
+        with ``dec_rows`` (``reference.seqs_rules``): (prefill rows, their tokens, waiting
+        rows, code indices, values)."""
         pre_rows, pre_toks = self.fill_prefills(cq, prefill_tokens)
+        rules = ref.seqs_rules(rules, len(dec_rows) + len(pre_rows), snap.max_num_seqs)
         return (pre_rows, pre_toks, *self.reason_codes(snap, dec_rows, pre_rows, pre_toks, lost_from, lost_mask,
                                                         marked, verdicts, rules, own_rule, own_value))
 
@@ -240,7 +243,8 @@ class NumbaOps(NumpyOps):
                           own_value: float = 0.0) -> tuple[np.ndarray, ...]:
         i8 = _INT64
         return self.k.fill_reason_codes(  # type: ignore[no-any-return]
-            cq.queue, cq.R, cq.r, int(prefill_tokens), dec_rows if dec_rows.dtype is i8 else _idx(dec_rows),
+            cq.queue, cq.R, cq.r, int(prefill_tokens), snap.max_num_seqs,
+            dec_rows if dec_rows.dtype is i8 else _idx(dec_rows),
             lost_from if lost_from.dtype is i8 else _idx(lost_from), lost_mask,
             marked if marked.dtype is i8 else _idx(marked), verdicts if verdicts.dtype is i8 else _idx(verdicts),
             rules, int(own_rule), float(own_value), *snap.reason_columns)
