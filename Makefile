@@ -16,7 +16,7 @@ E2E_PY    := $(E2E_VENV)/bin/python
 E2E_STAMP := $(E2E_VENV)/.installed
 E2E_REQ   := tests/e2e/requirements.txt
 
-.PHONY: setup setup-vllm setup-e2e test test-fast vllm-suite e2e live-bench lint proto proto-check buf-lint deploy-check demo clean
+.PHONY: setup setup-vllm setup-e2e test test-fast vllm-suite e2e live-bench lint proto proto-check buf-lint deploy-check demo clean clean-kernels
 
 setup: $(STAMP)
 
@@ -97,8 +97,12 @@ deploy-check: $(STAMP)     ## render the Kustomize overlays and validate every m
 demo: $(STAMP)
 	$(VENV)/bin/slidingserve demo
 
-clean:
+clean: clean-kernels
 	rm -rf $(VENV) $(E2E_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+
+clean-kernels:              ## drop numba's cached kernels (after editing what _compiled.py compiles from other files)
+	rm -rf scheduler_service/core/kernels/__pycache__
+	rm -f scheduler_service/core/__pycache__/*.nbi scheduler_service/core/__pycache__/*.nbc
 
 .PHONY: default-predictor
 default-predictor: $(STAMP) ## regenerate the bundled default predictor from the simulated A100 TP2 Llama-2-7B
