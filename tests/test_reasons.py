@@ -175,9 +175,10 @@ def test_every_wait_has_one_reason_that_holds() -> None:
     )
 
 
-def _loaded(seed: int) -> Snapshot:
+def _loaded(seed: int, seqs_past_decodes: int | None = None) -> Snapshot:
     """A loaded engine with room in its limits (the policies' own rules decide): decodes a
-    little ahead of their deadlines, a queue of new and partial prefills, some with classes."""
+    little ahead of their deadlines, a queue of new and partial prefills, some with classes;
+    ``max_num_seqs`` 256, or that many past the decodes."""
     rng = np.random.default_rng(seed)
     n_dec, n_pre = int(rng.integers(0, 40)), int(rng.integers(1, 60))
     n = n_dec + n_pre
@@ -191,7 +192,8 @@ def _loaded(seed: int) -> Snapshot:
     output = np.where(is_dec, np.maximum(1, np.ceil((100.0 - arrival - ttft + ahead) / tbt)), 0).astype(np.int64)
     classes = rng.random() < 0.5
     return Snapshot.from_columns(
-        now=100.0, max_batch_tokens=int(rng.choice([256, 2048, 8192])), max_num_seqs=256,
+        now=100.0, max_batch_tokens=int(rng.choice([256, 2048, 8192])),
+        max_num_seqs=256 if seqs_past_decodes is None else n_dec + seqs_past_decodes,
         free_kv_tokens=int(rng.choice([3_000, 20_000, 400_000])), ids=[f"q{i}" for i in range(n)], arrival=arrival,
         prompt_tokens=prompt, computed_tokens=computed, output_tokens=output, ttft_slo=ttft, tbt_slo=tbt,
         protected=rng.random(n) < 0.05,
@@ -201,6 +203,24 @@ def _loaded(seed: int) -> Snapshot:
 
 
 LOADED = Reached()
+
+
+def test_a_constructor_plan_at_max_num_seqs_is_explained_as_the_replay_explains_it() -> None:
+    """BatchConstructor's plans that reach ``max_num_seqs`` (none of the drawn or loaded
+    snapshots above does), classified as the decision assembles them: the replay's
+    reasons, ``max_num_seqs`` among them."""
+    policy, pred = registry.create("slidingserve"), default_predictor()
+    seen = 0
+    for seed in range(300):
+        for room in (1, 2, 3):
+            snap = _loaded(seed, seqs_past_decodes=room)
+            plan = policy.plan(snap, pred)
+            if plan.path != "batch_constructor" or len(plan.allocations) < snap.max_num_seqs:
+                continue
+            traced = plan_explained(policy, snap, pred)
+            assert list(traced.reasons) == list(explain(policy, snap, pred, plan).reasons), (seed, room)
+            seen += any(r.code == "max_num_seqs" for r in traced.reasons)
+    assert seen >= 5
 
 
 @pytest.mark.parametrize("name", POLICIES)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -59,13 +59,11 @@ def assemble_plan(
     breakdown_ns: dict[str, int],
     predicted_ms: float | None = None,
     facts: dict[str, Any] | None = None,
-    explain: Callable[[int], Sequence[Reason]] | None = None,
     reasons: Sequence[Reason] | None = None,
 ) -> Plan:
     """Build the plan and predict the latency of exactly the batch it names
     (``predicted_ms`` when the caller already knows it).  Its reasons, when the decision
-    explains itself: ``reasons``, classified already; or ``explain``, called with the
-    plan's token budget, returns them (``reasons.sliding_reasons``); or ``facts`` (a dict,
+    explains itself: ``reasons``, classified already (SlidingServe); or ``facts`` (a dict,
     possibly empty): they are classified from them and from the rows the plan serves
     (``reasons.assembled_reasons``).
     The plan gives one token to each of ``decodes`` and ``pre_toks[j]`` to row ``pre_rows[j]``."""
@@ -86,9 +84,7 @@ def assemble_plan(
     allocs += [Allocation(ids[i], t) for i, t in zip(rows, toks, strict=True)]
     allocations = tuple(allocs)
     budget = len(dec) + int(sum(toks))
-    if reasons is None and explain is not None:
-        reasons = explain(budget)
-    elif reasons is None and facts is not None and len(snap):
+    if reasons is None and facts is not None and len(snap):
         facts.update(decodes=np.asarray(decodes, dtype=np.int64), pre_rows=np.asarray(pre_rows, dtype=np.int64),
                      pre_toks=np.asarray(pre_toks, dtype=np.int64))
         reasons = assembled_reasons(policy, snap, predictor, Decided(allocations, budget, path, (), ()), facts)

@@ -5,7 +5,7 @@ policy that made ``plan`` against the plan itself and returns the same plan with
 ``reasons`` set (docs/reasons.md).  It reads the plan and never changes an allocation, a
 path, a rejection or a preemption.  ``plan_explained`` asks a policy that explains
 itself (``explains``: every registered one) for ``plan(..., explain=True)`` instead: the
-decision keeps what it knew (:func:`sliding_reasons`, SlidingServe; :func:`assembled_reasons`,
+decision keeps what it knew (:func:`sliding_rules`, SlidingServe; :func:`assembled_reasons`,
 the baselines) and the same rules classify from it, without replaying.  Deciding without
 reasons costs nothing more either way.
 
@@ -36,7 +36,7 @@ from .features import DECODE
 from .plan import CODES, REASON_CODES, Allocation, Plan, Reason, Reasons, Rejection
 from .policy import Policy
 from .predictor import BatchLatencyPredictor
-from .reference import RULE_SCALAR, RULE_SKIP, RULE_STARVE, RULES_LEN, reason_tokens
+from .reference import RULE_SCALAR, RULE_SKIP, RULE_STARVE, RULES_LEN, reason_tokens, seqs_rules
 from .snapshot import Snapshot
 from .sorter import prefill_indices
 
@@ -108,9 +108,9 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 _NO_CODES = np.zeros(0, dtype=np.int8)
 _NO_MASK = np.zeros(0, dtype=bool)
 _NO_VERDICTS = np.zeros((3, 0), dtype=np.int64)
-(_MAX_NUM_SEQS, _TOKEN_BUDGET, _KV, _KV_WATERMARK, _CLASS_RESERVE, _CLASS_RESCUE, _NOT_CHOSEN, _TIME_BUDGET) = (
-    _C[c] for c in ("max_num_seqs", "token_budget", "kv", "kv_watermark", "class_reserve", "class_rescue",
-                    "not_chosen", "time_budget"))
+(_TOKEN_BUDGET, _KV, _KV_WATERMARK, _CLASS_RESERVE, _CLASS_RESCUE, _NOT_CHOSEN, _TIME_BUDGET) = (
+    _C[c] for c in ("token_budget", "kv", "kv_watermark", "class_reserve", "class_rescue", "not_chosen",
+                    "time_budget"))
 #: The kernel's ``rules`` (``reference.RULE_SCALAR``): rule c on at ``rules[c]``, its number at
 #: ``rules[_S + c]``.
 _S = RULE_SCALAR
@@ -178,26 +178,28 @@ def _classify(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor, 
 
 
 def sliding_reasons(policy: Any, snap: Snapshot, decodes: np.ndarray, pre_rows: np.ndarray, pre_toks: np.ndarray,
-                    path: str, W: np.ndarray | None, lost_from: np.ndarray, lost_mask: np.ndarray, n_decoding: int,
-                    holders: int, held_back: dict[str, Any], budget: int) -> Reasons:
-    """The reasons of the plan a SlidingServe decision is assembling, classified now
-    from what the decision knows: the plan's ``decodes`` and prefills, its ``path``, and
-    what :func:`sliding_rules` reads; last, the plan's token ``budget`` (``assemble_plan``
-    passes it).  (The sliding chunker's plans are classified as they are filled:
-    ``SlidingServePolicy._fill``.)"""
-    chosen = len(pre_rows) if path == "batch_constructor" else None
-    return Reasons(snap.ids, *kernels.ops().reason_codes(snap, decodes, pre_rows, pre_toks, *sliding_rules(
-        policy, snap, budget, len(decodes) + len(pre_rows) >= snap.max_num_seqs, chosen, W, lost_from, lost_mask,
-        n_decoding, holders, held_back)))
+                    lost_from: np.ndarray, lost_mask: np.ndarray, n_decoding: int, holders: int,
+                    held_back: dict[str, Any]) -> Reasons:
+    """The reasons of the plan BatchConstructor chose (``decodes`` and the prefills it
+    gives all they need), classified as a SlidingServe decision assembles it, from what
+    :func:`sliding_rules` reads, with ``max_num_seqs`` where the plan reaches it
+    (``reference.seqs_rules``, as the kernel that fills and classifies the sliding
+    chunker's plans has it: ``SlidingServePolicy._fill``)."""
+    lost, mask, marked, verdicts, rules, own_rule, own = sliding_rules(
+        policy, snap, len(decodes) + int(pre_toks.sum()), len(pre_rows), None, lost_from, lost_mask, n_decoding,
+        holders, held_back)
+    rules = seqs_rules(rules, len(decodes) + len(pre_rows), snap.max_num_seqs)
+    return Reasons(snap.ids, *kernels.ops().reason_codes(snap, decodes, pre_rows, pre_toks, lost, mask, marked,
+                                                         verdicts, rules, own_rule, own))
 
 
-def sliding_rules(policy: Any, snap: Snapshot, budget: int, seqs_full: bool, chosen: int | None,
-                  W: np.ndarray | None, lost_from: np.ndarray, lost_mask: np.ndarray, n_decoding: int, holders: int,
+def sliding_rules(policy: Any, snap: Snapshot, budget: int, chosen: int | None, W: np.ndarray | None,
+                  lost_from: np.ndarray, lost_mask: np.ndarray, n_decoding: int, holders: int,
                   held_back: dict[str, Any]) -> tuple[Any, ...]:
     """What the reasons kernel needs beside the plan's rows (``reason_codes`` from
-    ``lost_from`` on) for a SlidingServe plan: its token ``budget``, whether it serves
-    ``max_num_seqs`` requests (``seqs_full``), ``chosen`` the prefills BatchConstructor
-    chose (None: not its plan), the decode windows ``W``, the prefills the decision
+    ``lost_from`` on) for a SlidingServe plan, but the ``max_num_seqs`` rule
+    (``reference.seqs_rules``, applied by the caller): its token ``budget``, ``chosen``
+    the prefills BatchConstructor chose (None: not its plan), the decode windows ``W``, the prefills the decision
     considered (``lost_from``) and gave up on (``lost_mask``), the count of decoding
     requests and of requests holding KV, and in ``held_back`` the rows the class reserve
     held back (``held``, with ``reserve_ms``) and the decodes the class rescue sat out
@@ -236,9 +238,6 @@ def sliding_rules(policy: Any, snap: Snapshot, budget: int, seqs_full: bool, cho
             if (r := held_back.get("rescued")) is not None:
                 marked, rules[_CLASS_RESCUE], rules[_S + _CLASS_RESCUE] = (np.concatenate([marked, r]), 1.0,
                                                                            len(r))
-    if seqs_full:
-        rules = rules.copy() if not rules.flags.writeable else rules
-        rules[_MAX_NUM_SEQS], rules[_S + _MAX_NUM_SEQS] = 1.0, snap.max_num_seqs
     # (under a hard limit no decode rule is on: the starvation bound and the skip go unread)
     verdicts = _verdicts(snap, held_back["rejections"]) if "rejections" in held_back else _NO_VERDICTS
     return lost, mask, marked, verdicts, rules, own_rule, own

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, fields, replace
-from functools import partial
 from typing import Any, ClassVar
 
 import numpy as np
@@ -148,7 +147,7 @@ class SlidingServePolicy:
     version: str
     params: SlidingServeParams
     #: The rules its plans' reasons switch on when no hard limit closes them (read-only,
-    #: shared by its plans), built on first use by ``reasons.sliding_reasons``: by one
+    #: shared by its plans), built on first use by ``reasons.sliding_rules``: by one
     #: class (3 ×) and the plan's own rule (none, ``not_chosen``, ``time_budget``).
     reason_rules: list[np.ndarray | None] = field(default_factory=lambda: [None] * 6, repr=False, compare=False)
 
@@ -374,6 +373,9 @@ class SlidingServePolicy:
             pre_rows = in_queue_order(chosen.chosen, queue)
             pre_toks = snap.remaining_prefill[pre_rows]
             path = "batch_constructor"
+            if trace is not None and len(snap):
+                filled = sliding_reasons(self, snap, decodes, pre_rows, pre_toks, pre, lost, len(dec_all), holders,
+                                         trace)
             t4 = t3
         else:
             if W is None:
@@ -388,13 +390,9 @@ class SlidingServePolicy:
             predicted = float(curve.times[p1])  # the curve holds exactly this batch
             path = "sliding_chunker" if len(pre_rows) else ("decode_only" if n_dec else "idle")
             t4 = time.perf_counter_ns()
-        return assemble_plan(
-            self, snap, predictor, decodes, pre_rows, pre_toks, path, t0,
-            {"sorter": t1 - t0, "predictor": t2 - t1, "constructor": t3 - t2, "chunker": t4 - t3},
-            predicted, reasons=filled, explain=None if filled is not None or trace is None or not len(snap)
-            else partial(sliding_reasons, self, snap, decodes, pre_rows, pre_toks, path, W, pre, lost, len(dec_all),
-                         holders, trace),  # (not a closure: one would make cells of twelve locals, every plan)
-        )
+        breakdown = {"sorter": t1 - t0, "predictor": t2 - t1, "constructor": t3 - t2, "chunker": t4 - t3}
+        return assemble_plan(self, snap, predictor, decodes, pre_rows, pre_toks, path, t0, breakdown, predicted,
+                             reasons=filled)
 
     def _fill(self, snap: Snapshot, cq: CandidateQueue, p1: int, W: np.ndarray | None, pre: np.ndarray,
               lost: np.ndarray, n_decoding: int, holders: int, trace: dict[str, Any] | None
@@ -409,7 +407,7 @@ class SlidingServePolicy:
             return (*kernels.ops().fill_prefills(cq, p1), None)
         assert 0 <= p1 <= cq.first_cap, (p1, cq.first_cap)  # so the fill gives all p1 tokens
         pre_rows, pre_toks, *arrays = kernels.ops().fill_reason_codes(
-            snap, cq, p1, cq.decodes, *sliding_rules(self, snap, len(cq.decodes) + p1, False, None, W, pre, lost,
+            snap, cq, p1, cq.decodes, *sliding_rules(self, snap, len(cq.decodes) + p1, None, W, pre, lost,
                                                      n_decoding, holders, trace))
         return pre_rows, pre_toks, Reasons(snap.ids, *arrays)
 
