@@ -111,7 +111,8 @@ def test_expired_last_even_when_protected() -> None:
     ]
     s = make_snapshot(reqs, now=10.0)
     order = mlps_order(s, prefill_indices(s), RHO, alpha=1.0, eps=1e-3)
-    assert ids(s, order) == ["live-protected", "live", "old-protected", "old"]
+    # the expired ones oldest first (equal arrivals: by id), neither protection nor size counts
+    assert ids(s, order) == ["live-protected", "live", "old", "old-protected"]
     # without expired_last the MLPS key alone decides (old is urgent, live is not)
     order = mlps_order(s, prefill_indices(s), RHO, alpha=1.0, eps=1e-3, expired_last=False)
     assert ids(s, order) == ["old-protected", "live-protected", "old", "live"]
@@ -170,8 +171,8 @@ def py_mlps(s: Snapshot, rho: float, alpha: float, eps: float) -> list[str]:
         r = int(s.prompt_tokens[i] - s.computed_tokens[i])
         slack = float(s.arrival[i] + s.ttft_slo[i] - s.now)
         u = r / (rho * max(slack, eps))
-        rows.append(((slack <= 0, 1 - bool(s.protected[i]), 1 - (u > alpha), r, float(s.arrival[i]),
-                      s.ids[i]), s.ids[i]))
+        key = (True, 0, 0, 0) if slack <= 0 else (False, 1 - bool(s.protected[i]), 1 - (u > alpha), r)
+        rows.append(((*key, float(s.arrival[i]), s.ids[i]), s.ids[i]))
     return [rid for _, rid in sorted(rows)]
 
 
@@ -238,3 +239,20 @@ def test_late_set_keeps_a_largest_feasible_set(r: list[int], data: st.DataObject
     best = max((k for k in range(n + 1) for keep in itertools.combinations(range(n), k)
                 if _feasible(rr, ss, np.isin(np.arange(n), keep))), default=0)
     assert int((~lost).sum()) == best
+
+
+def test_late_requests_go_oldest_first_whatever_their_size() -> None:
+    """Expired and given-up requests follow every live one, first come first served among
+    themselves: a long old prompt does not wait behind shorter later ones."""
+    reqs = [
+        waiting("old-long", 900, arrival=0.0, ttft=0.5),
+        waiting("mid-short", 10, arrival=1.0, ttft=0.5, protected=True),
+        waiting("new-short", 5, arrival=2.0, ttft=0.5),
+        waiting("live", 900, arrival=9.5, ttft=5.0),
+    ]
+    s = make_snapshot(reqs, now=10.0)
+    idx = prefill_indices(s)
+    assert ids(s, mlps_order(s, idx, RHO, alpha=1.0, eps=1e-3)) == ["live", "old-long", "mid-short", "new-short"]
+    lost = np.array([False, False, False, True])  # given up on: late too, by arrival among them
+    assert ids(s, mlps_order(s, idx, RHO, alpha=1.0, eps=1e-3, lost=lost)) == [
+        "old-long", "mid-short", "new-short", "live"]

@@ -86,6 +86,8 @@ def mlps_order(snap: Snapshot, idx: np.ndarray, prio: np.ndarray | None, through
     late = snap.slack[idx] <= 0 if expired_last else np.zeros(len(idx), dtype=bool)
     if lost is not None:
         late = late | lost
+    if late.any():  # none of the late ones is expected to meet its SLO: oldest first bounds the longest wait
+        g, e, r = (np.where(late, 0, x) for x in (g, e, r))
     expired = late.astype(np.int8)
     if prio is not None:
         return ordered(snap, idx, expired, prio, g, e, r)

@@ -8,9 +8,16 @@ One decision (docs/policies.md):
    predicts T̂_full; live prefills with slack below it are risky;
 4. risky → BatchConstructor; no risky or no feasible anchor → SlidingChunker
    with window k, then a greedy fill of its budget;
-5. starvation bound: prefills waiting ``starve_after`` × their TTFT go first,
-   oldest first, on the SlidingChunker path, and the oldest gets its tokens
-   even beyond the decode windows; decodes that late no longer sit out.
+5. nothing to trade: when vLLM's own choice (first come first served, the
+   full token budget) is predicted to keep every promise (each live prefill's
+   first token at the prefill rate, each decode's tokens over the window), the
+   plan is that choice;
+6. starvation bound: while the live prefills' spare slack holds the work of
+   every prefill waiting ``starve_after`` × its TTFT, those go first, oldest
+   first, on the SlidingChunker path, and the oldest gets its tokens even
+   beyond the decode windows; decodes that late no longer sit out.  When it
+   does not (sustained overload), the bound waits: the plan is the one
+   without it, so the given-up requests never take the engine from live ones.
 
 The ablations switch parts off: ``sarathi-edf+sc`` (EDF order, chunker only),
 ``sarathi-edf+sc+mlps`` (MLPS order, chunker only).
@@ -36,11 +43,11 @@ from .predictor import BatchLatencyPredictor
 from .reasons import explain as with_reasons
 from .reasons import reserve_ms, sliding_reasons, sliding_rules
 from .snapshot import Snapshot
-from .sorter import edf_order, late_set, mlps_order, ordered, prefill_indices
+from .sorter import edf_order, fcfs_order, late_set, mlps_order, ordered, prefill_indices
 
 __all__ = ["SlidingServeParams", "SlidingServePolicy"]
 
-VERSION = "1.3.0"
+VERSION = "1.4.0"
 #: Paths whose plan gives tokens to a prefill.
 _PREFILL_PATHS = ("batch_constructor", "sliding_chunker")
 
@@ -108,6 +115,12 @@ class SlidingServeParams:
             "oldest first, with tokens every iteration; a decode this many TBTs late no longer sits "
             "out (0 = off)",
     )
+    fcfs_when_safe: bool = param(
+        True,
+        doc="when first come first served with the full token budget (vLLM's own choice) is predicted to "
+            "keep every promise (live first tokens at the prefill rate, decode tokens over the window), "
+            "plan exactly that: there is nothing to trade",
+    )
     class_sit_out: bool = param(
         True,
         doc="request classes: lower-class decodes sit out an iteration when the decodes alone "
@@ -150,6 +163,9 @@ class SlidingServePolicy:
     #: shared by its plans), built on first use by ``reasons.sliding_rules``: by one
     #: class (3 ×) and the plan's own rule (none, ``not_chosen``, ``time_budget``).
     reason_rules: list[np.ndarray | None] = field(default_factory=lambda: [None] * 6, repr=False, compare=False)
+    #: This policy without the starvation bound (``starve_after`` 0), built on first use:
+    #: it plans while the bound's backlog does not fit (:meth:`_bound_fits`).
+    unbounded: list[SlidingServePolicy | None] = field(default_factory=lambda: [None], repr=False, compare=False)
 
     def plan(self, snapshot: Snapshot, predictor: BatchLatencyPredictor, *, explain: bool = False) -> Plan:
         """Decide one iteration; with ``explain`` the plan also carries a reason for every
@@ -160,6 +176,12 @@ class SlidingServePolicy:
             # (the same reason rules: they do not depend on the margin)
             return replace(self, params=replace(p, margin=predictor.margin), reason_rules=self.reason_rules).plan(
                 snapshot, predictor, explain=explain)
+        if p.starve_after > 0 and not self._bound_fits(snapshot, predictor):
+            off = self.unbounded[0]
+            if off is None:
+                off = self.unbounded[0] = replace(self, params=replace(p, starve_after=0.0),
+                                                  reason_rules=[None] * 6, unbounded=[None])
+            return off.plan(snapshot, predictor, explain=explain)
         if not explain:
             return self._decide(snapshot, predictor, None)
         plan = self._decide(snapshot, predictor, {})
@@ -303,6 +325,26 @@ class SlidingServePolicy:
             out &= snap.priority[pre] == snap.priority.min()
         return out
 
+    def _bound_fits(self, snap: Snapshot, predictor: BatchLatencyPredictor) -> bool:
+        """Whether the starvation bound costs no live first token: the starving prefills'
+        remaining work, served first at the prefill rate ρ, fits the spare slack of the
+        live prefills that are kept (not expired, not given up on, served after them in
+        deadline order at ρ).  Under sustained overload it does not, and the given-up
+        requests wait until it does, so that they never take the engine from live ones
+        (the collapse of 1.3.0, where every request soon starved)."""
+        pre = prefill_indices(snap)
+        starving = self._starving(snap, pre)
+        if not starving.any():
+            return True
+        rho = snap.prefill_throughput or predictor.prefill_throughput(snap.max_batch_tokens)
+        kept = pre[~starving & (snap.slack[pre] > 0) & ~self._lost(snap, predictor, pre, rho)]
+        need = float(snap.remaining_prefill[pre[starving]].sum()) / rho
+        if not len(kept):
+            return False  # nothing live waits: the given-up ones are served without the bound's help
+        kept = kept[np.argsort(snap.ttft_deadline[kept], kind="stable")]
+        spare = snap.slack[kept] - np.cumsum(snap.remaining_prefill[kept]) / rho
+        return need <= float(spare.min())
+
     def _lost(self, snap: Snapshot, predictor: BatchLatencyPredictor, pre: np.ndarray,
               rho: float) -> np.ndarray:
         """Mask over ``pre`` of the live prefills given up on (expired ones are handled by
@@ -321,18 +363,31 @@ class SlidingServePolicy:
         p = self.params
         return kernels.ops().window_limits(snap, decodes, p.window, p.margin)
 
-    def _queue(self, snap: Snapshot, pre: np.ndarray, lost: np.ndarray, rho: float) -> tuple[np.ndarray, np.ndarray]:
-        """The prefill queue (MLPS or EDF) and which of ``pre`` starve: those head it,
-        oldest first (the starvation bound)."""
+    def _queue(self, snap: Snapshot, pre: np.ndarray, lost: np.ndarray, rho: float,
+               starving: np.ndarray) -> np.ndarray:
+        """The prefill queue (MLPS or EDF); the ``starving`` prefills (a mask over
+        ``pre``) head it, oldest first (the starvation bound)."""
         p = self.params
         if p.order == "mlps":
             queue = mlps_order(snap, pre, rho, p.alpha, p.epsilon_s, lost=lost)
         else:
             queue = edf_order(snap, pre, expired_last=False)
-        starving = self._starving(snap, pre)
         if starving.any():
             queue = np.concatenate([ordered(snap, pre[starving]), queue[np.isin(queue, pre[~starving])]])
-        return queue, starving
+        return queue
+
+    def _nothing_to_trade(self, snap: Snapshot, pre: np.ndarray, lost: np.ndarray, rho: float) -> np.ndarray | None:
+        """vLLM's own prefill queue (first come first served) when it keeps every live
+        prefill's first token, served one after another at ``rho`` (expired ones included,
+        where they come), and nothing is given up on; else None.  The decodes' side of the
+        rule is checked on the queue's budget curve (:func:`_keeps_decodes`)."""
+        if not self.params.fcfs_when_safe or not len(pre) or lost.any():
+            return None
+        queue = fcfs_order(snap, pre)
+        slack = snap.slack[queue]
+        done = np.cumsum(snap.remaining_prefill[queue]) / rho
+        live = slack > 0
+        return queue if bool((done[live] <= slack[live]).all()) else None
 
     def _plan(self, snap: Snapshot, predictor: BatchLatencyPredictor, t0: int, dec_all: np.ndarray,
               runnable: np.ndarray, pre: np.ndarray, lost: np.ndarray, live: np.ndarray, rho: float,
@@ -342,19 +397,20 @@ class SlidingServePolicy:
         if p.class_sit_out and not snap.one_class:
             decodes = fit_class_decodes(snap, predictor, decodes, p.margin)
         n_dec = len(decodes)
-        queue, starving = self._queue(snap, pre, lost, rho)
+        starving = self._starving(snap, pre)
+        fcfs = None if starving.any() else self._nothing_to_trade(snap, pre, lost, rho)
+        queue = self._queue(snap, pre, lost, rho, starving) if fcfs is None else fcfs
         t1 = time.perf_counter_ns()
         holders = int(np.count_nonzero(snap.started))
-        cq = CandidateQueue.build(
-            snap, predictor, decodes, queue,
-            n_all_decodes=len(dec_all), kv_decode_reserve=p.kv_decode_reserve,
-            kv_growth_reserve=p.kv_growth_iters * holders,
-        )
-        curve = cq.budget_curve()
         W = self._windows(snap, decodes)
+        cq, curve = self._candidates(snap, predictor, decodes, queue, len(dec_all), holders)
+        if fcfs is not None and not _keeps_decodes(curve, cq.first_cap, W):
+            fcfs = None  # vLLM's choice would cost a decode its token: back to the trade-offs
+            queue = self._queue(snap, pre, lost, rho, starving)
+            cq, curve = self._candidates(snap, predictor, decodes, queue, len(dec_all), holders)
         t2 = time.perf_counter_ns()
         chosen, t3 = None, t2
-        if p.batch_constructor and cq.first_cap > 0 and not starving.any():
+        if p.batch_constructor and cq.first_cap > 0 and not starving.any() and fcfs is None:
             cand = cq.first_cap if W is None else max(curve.prefill_tokens_within(W[0], cq.first_cap), 0)
             t_full = float(curve.times[cand])
             chosen = construct_batch(
@@ -378,7 +434,7 @@ class SlidingServePolicy:
                                          trace)
             t4 = t3
         else:
-            if W is None:
+            if W is None or fcfs is not None:
                 p1 = cq.first_cap
             elif p.window == 1:
                 p1 = max(curve.prefill_tokens_within(W[0], cq.first_cap), 0)
@@ -393,6 +449,16 @@ class SlidingServePolicy:
         breakdown = {"sorter": t1 - t0, "predictor": t2 - t1, "constructor": t3 - t2, "chunker": t4 - t3}
         return assemble_plan(self, snap, predictor, decodes, pre_rows, pre_toks, path, t0, breakdown, predicted,
                              reasons=filled)
+
+    def _candidates(self, snap: Snapshot, predictor: BatchLatencyPredictor, decodes: np.ndarray, queue: np.ndarray,
+                    n_decoding: int, holders: int) -> tuple[CandidateQueue, Any]:
+        p = self.params
+        cq = CandidateQueue.build(
+            snap, predictor, decodes, queue,
+            n_all_decodes=n_decoding, kv_decode_reserve=p.kv_decode_reserve,
+            kv_growth_reserve=p.kv_growth_iters * holders,
+        )
+        return cq, cq.budget_curve()
 
     def _fill(self, snap: Snapshot, cq: CandidateQueue, p1: int, W: np.ndarray | None, pre: np.ndarray,
               lost: np.ndarray, n_decoding: int, holders: int, trace: dict[str, Any] | None
@@ -410,6 +476,16 @@ class SlidingServePolicy:
             snap, cq, p1, cq.decodes, *sliding_rules(self, snap, len(cq.decodes) + p1, None, W, pre, lost,
                                                      n_decoding, holders, trace))
         return pre_rows, pre_toks, Reasons(snap.ids, *arrays)
+
+
+def _keeps_decodes(curve: Any, first_cap: int, W: np.ndarray | None) -> bool:
+    """Whether the full first-iteration room, taken in each of the window's iterations,
+    keeps every decode's tokens: m × T̂(decodes + ``first_cap``) within W_m for each m
+    (W already divided by the margin; None: no decode has a token to keep)."""
+    if W is None:
+        return True
+    t = float(curve.times[first_cap])
+    return bool((t * np.arange(1, len(W) + 1) <= W).all())
 
 
 def _reserve(snap: Snapshot, predictor: BatchLatencyPredictor, dec_all: np.ndarray, pre: np.ndarray,

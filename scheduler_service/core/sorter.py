@@ -43,9 +43,13 @@ def mlps_order(
     """Formula (16): LexSort by (1 − g, 1 − e, r), ascending.
 
     With ``expired_last`` requests whose TTFT deadline has passed go after all
-    live ones (same key among themselves): they can no longer meet their SLO,
-    so they get only budget that live requests leave.  ``lost`` (a mask over
-    ``idx``) marks more requests to treat the same way.
+    live ones: they can no longer meet their SLO, so they get only budget that
+    live requests leave.  ``lost`` (a mask over ``idx``) marks more requests to
+    treat the same way.  Among themselves these late requests go oldest first
+    (by class, then arrival): none is expected to meet its SLO, so their order
+    only decides how long each waits, and first come first served bounds the
+    longest wait (shortest first, formula (16)'s r, left the oldest long
+    prompts waiting until the queue drained).
 
     Request classes: the class priority is the first key after the expired/lost
     flag, so every live request of a higher class goes before any of a lower class,

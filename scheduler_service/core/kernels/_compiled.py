@@ -301,7 +301,8 @@ def mlps_order(idx: np.ndarray, remaining: np.ndarray, slack: np.ndarray, protec
                arrival: np.ndarray, throughput: float, alpha: float, eps: float,
                expired_last: bool, lost: np.ndarray, cls: np.ndarray):
     """``sorter.mlps_order``: the key (expired, class, 1 − g, 1 − e, r) packed in one
-    integer (r < 2^41, the class rank below 2^CLASS_BITS), then arrival.  ``lost`` is a
+    integer (r < 2^41, the class rank below 2^CLASS_BITS), then arrival; a late
+    (expired or lost) request's key is (1, class): the late ones go oldest first.  ``lost`` is a
     mask over idx, ``cls`` the class rank of each (both empty = none, one class)."""
     n = len(idx)
     k0 = np.empty(n, dtype=np.int64)
@@ -313,8 +314,10 @@ def mlps_order(idx: np.ndarray, remaining: np.ndarray, slack: np.ndarray, protec
         u = r / (throughput * max(s, eps))
         late = (expired_last and s <= 0) or (len(lost) > 0 and lost[i])
         c = cls[i] if len(cls) else 0
-        k0[i] = ((int(late) << (43 + CLASS_BITS)) | (c << 43) | (int(not protected[q]) << 42)
-                 | (int(not u > alpha) << 41) | r)
+        if late:  # oldest first among the late ones (reference.mlps_order)
+            k0[i] = (1 << (43 + CLASS_BITS)) | (c << 43)
+        else:
+            k0[i] = (c << 43) | (int(not protected[q]) << 42) | (int(not u > alpha) << 41) | r
         k2[i] = arrival[q]
     return _ordered(idx, k0, np.zeros(n), k2)
 
