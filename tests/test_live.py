@@ -17,15 +17,19 @@ from hypothesis import strategies as st
 from clients.live.command import main, parser, spec_of
 from clients.live.measure import RequestResult, Slo, goodput, summarize
 from clients.live.report import (
+    aa_band,
+    aa_table,
     goodputs,
     judge_table,
     markdown,
     noise_table,
+    shared_note,
     sim_table,
     timing_table,
+    verdicts,
     write_plot,
 )
-from clients.live.runner import Config, LiveSpec, _spec_dict, check_resumable
+from clients.live.runner import Config, LiveSpec, _spec_dict, check_resumable, foreign_share
 from clients.live.workload import WorkloadSpec, make_requests
 
 SLO = Slo(ttft_ms=1000, tbt_ms=50)
@@ -286,7 +290,7 @@ def test_a_sweep_resumes_only_into_runs_measured_with_the_same_settings(tmp_path
     """Runs are keyed by (configuration, rate, seed): a folder measured with another budget
     or SLO must not be taken for done (it once was)."""
     out = tmp_path / "sweep"
-    base = ["--configs", "vllm", "--rates", "2", "--seeds", "1", "--out", str(out)]
+    base = ["--configs", "vllm", "--no-aa", "--rates", "2", "--seeds", "1", "--out", str(out)]
     out.mkdir()
     (out / "runs.jsonl").write_text(json.dumps(_run("vllm", 2, 1, 1.0, 1.0)) + "\n")
     (out / "spec.json").write_text(json.dumps(_spec_dict(spec_of(parser().parse_args(base)))))
@@ -298,7 +302,7 @@ def test_a_sweep_resumes_only_into_runs_measured_with_the_same_settings(tmp_path
     assert main([*base, "--tbt-ms", "100"]) == 2 and "(slo differ)" in capsys.readouterr().err
     assert sorted(p.name for p in out.rglob("*")) == before  # nothing measured or written
     # more rates, seeds or configurations extend the sweep
-    check_resumable(out, spec_of(parser().parse_args([*base[:5], "1,2", *base[6:]])))
+    check_resumable(out, spec_of(parser().parse_args([*base[:6], "1,2", *base[7:]])))
     check_resumable(out, spec_of(parser().parse_args(["--configs", "vllm inproc:slidingserve", *base[2:]])))
     # a folder written before a workload field existed was measured with its default
     old = json.loads((out / "spec.json").read_text())
@@ -453,7 +457,7 @@ def test_report_only_sim_reads_the_noise_off_the_runs(tmp_path: Path, capsys: py
     from scheduler_service.core import default_predictor
 
     base = ["--configs", "vllm", "--rates", "2", "--seeds", "1", "--requests", "30", "--warmup", "5",
-            "--out", str(tmp_path), "--judge-seeds", "0"]
+            "--out", str(tmp_path), "--judge-seeds", "0", "--no-aa"]
     live = {**_run("vllm", 2.0, 1, 0.9, 0.95), "vllm_timings": {"itl_mean_ms": 40.0}}
     remote = {**_run("remote:slidingserve", 2.0, 1, 0.9, 0.95), "mode": "remote", "service_margin": 1.3,
               "overrun_share": {"none": 0.5, "learned": 0.12}}
@@ -509,3 +513,52 @@ def test_the_plot_has_a_predictor_panel_only_where_remote_runs_reported_one(tmp_
     assert three is not None and four is not None
     w3, w4 = plt.imread(three).shape[1], plt.imread(four).shape[1]
     assert w3 < 0.8 * w4  # 14.5 against 19 inches wide
+
+
+# ------------------------------------------------------------------ the A/A noise floor
+def test_vllm_runs_twice_per_seed_by_default_and_a_flag_turns_it_off() -> None:
+    labels = [c.label for c in spec_of(parser().parse_args([])).configs]
+    assert labels == ["vllm", "vllm-again", "inproc:slidingserve", "remote:slidingserve"]
+    assert Config.parse("vllm-again").mode == "native"
+    assert [c.label for c in spec_of(parser().parse_args(["--no-aa"])).configs] == [
+        "vllm", "inproc:slidingserve", "remote:slidingserve"]
+    only = spec_of(parser().parse_args(["--configs", "inproc:slidingserve"])).configs
+    assert [c.label for c in only] == ["inproc:slidingserve"]  # nothing to run twice
+
+
+def test_the_aa_band_and_the_verdicts_read_against_it() -> None:
+    """The band is the largest difference between vLLM's two runs of one seed; a difference
+    from vLLM inside it is "within noise", outside it "ahead" or "behind"."""
+    runs = [_run("vllm", 1, 1, 0.90, 0.92), _run("vllm-again", 1, 1, 0.86, 0.92),
+            _run("vllm", 1, 2, 0.80, 0.80), _run("vllm-again", 1, 2, 0.81, 0.78),
+            _run("inproc:a", 1, 1, 0.91, 0.80), _run("inproc:a", 1, 2, 0.82, 0.70),
+            _run("inproc:b", 1, 1, 0.97, 0.97), _run("inproc:b", 1, 2, 0.90, 0.90)]
+    band = aa_band(runs)
+    assert band[1.0]["attain_f1"] == pytest.approx(4.0) and band[1.0]["attain_tpot"] == pytest.approx(2.0)
+    assert band[1.0]["seeds"] == 2
+    d, word = verdicts(runs, "inproc:a", 1.0, "attain_f1", band)  # +3 and +1.5 points: inside 4
+    assert d == pytest.approx(2.25) and word == "within noise"
+    assert verdicts(runs, "inproc:a", 1.0, "attain_tpot", band)[1] == "behind"
+    assert verdicts(runs, "inproc:b", 1.0, "attain_f1", band)[1] == "ahead"
+    text = aa_table(runs)
+    assert "| 1 rps | 2 | 4 / 2 |" in text and "+2 (within noise) / -11 (behind)" in text
+    assert aa_table([r for r in runs if r["config"] != "vllm-again"]) == ""
+
+
+def test_runs_that_shared_the_machine_are_named() -> None:
+    quiet = {**_run("vllm", 1, 1, 0.9, 0.9), "foreign_before": 0.05, "foreign_during": 0.1, "shared": False}
+    busy = {**_run("inproc:a", 1, 1, 0.9, 0.9), "foreign_before": 0.05, "foreign_during": 1.2, "shared": True}
+    assert shared_note([quiet], 0.3) == ""
+    note = shared_note([quiet, busy], 0.3)
+    assert "1 of 2 runs shared the machine" in note and "inproc:a 1 rps seed 1" in note
+    assert "predate the quiet check" in shared_note([_run("vllm", 1, 1, 0.9, 0.9)], 0.3)
+
+
+def test_foreign_load_is_the_busy_time_less_the_benchmarks_own() -> None:
+    # 2 cores over 10 s: the worker's fully busy, the other half busy = 15 core-seconds;
+    # the benchmark's processes used 11 of them (the bound threads counted in engine_s already)
+    cpu = {"wall_s": 10.0, "worker_core_busy": 1.0, "other_cores_busy": 0.5, "n_other_cores": 1.0,
+           "client_s": 2.0, "api_server_s": 1.0, "engine_s": 8.0, "engine_on_worker_s": 7.0}
+    assert foreign_share(cpu) == pytest.approx(0.4)
+    assert foreign_share({**cpu, "client_s": 9.0}) == 0.0
+    assert foreign_share({}) == 0.0

@@ -18,8 +18,18 @@ from typing import Any, NoReturn
 from .judge import TINY_LLAMA, write_model, write_tokenizer
 from .measure import Slo
 from .procs import EngineArgs
-from .report import judge_table, markdown, noise_table, sim_table, timing_table, write_plot, write_sim_plot
-from .runner import Config, LiveSpec, check_resumable, load_runs, run_sweep
+from .report import (
+    aa_table,
+    judge_table,
+    markdown,
+    noise_table,
+    shared_note,
+    sim_table,
+    timing_table,
+    write_plot,
+    write_sim_plot,
+)
+from .runner import NATIVE, NATIVE_AGAIN, Config, LiveSpec, check_resumable, load_runs, run_sweep
 from .workload import WorkloadSpec
 
 __all__ = ["main"]
@@ -59,6 +69,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--configs", default=DEFAULT_CONFIGS,
                    help="configurations separated by spaces or ';': 'vllm' (vLLM's own scheduler) or "
                         f"MODE:POLICY[:k=v,...] with MODE inproc or remote (default: '{DEFAULT_CONFIGS}')")
+    p.add_argument("--no-aa", action="store_true",
+                   help=f"do not run vLLM's own scheduler a second time per seed ('{NATIVE_AGAIN}': the A/A noise "
+                        "floor every comparison is read against; on by default with 'vllm')")
+    p.add_argument("--max-foreign-load", type=float, default=0.3, metavar="CORES",
+                   help="start a run only once processes outside the benchmark keep at most this many cores busy "
+                        "(default 0.3)")
+    p.add_argument("--quiet-wait", type=float, default=600.0, metavar="S",
+                   help="how long to wait for that before stopping with a message (default 600 s)")
+    p.add_argument("--allow-shared", action="store_true",
+                   help="run on a busy machine all the same; such runs are flagged in runs.jsonl and the report")
     p.add_argument("--rates", type=_floats, default=(2.0, 3.0, 4.0), help="Poisson rates, req/s (default 2,3,4)")
     p.add_argument("--seeds", type=_ints, default=(1, 2, 3, 4, 5), help="seeds, e.g. 1-5 or 1,3 (default 1-5)")
     p.add_argument("--requests", type=int, default=100, help="measured requests per run (default 100)")
@@ -114,8 +134,16 @@ def spec_of(args: argparse.Namespace) -> LiveSpec:
     judge = tuple(x for x in (args.judge_seeds or ((1,) if args.turns == 1 else ())) if x != 0)
     if args.turns > 1 and judge:
         raise ValueError("vLLM's bench serve replays independent requests: give --judge-seeds 0 with --turns > 1")
+    if not args.max_foreign_load >= 0 or not args.quiet_wait >= 0:
+        raise ValueError("--max-foreign-load and --quiet-wait must be 0 or more")
+    configs = _configs(args.configs)
+    labels = [c.label for c in configs]
+    if not args.no_aa and NATIVE in labels and NATIVE_AGAIN not in labels:
+        i = labels.index(NATIVE)
+        configs = (*configs[:i + 1], Config.parse(NATIVE_AGAIN), *configs[i + 1:])
     return LiveSpec(
-        configs=_configs(args.configs), rates=args.rates, seeds=args.seeds,
+        configs=configs, rates=args.rates, seeds=args.seeds,
+        max_foreign=args.max_foreign_load, quiet_wait_s=args.quiet_wait, allow_shared=args.allow_shared,
         workload=workload,
         engine=engine,
         slo=Slo(args.ttft_ms, args.tbt_ms), model=dict(TINY_LLAMA), deadline_ms=args.deadline_ms,
@@ -243,7 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     data = load_runs(runs)
     sim = _simulate(spec, out, args.sim_noise, data) if args.sim else []
-    text = "\n".join(x for x in (markdown(data, args.threshold), judge_table(data), timing_table(data),
+    text = "\n".join(x for x in (markdown(data, args.threshold), aa_table(data), shared_note(data, args.max_foreign_load),
+                                  judge_table(data), timing_table(data),
                                   noise_table(data), sim_table(data, sim),
                                   _cost(out)) if x)
     (out / "report.md").write_text(text)

@@ -281,6 +281,7 @@ class CpuUse:
         out = {"wall_s": wall, "worker_core_busy": busy["worker_core"] / wall}
         n_other = max(len(self.other_cores - {self.worker_core}), 1)
         out["other_cores_busy"] = busy.get("other_cores", 0.0) / (wall * n_other)
+        out["n_other_cores"] = float(n_other)
         out |= {f"{k}_s": v - start.procs.get(k, 0.0) for k, v in self.procs.items()}
         out["engine_on_worker_s"] = sum(v - start.bound[t] for t, v in self.bound.items() if t in start.bound)
         return out

@@ -14,8 +14,8 @@ import numpy as np
 
 from .measure import goodput
 
-__all__ = ["goodputs", "judge_table", "markdown", "noise_table", "sim_table", "timing_table", "write_plot",
-           "write_sim_plot"]
+__all__ = ["aa_band", "aa_table", "goodputs", "judge_table", "markdown", "noise_table", "shared_note", "sim_table",
+           "timing_table", "verdicts", "write_plot", "write_sim_plot"]
 
 DEFS = (("attain_f1", "formula (1)"), ("attain_tpot", "TTFT+TPOT"))
 
@@ -93,6 +93,92 @@ def markdown(runs: Sequence[dict[str, Any]], threshold: float, baseline: str = "
                      f"{_spread(list(g2.values()))} | {_ratio(g2, gp['attain_tpot'].get(baseline, {}))} | "
                      f"{ttft} | {tpot} | {_fallbacks(rs)} |")
     return "\n".join(lines) + "\n"
+
+
+AA = ("vllm", "vllm-again")
+
+
+def aa_band(runs: Sequence[dict[str, Any]]) -> dict[float, dict[str, float]]:
+    """rate -> the A/A band of each measure: the largest difference, over the seeds run twice,
+    between vLLM's own scheduler's two runs of one seed (attainment in points under both
+    definitions, TTFT p99 and maximum in s).  Rates without both runs are left out."""
+    by = _by(runs)
+    out: dict[float, dict[str, float]] = {}
+    for rate in sorted({float(r["rate"]) for r in runs}):
+        pairs = [(by[(AA[0], rate, s)], by[(AA[1], rate, s)]) for (c, rr, s) in by
+                 if c == AA[0] and rr == rate and (AA[1], rate, s) in by]
+        if not pairs:
+            continue
+        out[rate] = {k: max(abs(a[k] - b[k]) * f for a, b in pairs)
+                     for k, f in (("attain_f1", 100), ("attain_tpot", 100), ("ttft_p99_ms", 1e-3),
+                                  ("ttft_max_ms", 1e-3))}
+        out[rate]["seeds"] = len(pairs)
+    return out
+
+
+def verdicts(runs: Sequence[dict[str, Any]], config: str, rate: float, key: str,
+             band: dict[float, dict[str, float]]) -> tuple[float, str] | None:
+    """(mean difference from vLLM over the seeds (points; per seed, against the mean of its
+    two runs where both exist), "ahead" / "behind" / "within noise" against the A/A band)."""
+    by = _by(runs)
+    diffs = []
+    for (c, rr, s), v in by.items():
+        if c != config or rr != rate:
+            continue
+        base = [by[(n, rate, s)][key] for n in AA if (n, rate, s) in by]
+        if base:
+            diffs.append(100 * (v[key] - float(np.mean(base))))
+    if not diffs or rate not in band:
+        return None
+    d = float(np.mean(diffs))
+    word = "within noise" if abs(d) <= band[rate][key] else ("ahead" if d > 0 else "behind")
+    return d, word
+
+
+def aa_table(runs: Sequence[dict[str, Any]]) -> str:
+    """The A/A noise floor per rate and each configuration's difference from vLLM read
+    against it; empty without runs of vLLM's scheduler twice on one seed."""
+    band = aa_band(runs)
+    if not band:
+        return ""
+    rates = sorted(band)
+    lines = ["The A/A noise floor: vLLM's own scheduler run twice on the same arrivals, the largest difference "
+             "between its two runs of one seed (attainment in points, formula (1) / TTFT+TPOT; TTFT p99 / maximum "
+             "in s):", "", "| rate | seeds | attainment | TTFT p99 / max |", "|---|---|---|---|"]
+    for rate in rates:
+        b = band[rate]
+        lines.append(f"| {rate:g} rps | {int(b['seeds'])} | {b['attain_f1']:.0f} / {b['attain_tpot']:.0f} | "
+                     f"{b['ttft_p99_ms']:.2f} / {b['ttft_max_ms']:.2f} |")
+    others = [c for c in _configs(runs) if c not in AA]
+    if others:
+        lines += ["", "Each configuration against vLLM (mean over seeds of its difference from vLLM's runs of the "
+                  "same seed, points), formula (1) / TTFT+TPOT: \"ahead\" and \"behind\" only outside the A/A band:",
+                  "", "| configuration | " + " | ".join(f"{r:g} rps" for r in rates) + " |",
+                  "|---|" + "---|" * len(rates)]
+        for c in others:
+            cells = []
+            for rate in rates:
+                vs = [verdicts(runs, c, rate, k, band) for k, _ in DEFS]
+                cells.append(" / ".join("—" if v is None else f"{v[0]:+.0f} ({v[1]})" for v in vs))
+            lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def shared_note(runs: Sequence[dict[str, Any]], limit: float) -> str:
+    """A warning naming the runs that shared the machine (other processes kept more than
+    ``limit`` cores busy before or during them); empty when every run had it alone."""
+    shared = [r for r in runs if r.get("shared") or max(r.get("foreign_before", 0.0) or 0.0,
+                                                         r.get("foreign_during", 0.0) or 0.0) > limit]
+    unknown = sum(1 for r in runs if "foreign_before" not in r)
+    out = []
+    if shared:
+        names = ", ".join(f"{r['config']} {float(r['rate']):g} rps seed {r['seed']}" for r in shared[:12])
+        more = f" and {len(shared) - 12} more" if len(shared) > 12 else ""
+        out.append(f"**{len(shared)} of {len(runs)} runs shared the machine** (other processes kept more than "
+                   f"{limit:g} cores busy): {names}{more}. Their figures are not comparable with quiet runs.")
+    if unknown:
+        out.append(f"{unknown} runs predate the quiet check (no record of other processes' load).")
+    return "\n".join(out) + "\n" if out else ""
 
 
 def noise_table(runs: Sequence[dict[str, Any]]) -> str:
@@ -239,6 +325,14 @@ def write_plot(runs: Sequence[dict[str, Any]], path: Path, threshold: float,
         tmax = [max((v["ttft_max_ms"] / 1e3 for (cc, rr, _), v in by.items() if cc == c and rr == rate),
                     default=math.nan) for rate in rates]
         axes[2].plot(rates, tmax, marker="o", label=c)
+    band = aa_band(runs)
+    if band:  # vLLM's A/A band: its mean over both runs, ± the largest difference between them
+        br = sorted(band)
+        for ax, (key, _) in zip(axes[:2], DEFS, strict=True):
+            mid = np.array([np.mean([100 * v[key] for (cc, rr, _), v in by.items() if cc in AA and rr == r])
+                            for r in br])
+            half = np.array([band[r][key] for r in br])
+            ax.fill_between(br, mid - half, mid + half, color="black", alpha=0.12, label="vLLM A/A band")
     for ax in axes[:2]:
         ax.axhline(100 * threshold, color="grey", lw=0.8, ls="--")
         ax.set_xlabel("request rate (req/s)")

@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 __all__ = ["Config", "LiveSpec", "check_resumable", "frontend_path", "run_sweep"]
 
 NATIVE = "vllm"
+#: vLLM's own scheduler run a second time on the same arrivals (the A/A noise floor of every
+#: comparison: :func:`.report.aa_table`)
+NATIVE_AGAIN = "vllm-again"
 MODES = ("inproc", "remote")
 #: The objectives a configuration's requests can carry (``objective=`` in its text, not a
 #: policy parameter): ``formula1`` (the TTFT and TBT defaults, formula (1)) or ``tpot`` (each
@@ -68,13 +71,13 @@ class Config:
     @classmethod
     def parse(cls, text: str) -> Config:
         text = text.strip()
-        if text == NATIVE:
-            return cls(NATIVE, "native")
+        if text in (NATIVE, NATIVE_AGAIN):
+            return cls(text, "native")
         mode, _, rest = text.partition(":")
         policy, _, params = rest.partition(":")
         if mode not in MODES or not policy:
-            raise ValueError(f"configuration {text!r}: expected 'vllm' or MODE:POLICY[:k=v,...] with MODE in "
-                             f"{', '.join(MODES)}")
+            raise ValueError(f"configuration {text!r}: expected 'vllm', '{NATIVE_AGAIN}' or MODE:POLICY[:k=v,...] "
+                             f"with MODE in {', '.join(MODES)}")
         kv = []
         for item in filter(None, params.split(",")):
             k, sep, v = item.partition("=")
@@ -139,6 +142,12 @@ class LiveSpec:
     deadline_ms: float = 20.0
     #: seeds whose runs are replayed once more by vLLM's own benchmark client (:mod:`.judge`)
     judge_seeds: tuple[int, ...] = ()
+    #: a run starts once processes outside the benchmark keep at most this many cores busy
+    max_foreign: float = 0.3
+    #: how long a run waits for that (seconds) before the sweep stops
+    quiet_wait_s: float = 600.0
+    #: run on a busy machine all the same (the runs are flagged ``shared``)
+    allow_shared: bool = False
 
     def order(self) -> list[tuple[float, int, Config]]:
         """Every run: rate by rate, seed by seed, the configurations rotated per seed so that
@@ -336,6 +345,7 @@ class _Bench:
         err0 = self.service.predictor_error() if self.service is not None else (0.0, 0.0)
         over0 = self.service.overruns() if self.service is not None else {}
         refits0 = self.service.refits() if self.service is not None else {}
+        quiet = self.wait_quiet(server)
         reqs = make_requests(self.spec.workload, rate, seed)
         if self.spec.engine.prefix_caching:  # every configuration starts from an empty cache
             server.reset_prefix_cache()
@@ -350,6 +360,10 @@ class _Bench:
                                "seed": seed, **summary.to_dict(), "time": time.time(),
                                # the machine's 1-minute load at the end: other work on shared cores shows here
                                "loadavg": os.getloadavg()[0],
+                               # cores kept busy by processes outside the benchmark: before the run
+                               # (what the quiet check saw) and over it
+                               "foreign_before": quiet, "foreign_during": foreign_share(cpu),
+                               "shared": max(quiet, foreign_share(cpu)) > self.spec.max_foreign,
                                # what vLLM's server saw of the same requests (warm-up ones included)
                                "vllm_timings": _timing_means(timings0, _vllm_timings(server)),
                                "client": _client_side(results) | lag.summary(),
@@ -391,8 +405,35 @@ class _Bench:
             rec["judge"] = self.judge(server, [r for r in reqs if not r.warmup], c, rate, seed)
         return rec
 
+    def wait_quiet(self, server: VllmProcess) -> float:
+        """Wait until processes outside the benchmark keep at most ``spec.max_foreign``
+        cores busy (checked over 3 s, every 10 s, up to ``spec.quiet_wait_s``); the last
+        load seen.  RuntimeError when the machine stays busy, unless ``spec.allow_shared``
+        (then the run goes ahead and its record says it shared the machine)."""
+        deadline = time.monotonic() + self.spec.quiet_wait_s
+        said = False
+        while True:
+            start = self._cpu(server)
+            time.sleep(3.0)
+            load = foreign_share(self._cpu(server).since(start))
+            if load <= self.spec.max_foreign or self.spec.allow_shared or time.monotonic() >= deadline:
+                break
+            if not said:
+                self.log(f"waiting for a quiet machine: other processes keep {load:.2f} cores busy "
+                         f"(at most {self.spec.max_foreign:g}; up to {self.spec.quiet_wait_s:.0f} s)")
+                said = True
+            time.sleep(7.0)
+        if load > self.spec.max_foreign and not self.spec.allow_shared:
+            raise RuntimeError(f"the machine is not quiet: processes outside the benchmark keep {load:.2f} cores "
+                               f"busy (at most {self.spec.max_foreign:g} allowed) after {self.spec.quiet_wait_s:.0f} "
+                               "s of waiting; stop them, or give --allow-shared to run anyway (runs are flagged)")
+        return round(load, 3)
+
     def _cpu(self, server: VllmProcess) -> CpuUse:
         pids = {"vllm": server.proc.pid} if server.proc is not None else {}
+        for other in (self.native, self.adapter):  # the idle server is the benchmark's too
+            if other is not None and other is not server and other.proc is not None:
+                pids["other_vllm"] = other.proc.pid
         if self.service is not None and self.service.proc is not None:
             pids["service"] = self.service.proc.pid
         return CpuUse(self.worker, self.others, pids).sample()
@@ -421,6 +462,19 @@ class _Bench:
         res = run_judge(sys.executable, server.base_url, "live", data, None, len(reqs), seed, self.spec.slo.ttft_ms,
                         self.spec.slo.tbt_ms, self.work / "judge", f"{name}.json", tokenizer=self.model_dir)
         return dict(res)
+
+
+def foreign_share(cpu: dict[str, float]) -> float:
+    """Cores kept busy by processes outside the benchmark over a :meth:`CpuUse.since`
+    window: every core's busy time less the CPU time of the benchmark's own processes (the
+    client, vLLM's processes, the service), per second of wall time."""
+    wall = cpu.get("wall_s", 0.0)
+    if wall <= 0:
+        return 0.0
+    n_other = max(cpu.get("n_other_cores", 1.0), 1.0)
+    busy = (cpu.get("worker_core_busy", 0.0) + cpu.get("other_cores_busy", 0.0) * n_other) * wall
+    own = sum(v for k, v in cpu.items() if k.endswith("_s") and k not in ("wall_s", "engine_on_worker_s"))
+    return max(busy - own, 0.0) / wall
 
 
 def frontend_path(out: Path, label: str, rate: float, seed: int) -> Path:
