@@ -44,12 +44,18 @@ PROPS = settings(max_examples=80, deadline=None, derandomize=True, database=None
 any_predictor = st.one_of(st.just(default_predictor()), predictors(), predictors(negative=True))
 
 
-def starving(snap: Snapshot, params: Any) -> np.ndarray:
+def starving(snap: Snapshot, params: Any, pred: Any = None) -> np.ndarray:
     """Mask over all requests (one class): prefills waiting since ``starve_after`` TTFTs and
-    decodes ``starve_after`` TBTs late (docs/policies.md, Starvation bound)."""
+    decodes ``starve_after`` TBTs late (docs/policies.md, Starvation bound); none where the
+    bound waits (its backlog does not fit the live prefills' spare slack)."""
     a = getattr(params, "starve_after", 0.0)
     if a <= 0:
         return np.zeros(len(snap), dtype=bool)
+    if pred is not None:
+        from scheduler_service.core.slidingserve import SlidingServePolicy
+
+        if not SlidingServePolicy("slidingserve", "", params)._bound_fits(snap, pred):
+            return np.zeros(len(snap), dtype=bool)
     pre = ~snap.is_decoding & (snap.now - snap.arrival >= a * snap.ttft_slo)
     return pre | (snap.is_decoding & (snap.slack <= -a * snap.tbt_slo))
 
@@ -69,7 +75,7 @@ def lost_prefills(snap: Snapshot, pred: BatchLatencyPredictor, params: Any) -> n
     if params.lost_rule == "moore":
         lost |= late_set(snap, pre, snap.prefill_throughput or pred.prefill_throughput(snap.max_batch_tokens))
     out[pre] = lost & (snap.slack[pre] > 0)
-    return out & ~starving(snap, params)
+    return out & ~starving(snap, params, pred)
 
 
 def check_invariants(name: str, chunk: int | None, snap: Snapshot, pred: BatchLatencyPredictor,
@@ -103,7 +109,7 @@ def check_invariants(name: str, chunk: int | None, snap: Snapshot, pred: BatchLa
             if params.decode_skip_tbts > 0:
                 sit |= snap.is_decoding & (snap.slack > params.decode_skip_tbts * snap.tbt_slo)
             if params.skip_late_decodes:
-                sit |= snap.is_decoding & (snap.slack <= 0) & ~starving(snap, params)
+                sit |= snap.is_decoding & (snap.slack <= 0) & ~starving(snap, params, pred)
         ran_sit = any(sit[idx[r]] for r in ids)
         prefilled = any(not snap.is_decoding[idx[r]] for r in ids)
         if waits and sit.any() and prefilled and not ran_sit:
@@ -170,11 +176,12 @@ def _lost_prefills_after_live_ones(snap: Snapshot, factor: float, rule: str) -> 
     requests (it never takes lost ones).  Starving ones go first instead
     (tests/test_starvation.py)."""
     pred = default_predictor()
-    pol = registry.create("slidingserve", {"hopeless_factor": factor, "lost_rule": rule})
+    # (without the nothing-to-trade rule, which serves expired prompts where vLLM would)
+    pol = registry.create("slidingserve", {"hopeless_factor": factor, "lost_rule": rule, "fcfs_when_safe": False})
     plan = pol.plan(snap, pred)
     a = plan.tokens_by_id()
     idx = {rid: i for i, rid in enumerate(snap.ids)}
-    gone = (lost_prefills(snap, pred, pol.params) | (snap.slack <= 0)) & ~starving(snap, pol.params)
+    gone = (lost_prefills(snap, pred, pol.params) | (snap.slack <= 0)) & ~starving(snap, pol.params, pred)
 
     served_lost = [r for r in a if not snap.is_decoding[idx[r]] and gone[idx[r]]]
     if plan.path == "batch_constructor":
@@ -271,7 +278,7 @@ def test_plans_are_predicted_within_the_slack_they_were_built_for(
     elif plan.path == "sliding_chunker":
         dec = [i for i in rows if snap.is_decoding[i]]
         live = [i for i in dec if snap.slack[i] > 0]
-        if live and not (starving(snap, pol.params) & ~snap.is_decoding).any():
+        if live and not (starving(snap, pol.params, pred) & ~snap.is_decoding).any():
             t_cur = float(min(snap.slack[live])) * 1e3
             cu = [(1, int(snap.kv_tokens[i])) for i in dec]
             t_dec = predict_cu(pred, cu) * margin
