@@ -94,6 +94,23 @@ def _files(root: Path) -> set[str]:
     return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
 
 
+def _generator_hint() -> str:
+    """Name the generators when they are not the ones pyproject.toml pins (their versions are
+    stamped into the code, so a new release alone makes the check fail)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    pins = re.findall(r'"(grpcio-tools|mypy-protobuf)==([^"]+)"', (ROOT / "pyproject.toml").read_text())
+    off = []
+    for name, want in pins:
+        try:
+            have = version(name)
+        except PackageNotFoundError:
+            have = "missing"
+        if have != want:
+            off.append(f"{name} {have}, pinned {want}")
+    return f" -- or install the pinned generators first ({'; '.join(off)})" if off else ""
+
+
 def check() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         fresh = Path(tmp) / "gen"
@@ -106,7 +123,8 @@ def check() -> int:
         )
     if stale:
         print(
-            f"genproto: scheduler_service/gen is stale ({', '.join(stale)}); run: python tools/genproto.py",
+            f"genproto: scheduler_service/gen is stale ({', '.join(stale)}); run: python tools/genproto.py"
+            f"{_generator_hint()}",
             file=sys.stderr,
         )
         return 1
