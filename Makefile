@@ -85,8 +85,9 @@ e2e: $(E2E_STAMP)          ## end to end: vllm serve + slidingserve serve + open
 
 # The live benchmark (clients/live, docs/results.md "Live vLLM"): vLLM's own scheduler against
 # the adapter in process and through `slidingserve serve`, on a real `vllm serve` (CPU build),
-# 3 rates x 5 seeds; about an hour on 2 cores.  LIVE_ARGS adds flags (`--help` lists them);
-# runs already in the output folder are not repeated.
+# first vLLM's capacity that day (a short search), then 0.5-1.5x it x 5 seeds, vLLM run twice
+# per seed (the A/A floor); about three hours on 2 cores, only on a quiet machine.  LIVE_ARGS
+# adds flags (`--help` lists them); runs already in the output folder are not repeated.
 LIVE_ARGS ?=
 live-bench: $(E2E_STAMP)   ## SLO attainment and goodput on a live vLLM, with table and plot
 	env -u VLLM_TARGET_DEVICE $(E2E_PY) -m clients.live $(LIVE_ARGS)

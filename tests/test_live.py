@@ -19,6 +19,7 @@ from clients.live.measure import RequestResult, Slo, goodput, summarize
 from clients.live.report import (
     aa_band,
     aa_table,
+    capacity_note,
     goodputs,
     judge_table,
     markdown,
@@ -29,7 +30,16 @@ from clients.live.report import (
     verdicts,
     write_plot,
 )
-from clients.live.runner import Config, LiveSpec, _spec_dict, check_resumable, foreign_share
+from clients.live.runner import (
+    CAPACITY_BAR,
+    Config,
+    LiveSpec,
+    _spec_dict,
+    check_resumable,
+    find_capacity,
+    foreign_share,
+    resolve_rates,
+)
 from clients.live.workload import WorkloadSpec, make_requests
 
 SLO = Slo(ttft_ms=1000, tbt_ms=50)
@@ -562,3 +572,67 @@ def test_foreign_load_is_the_busy_time_less_the_benchmarks_own() -> None:
     assert foreign_share(cpu) == pytest.approx(0.4)
     assert foreign_share({**cpu, "client_s": 9.0}) == 0.0
     assert foreign_share({}) == 0.0
+
+
+# ------------------------------------------------------------------ the day's capacity
+@given(st.floats(0.1, 50.0), st.floats(0.3, 5.0))
+def test_the_capacity_search_brackets_the_rate_where_vllm_stops_meeting_the_bar(cap: float, start: float) -> None:
+    """With a machine that meets the bar up to ``cap`` and not above, the search returns a
+    rate it saw met, at most ``cap``, in at most 6 probes: more than half of ``cap`` once a
+    probe missed (the highest probe, all met, otherwise), and within 10% of the lowest
+    missed rate wherever it stopped before its last probe."""
+    seen: list[float] = []
+
+    def probe(rate: float) -> float:
+        seen.append(rate)
+        return 0.95 if rate <= cap else 0.6
+
+    got, probes = find_capacity(probe, start=start)
+    assert len(probes) == len(seen) <= 6 and probes == [(r, 0.95 if r <= cap else 0.6) for r in seen]
+    fails = [r for r in seen if r > cap]
+    assert got in seen and got <= cap and (got > cap / 2 if fails else got == max(seen))
+    if len(probes) < 6 and fails:
+        assert min(fails) <= got * 1.1
+
+
+def test_the_capacity_search_ignores_a_met_rate_above_a_missed_one() -> None:
+    answers = {2.0: 0.95, 4.0: 0.5, 3.0: 0.95, 3.5: 0.5, 3.25: 0.5}
+    got, probes = find_capacity(lambda r: answers.get(r, 0.95 if r < 3.1 else 0.5))
+    assert got < 3.25 and all(a >= CAPACITY_BAR for r, a in probes if r == got)
+    noisy = {2.0: 0.5, 1.0: 0.95, 1.5: 0.5}  # met at 1, missed at 1.5 and 2, then met at 1.25 and 1.4...
+    got, _ = find_capacity(lambda r: noisy.get(r, 0.95))
+    assert 1.0 <= got < 1.5
+
+
+def test_the_capacity_search_says_when_even_the_lowest_rate_misses() -> None:
+    with pytest.raises(RuntimeError, match=r"fewer than 90%.*0\.05 req/s"):
+        find_capacity(lambda r: 0.2, max_probes=20)
+
+
+def test_rates_are_multiples_of_the_capacity_by_default(tmp_path: Path) -> None:
+    spec = spec_of(parser().parse_args([]))
+    assert spec.rates == () and spec.loads == (0.5, 0.75, 1.0, 1.25, 1.5) and spec.capacity_rps is None
+    given_rates = spec_of(parser().parse_args(["--rates", "2,3"]))
+    assert given_rates.rates == (2.0, 3.0) and given_rates.loads == () and resolve_rates(given_rates, tmp_path) is given_rates
+    known = resolve_rates(spec_of(parser().parse_args(["--capacity", "1.3"])), tmp_path)
+    assert known.rates == (0.65, 0.98, 1.3, 1.62, 1.95) and known.capacity_rps == 1.3
+    with pytest.raises(ValueError, match="give --rates or --capacity"):
+        resolve_rates(spec, tmp_path)
+    (tmp_path / "capacity.json").write_text(json.dumps({
+        "capacity_rps": 2.0, "bar": 0.9, "definition": "TTFT+TPOT", "seed": 1000,
+        "probes": [{"rate": 2.0, "attain_tpot": 0.93}, {"rate": 4.0, "attain_tpot": 0.41}]}))
+    assert resolve_rates(spec, tmp_path).rates == (1.0, 1.5, 2.0, 2.5, 3.0)  # a resumed sweep keeps its rates
+    note = capacity_note(tmp_path)
+    assert "**2 req/s**" in note and "4 rps 41%" in note
+    runs = [{**_run("vllm", 2.0, 1, 0.9, 0.9), "load": 1.0, "capacity_rps": 2.0},
+            {**_run("vllm", 3.0, 1, 0.7, 0.6), "load": 1.5, "capacity_rps": 2.0}]
+    assert "| 2 rps (1×) | 3 rps (1.5×) |" in markdown(runs, 0.9)
+    assert capacity_note(tmp_path / "none") == ""
+
+
+def test_a_bad_capacity_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["--capacity", "0", "--out", str(tmp_path / "x")]) == 2
+    assert "--capacity must be positive" in capsys.readouterr().err
+    assert main(["--sim-only", str(Path(__file__).parent.parent / "docs/results/live/engine_predictor.json"),
+                 "--out", str(tmp_path / "y")]) == 2
+    assert "give --rates or --capacity" in capsys.readouterr().err

@@ -12,6 +12,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -20,6 +21,7 @@ from .measure import Slo
 from .procs import EngineArgs
 from .report import (
     aa_table,
+    capacity_note,
     judge_table,
     markdown,
     noise_table,
@@ -29,7 +31,16 @@ from .report import (
     write_plot,
     write_sim_plot,
 )
-from .runner import NATIVE, NATIVE_AGAIN, Config, LiveSpec, check_resumable, load_runs, run_sweep
+from .runner import (
+    NATIVE,
+    NATIVE_AGAIN,
+    Config,
+    LiveSpec,
+    check_resumable,
+    load_runs,
+    resolve_rates,
+    run_sweep,
+)
 from .workload import WorkloadSpec
 
 __all__ = ["main"]
@@ -79,7 +90,14 @@ def parser() -> argparse.ArgumentParser:
                    help="how long to wait for that before stopping with a message (default 600 s)")
     p.add_argument("--allow-shared", action="store_true",
                    help="run on a busy machine all the same; such runs are flagged in runs.jsonl and the report")
-    p.add_argument("--rates", type=_floats, default=(2.0, 3.0, 4.0), help="Poisson rates, req/s (default 2,3,4)")
+    p.add_argument("--loads", type=_floats, default=(0.5, 0.75, 1.0, 1.25, 1.5), metavar="MULTIPLES",
+                   help="rates as multiples of vLLM's capacity that day (default 0.5,0.75,1,1.25,1.5): the sweep "
+                        "first finds the highest rate at which vLLM's own scheduler meets 90%% under TTFT+TPOT")
+    p.add_argument("--capacity", type=float, default=None, metavar="RPS",
+                   help="vLLM's capacity in req/s, instead of searching for it")
+    p.add_argument("--capacity-seed", type=int, default=1000, help="the capacity probes' seed (default 1000)")
+    p.add_argument("--rates", type=_floats, default=None,
+                   help="absolute Poisson rates, req/s, instead of --loads (no capacity search)")
     p.add_argument("--seeds", type=_ints, default=(1, 2, 3, 4, 5), help="seeds, e.g. 1-5 or 1,3 (default 1-5)")
     p.add_argument("--requests", type=int, default=100, help="measured requests per run (default 100)")
     p.add_argument("--warmup", type=int, default=20, help="unmeasured requests before them (default 20)")
@@ -141,8 +159,11 @@ def spec_of(args: argparse.Namespace) -> LiveSpec:
     if not args.no_aa and NATIVE in labels and NATIVE_AGAIN not in labels:
         i = labels.index(NATIVE)
         configs = (*configs[:i + 1], Config.parse(NATIVE_AGAIN), *configs[i + 1:])
+    if args.capacity is not None and not args.capacity > 0:
+        raise ValueError(f"--capacity must be positive, got {args.capacity:g}")
     return LiveSpec(
-        configs=configs, rates=args.rates, seeds=args.seeds,
+        configs=configs, rates=args.rates or (), seeds=args.seeds,
+        loads=() if args.rates else args.loads, capacity_rps=args.capacity, capacity_seed=args.capacity_seed,
         max_foreign=args.max_foreign_load, quiet_wait_s=args.quiet_wait, allow_shared=args.allow_shared,
         workload=workload,
         engine=engine,
@@ -204,6 +225,12 @@ def _sim_only(spec: LiveSpec, out: Path, args: argparse.Namespace) -> int:
         pred = BatchLatencyPredictor.from_dict(doc.get("predictor", doc) if isinstance(doc, dict) else doc)
     except (OSError, ValueError, ValidationError) as e:
         print(f"live-bench: --sim-only {args.sim_only}: {e}", file=sys.stderr)
+        return 2
+    try:
+        spec = resolve_rates(spec, out)
+    except ValueError:
+        print("live-bench: --sim-only starts no engine to find its capacity: give --rates or --capacity",
+              file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
     noise = DEFAULT_SIM_NOISE if args.sim_noise is None else args.sim_noise
@@ -270,8 +297,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"live-bench: no runs in {out}", file=sys.stderr)
         return 2
     data = load_runs(runs)
+    try:
+        spec = resolve_rates(spec, out)
+    except ValueError:
+        spec = replace(spec, rates=tuple(sorted({float(r["rate"]) for r in data})))
     sim = _simulate(spec, out, args.sim_noise, data) if args.sim else []
-    text = "\n".join(x for x in (markdown(data, args.threshold), aa_table(data), shared_note(data, args.max_foreign_load),
+    text = "\n".join(x for x in (capacity_note(out), markdown(data, args.threshold), aa_table(data), shared_note(data, args.max_foreign_load),
                                   judge_table(data), timing_table(data),
                                   noise_table(data), sim_table(data, sim),
                                   _cost(out)) if x)

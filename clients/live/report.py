@@ -4,6 +4,7 @@ scheduler taken seed by seed, latency percentiles, and the service's predictor e
 
 from __future__ import annotations
 
+import json
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -14,7 +15,7 @@ import numpy as np
 
 from .measure import goodput
 
-__all__ = ["aa_band", "aa_table", "goodputs", "judge_table", "markdown", "noise_table", "shared_note", "sim_table",
+__all__ = ["aa_band", "aa_table", "capacity_note", "goodputs", "judge_table", "markdown", "noise_table", "shared_note", "sim_table",
            "timing_table", "verdicts", "write_plot", "write_sim_plot"]
 
 DEFS = (("attain_f1", "formula (1)"), ("attain_tpot", "TTFT+TPOT"))
@@ -25,6 +26,25 @@ def _configs(runs: Sequence[dict[str, Any]]) -> list[str]:
     for r in runs:
         seen.setdefault(r["config"], None)
     return list(seen)
+
+
+def _rate(rate: float, runs: Sequence[dict[str, Any]]) -> str:
+    """A rate as a table heading: with its multiple of the day's capacity where the sweep
+    measured one."""
+    load = next((r["load"] for r in runs if float(r["rate"]) == rate and "load" in r), None)
+    return f"{rate:g} rps" + (f" ({load:g}×)" if load is not None else "")
+
+
+def capacity_note(out: Path) -> str:
+    """What the sweep's capacity search found (``out/capacity.json``); empty without one."""
+    path = out / "capacity.json"
+    if not path.exists():
+        return ""
+    doc = json.loads(path.read_text())
+    probes = ", ".join(f"{p['rate']:g} rps {100 * p['attain_tpot']:.0f}%" for p in doc["probes"])
+    return (f"vLLM's capacity that day: **{doc['capacity_rps']:g} req/s**, the highest rate at which its own "
+            f"scheduler met {doc['bar']:.0%} under {doc['definition']} (seed {doc['seed']}; probes: {probes}). "
+            "Rates below are multiples of it.\n")
 
 
 def _by(runs: Sequence[dict[str, Any]]) -> dict[tuple[str, float, int], dict[str, Any]]:
@@ -65,7 +85,7 @@ def markdown(runs: Sequence[dict[str, Any]], threshold: float, baseline: str = "
     rates = sorted({float(r["rate"]) for r in runs})
     by = _by(runs)
     lines = ["SLO attainment, formula (1) / TTFT+TPOT, mean over seeds (min–max):", "",
-             "| configuration | " + " | ".join(f"{r:g} rps" for r in rates) + " |",
+             "| configuration | " + " | ".join(_rate(r, runs) for r in rates) + " |",
              "|---|" + "---|" * len(rates)]
     for c in configs:
         cells = []
@@ -147,13 +167,13 @@ def aa_table(runs: Sequence[dict[str, Any]]) -> str:
              "in s):", "", "| rate | seeds | attainment | TTFT p99 / max |", "|---|---|---|---|"]
     for rate in rates:
         b = band[rate]
-        lines.append(f"| {rate:g} rps | {int(b['seeds'])} | {b['attain_f1']:.0f} / {b['attain_tpot']:.0f} | "
+        lines.append(f"| {_rate(rate, runs)} | {int(b['seeds'])} | {b['attain_f1']:.0f} / {b['attain_tpot']:.0f} | "
                      f"{b['ttft_p99_ms']:.2f} / {b['ttft_max_ms']:.2f} |")
     others = [c for c in _configs(runs) if c not in AA]
     if others:
         lines += ["", "Each configuration against vLLM (mean over seeds of its difference from vLLM's runs of the "
                   "same seed, points), formula (1) / TTFT+TPOT: \"ahead\" and \"behind\" only outside the A/A band:",
-                  "", "| configuration | " + " | ".join(f"{r:g} rps" for r in rates) + " |",
+                  "", "| configuration | " + " | ".join(_rate(r, runs) for r in rates) + " |",
                   "|---|" + "---|" * len(rates)]
         for c in others:
             cells = []
@@ -333,13 +353,15 @@ def write_plot(runs: Sequence[dict[str, Any]], path: Path, threshold: float,
                             for r in br])
             half = np.array([band[r][key] for r in br])
             ax.fill_between(br, mid - half, mid + half, color="black", alpha=0.12, label="vLLM A/A band")
+    cap = next((r["capacity_rps"] for r in runs if "capacity_rps" in r), None)
+    xlabel = "request rate (req/s)" + (f"; vLLM's capacity {cap:g}" if cap else "")
     for ax in axes[:2]:
         ax.axhline(100 * threshold, color="grey", lw=0.8, ls="--")
-        ax.set_xlabel("request rate (req/s)")
+        ax.set_xlabel(xlabel)
         ax.set_ylabel("% of requests within SLO")
     axes[0].legend(fontsize=7)
     axes[2].set_title("TTFT maximum")
-    axes[2].set_xlabel("request rate (req/s)")
+    axes[2].set_xlabel(xlabel)
     axes[2].set_ylabel("s")
     if remote:
         axes[3].plot(range(1, len(remote) + 1), [v["service_mae_ms"] for v in remote], marker=".")

@@ -17,7 +17,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from scheduler_service.client import PredictorInfo
     from scheduler_service.core import BatchLatencyPredictor
 
-__all__ = ["Config", "LiveSpec", "check_resumable", "frontend_path", "run_sweep"]
+__all__ = ["Config", "LiveSpec", "check_resumable", "find_capacity", "frontend_path", "resolve_rates", "run_sweep"]
 
 NATIVE = "vllm"
 #: vLLM's own scheduler run a second time on the same arrivals (the A/A noise floor of every
@@ -148,6 +148,16 @@ class LiveSpec:
     quiet_wait_s: float = 600.0
     #: run on a busy machine all the same (the runs are flagged ``shared``)
     allow_shared: bool = False
+    #: rates as multiples of the day's capacity (used where ``rates`` is empty): the sweep
+    #: first finds vLLM's capacity (:func:`find_capacity`) unless ``capacity_rps`` gives it
+    loads: tuple[float, ...] = ()
+    capacity_rps: float | None = None
+    #: the capacity probes' arrivals (a seed the sweep does not use)
+    capacity_seed: int = 1000
+
+    def at_capacity(self, capacity: float) -> LiveSpec:
+        """This sweep with its rates set from ``loads`` at ``capacity`` req/s."""
+        return replace(self, capacity_rps=capacity, rates=tuple(round(capacity * m, 2) for m in self.loads))
 
     def order(self) -> list[tuple[float, int, Config]]:
         """Every run: rate by rate, seed by seed, the configurations rotated per seed so that
@@ -483,26 +493,118 @@ def frontend_path(out: Path, label: str, rate: float, seed: int) -> Path:
     return out / "frontend" / f"{name}-{rate:g}-{seed}.json"
 
 
+#: The capacity search's bar: the share of requests vLLM's own scheduler meets under TTFT+TPOT.
+CAPACITY_BAR = 0.9
+
+
+def find_capacity(probe: Callable[[float], float], start: float = 2.0, max_probes: int = 6,
+                  tolerance: float = 0.1, floor: float = 0.05) -> tuple[float, list[tuple[float, float]]]:
+    """The highest rate at which ``probe(rate)`` (a share of requests met) reaches
+    :data:`CAPACITY_BAR`, and the probes as (rate, share).  Doubles or halves from ``start``
+    until a met and a missed rate bracket the bar, then bisects until they lie within
+    ``tolerance`` of each other, in at most ``max_probes`` probes.  A met rate at or above a
+    missed one is noise and does not count.  RuntimeError when even ``floor`` req/s misses."""
+    probes: list[tuple[float, float]] = []
+    rate = start
+    while len(probes) < max_probes:
+        probes.append((rate, probe(rate)))
+        fail = min((r for r, a in probes if a < CAPACITY_BAR), default=math.inf)
+        ok = max((r for r, a in probes if a >= CAPACITY_BAR and r < fail), default=0.0)
+        if ok and fail < math.inf and fail <= ok * (1 + tolerance):
+            break
+        if not ok:
+            if rate <= floor:
+                break
+            rate = max(round(rate / 2, 2), floor)
+        else:
+            rate = round(2 * ok if fail == math.inf else (ok + fail) / 2, 2)
+        if any(r == rate for r, _ in probes):
+            break
+    fail = min((r for r, a in probes if a < CAPACITY_BAR), default=math.inf)
+    ok = max((r for r, a in probes if a >= CAPACITY_BAR and r < fail), default=0.0)
+    if not ok:
+        raise RuntimeError(f"vLLM's own scheduler met fewer than {CAPACITY_BAR:.0%} of requests under TTFT+TPOT even "
+                           f"at {min(r for r, _ in probes):g} req/s; give --rates, or looser --ttft-ms/--tbt-ms")
+    return ok, probes
+
+
+def resolve_rates(spec: LiveSpec, out: Path) -> LiveSpec:
+    """``spec`` with its rates: as given, from ``spec.capacity_rps``, or from the capacity an
+    earlier search saved in ``out/capacity.json``.  ValueError when none of them is known."""
+    if spec.rates:
+        return spec
+    if spec.capacity_rps is not None:
+        return spec.at_capacity(spec.capacity_rps)
+    path = out / "capacity.json"
+    if not path.exists():
+        raise ValueError(f"no rates: give --rates or --capacity, or run the sweep (it saves {path})")
+    return spec.at_capacity(float(json.loads(path.read_text())["capacity_rps"]))
+
+
+def _search_capacity(bench: _Bench, spec: LiveSpec, out: Path, log: Callable[[str], None]) -> float:
+    """vLLM's capacity this day (its own scheduler, ``spec.capacity_seed``'s arrivals), saved
+    with its probes in ``out/capacity.json``."""
+    native = next(c for c in spec.configs if c.label == NATIVE)
+    records: list[dict[str, Any]] = []
+
+    def probe(rate: float) -> float:
+        rec = bench.run(rate, spec.capacity_seed, native)
+        records.append(rec)
+        log(f"capacity probe {len(records)}: {rate:g} req/s, vLLM met {rec['attain_tpot']:.0%} under TTFT+TPOT "
+            f"({rec['attain_f1']:.0%} under formula (1)), TTFT max {rec['ttft_max_ms'] / 1e3:.2f} s")
+        return float(rec["attain_tpot"])
+
+    log(f"finding vLLM's capacity today: the highest rate meeting {CAPACITY_BAR:.0%} under TTFT+TPOT "
+        f"(seed {spec.capacity_seed}, {spec.workload.requests} requests a probe)")
+    cap, _ = find_capacity(probe)
+    (out / "capacity.json").write_text(json.dumps(
+        {"capacity_rps": cap, "bar": CAPACITY_BAR, "definition": "TTFT+TPOT", "seed": spec.capacity_seed,
+         "time": time.time(), "probes": records}, indent=2))
+    log(f"vLLM's capacity today: {cap:g} req/s; the sweep's rates: "
+        + ", ".join(f"{m:g}x = {round(cap * m, 2):g}" for m in spec.loads))
+    return cap
+
+
+def _todo(spec: LiveSpec, runs: Path) -> list[tuple[float, int, Config]]:
+    done = _done(runs)
+    return [(r, s, c) for r, s, c in spec.order() if (c.label, r, s) not in done]
+
+
 def run_sweep(spec: LiveSpec, out: Path, model_dir: str, *, log: Callable[[str], None] = print,
               progress: Callable[[int, int, str], None] | None = None) -> Path:
-    """Run every (rate, seed, configuration) not yet in ``out/runs.jsonl``; its path."""
+    """Run every (rate, seed, configuration) not yet in ``out/runs.jsonl``; its path.  With
+    ``spec.loads`` and no known capacity, vLLM's capacity is searched for first."""
     runs = out / "runs.jsonl"
     check_resumable(out, spec)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "spec.json").write_text(json.dumps(_spec_dict(spec), indent=2))
-    todo = [(r, s, c) for r, s, c in spec.order() if (c.label, r, s) not in _done(runs)]
-    if not todo:
+    search = False
+    try:
+        spec = resolve_rates(spec, out)
+    except ValueError:
+        if NATIVE not in [c.label for c in spec.configs]:
+            raise RuntimeError("the capacity search runs vLLM's own scheduler: add vllm to --configs, "
+                               "or give --rates or --capacity") from None
+        search = True
+    if not search and not _todo(spec, runs):
         log(f"every run is already in {runs}")
         return runs
     bench = _Bench(spec, out, model_dir, log)
     try:
         bench.start()
+        if search:
+            spec = bench.spec = spec.at_capacity(_search_capacity(bench, spec, out, log))
+        (out / "spec.json").write_text(json.dumps(_spec_dict(spec), indent=2))
+        todo = _todo(spec, runs)
         for i, (rate, seed, c) in enumerate(todo):
             rec = bench.run(rate, seed, c)
+            if spec.capacity_rps:
+                rec["capacity_rps"] = spec.capacity_rps
+                rec["load"] = round(rate / spec.capacity_rps, 3)
             with open(runs, "a") as fh:
                 fh.write(json.dumps(rec) + "\n")
             if progress is not None:
-                progress(i + 1, len(todo), f"{c.label} {rate:g} rps seed {seed}: formula (1) "
+                at = f" ({rec['load']:g}x)" if "load" in rec else ""
+                progress(i + 1, len(todo), f"{c.label} {rate:g} rps{at} seed {seed}: formula (1) "
                          f"{rec['attain_f1']:.1%}, TTFT+TPOT {rec['attain_tpot']:.1%}, "
                          f"TTFT max {rec['ttft_max_ms'] / 1e3:.2f} s")
         bench.save_predictor()
@@ -532,6 +634,7 @@ def check_resumable(out: Path, spec: LiveSpec) -> None:
 
 def _spec_dict(spec: LiveSpec) -> dict[str, Any]:
     return {"configs": [c.label for c in spec.configs], "rates": list(spec.rates), "seeds": list(spec.seeds),
+            "loads": list(spec.loads), "capacity_rps": spec.capacity_rps,
             "workload": asdict(spec.workload), "engine": asdict(spec.engine), "slo": asdict(spec.slo),
             "model": spec.model, "deadline_ms": spec.deadline_ms, "judge_seeds": list(spec.judge_seeds)}
 
