@@ -30,9 +30,13 @@ from scheduler_service.core.sorter import prefill_indices
 from tests.factories import decoding, make_snapshot, token_predictor, waiting
 from tests.strategies import NOW, predictors, snapshots
 
-NEEDED = registry.create("slidingserve", {})
-WAITING = registry.create("slidingserve", {"sit_out_when": "waiting"})
-OFF = registry.create("slidingserve", {"decode_skip_tbts": 0, "skip_late_decodes": "false"})
+# Without the nothing-to-trade rule, which plans first come first served in most of the
+# snapshots where no first token depends on a sit-out, before the sit-out rules are asked;
+# tests/test_load_curve.py checks that, where it does not act, the plan is this one.
+ALONE = {"fcfs_when_safe": False}
+NEEDED = registry.create("slidingserve", ALONE)
+WAITING = registry.create("slidingserve", {**ALONE, "sit_out_when": "waiting"})
+OFF = registry.create("slidingserve", {**ALONE, "decode_skip_tbts": 0, "skip_late_decodes": "false"})
 SEEN = {"needed": 0, "not_needed": 0}
 
 
