@@ -25,11 +25,14 @@ def _live(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
 @pytest.mark.timeout(1500)
 def test_live_bench_small_sweep(tmp_path: Path) -> None:
     out = tmp_path / "live"
-    r = _live(["--configs", " ".join(CONFIGS), "--rates", "2", "--seeds", "1", "--requests", "12", "--warmup", "6",
-               "--judge-seeds", "1", "--out", str(out)], timeout=1400)
+    # the rate as a multiple of a given capacity; vLLM's own scheduler runs twice (the A/A floor)
+    r = _live(["--configs", " ".join(CONFIGS), "--capacity", "2", "--loads", "1", "--seeds", "1", "--requests", "12",
+               "--warmup", "6", "--judge-seeds", "1", "--out", str(out)], timeout=1400)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     runs = [json.loads(x) for x in (out / "runs.jsonl").read_text().splitlines()]
-    assert sorted(x["config"] for x in runs) == sorted(CONFIGS)
+    assert sorted(x["config"] for x in runs) == sorted([*CONFIGS, "vllm-again"])
+    assert all((x["rate"], x["load"], x["capacity_rps"]) == (2.0, 1.0, 2.0) for x in runs)
+    assert all(x["foreign_before"] >= 0 and isinstance(x["shared"], bool) for x in runs)
     for x in runs:
         # every request answered in full; nothing lost whatever the policy did
         assert (x["requests"], x["completed"], x["errors"]) == (12, 12, 0), x
@@ -52,11 +55,12 @@ def test_live_bench_small_sweep(tmp_path: Path) -> None:
     assert 0.0 <= over["learned"] <= over["none"] <= 1.0 and remote["service_margin"] >= 1.0, remote
     report = (out / "report.md").read_text()
     assert all(f"| {c} |" in report for c in CONFIGS), report
+    assert "The A/A noise floor" in report and "| 2 rps (1×) | 1 |" in report, report
     assert "Where the time goes" in report and "on this engine's noise" in report, report
     assert (out / "live.png").stat().st_size > 10_000
     # a second call finds every run done and only rebuilds the report
-    again = _live(["--configs", " ".join(CONFIGS), "--rates", "2", "--seeds", "1", "--requests", "12",
-                   "--warmup", "6", "--out", str(out)], timeout=120)
+    again = _live(["--configs", " ".join(CONFIGS), "--capacity", "2", "--loads", "1", "--seeds", "1", "--requests",
+                   "12", "--warmup", "6", "--out", str(out)], timeout=120)
     assert again.returncode == 0 and "already in" in again.stdout, again.stdout + again.stderr
 
 
@@ -90,7 +94,8 @@ def test_sim_only_replays_settings_without_an_engine(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[2]
     out = tmp_path / "sim"
     r = _live(["--sim-only", str(root / "docs/results/live/engine_predictor.json"), "--configs",
-               "vllm inproc:slidingserve", "--rates", "2,6", "--seeds", "1", "--budget", "1024", "--out", str(out)],
+               "vllm inproc:slidingserve", "--no-aa", "--rates", "2,6", "--seeds", "1", "--budget", "1024",
+               "--out", str(out)],
               timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     sim = [json.loads(x) for x in (out / "sim.jsonl").read_text().splitlines()]
@@ -106,7 +111,8 @@ def test_sim_only_replays_settings_without_an_engine(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("args, says", [
     (["--configs", "inproc:no-such-policy"], "no-such-policy"),
-    (["--configs", "gpu:slidingserve"], "expected 'vllm' or MODE:POLICY"),
+    (["--configs", "gpu:slidingserve"], "expected 'vllm', 'vllm-again' or MODE:POLICY"),
+    (["--capacity", "-1"], "--capacity must be positive"),
     (["--rates", "0"], "positive"),
     (["--threshold", "2"], "--threshold"),
 ])
