@@ -580,17 +580,23 @@ def test_the_capacity_search_brackets_the_rate_where_vllm_stops_meeting_the_bar(
     """With a machine that meets the bar up to ``cap`` and not above, the search returns a
     rate it saw met, at most ``cap``, in at most 6 probes: more than half of ``cap`` once a
     probe missed (the highest probe, all met, otherwise), and within 10% of the lowest
-    missed rate wherever it stopped before its last probe."""
+    missed rate wherever it stopped before its last probe; a one-line error where every
+    probe missed."""
     seen: list[float] = []
 
     def probe(rate: float) -> float:
         seen.append(rate)
         return 0.95 if rate <= cap else 0.6
 
-    got, probes = find_capacity(probe, start=start)
+    try:
+        got, probes = find_capacity(probe, start=start)
+    except RuntimeError as e:  # 6 halvings from the start all above cap: it says so
+        assert len(seen) == 6 and min(seen) > cap and f"even at {min(seen):g} req/s" in str(e)
+        return
     assert len(probes) == len(seen) <= 6 and probes == [(r, 0.95 if r <= cap else 0.6) for r in seen]
     fails = [r for r in seen if r > cap]
-    assert got in seen and got <= cap and (got > cap / 2 if fails else got == max(seen))
+    # (rates are rounded to 0.01 req/s)
+    assert got in seen and got <= cap and (got >= cap / 2 - 0.01 if fails else got == max(seen))
     if len(probes) < 6 and fails:
         assert min(fails) <= got * 1.1
 
