@@ -224,13 +224,13 @@ def fill_curve(q, limit: int):  # type: ignore[no-untyped-def]
         n_minor = 0
         for p in np.flatnonzero(minor):
             n_minor += 1
-            t[p] = _scalar_segment(coef, R, u0, n_dec, dec_u, 0, p, 0)
+            t[p] = _scalar_segment(coef, R, u0, n_dec, dec_u, 0, int(p), 0)
         t[0] = _decode_only(coef, n_dec, dec_u, 0)
     smin = np.empty(limit + 1)
     m = np.inf
-    for p in range(limit, -1, -1):
-        m = min(m, t[p])
-        smin[p] = m
+    for i in range(limit, -1, -1):
+        m = min(m, t[i])
+        smin[i] = m
     return t, smin, minor, n_minor
 
 
@@ -681,7 +681,7 @@ def _last_window(best: np.ndarray, first: np.ndarray, W: np.ndarray, tol: float,
         n_minor = 0
         if not clean:
             for a in src:
-                n_minor += _pair_row(a, cols, cols, grid, R, u0, rbig, coef, fast, n_dec, dec_u, k - 1, ends,
+                n_minor += _pair_row(int(a), cols, cols, grid, R, u0, rbig, coef, fast, n_dec, dec_u, k - 1, ends,
                                      True)
         if n_minor > SCALAR_MINOR:
             return -1
