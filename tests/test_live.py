@@ -426,6 +426,37 @@ def test_match_speed_finds_the_speed_a_run_had(k: float) -> None:
         truth.scaled(0.0)
 
 
+@pytest.mark.parametrize(("k", "kp"), [(0.8, 1.3), (1.2, 0.8)])
+def test_match_pace_finds_both_factors_a_run_had(k: float, kp: float) -> None:
+    """vLLM's scheduler replayed on an engine ``k`` times slower than the cost model, and
+    ``kp`` times slower again on the iterations that carry prefill chunks: from the mean
+    inter-token latency and the mean prefill time alone, match_pace finds about both."""
+    from clients.live.sim import FittedTruth, match_pace, simulate_run
+    from scheduler_service.core import default_predictor
+
+    c = Config.parse("vllm")
+    spec = LiveSpec((c,), rates=(3.0,), seeds=(1,), workload=WorkloadSpec(requests=40, warmup=5))
+    truth = FittedTruth(default_predictor(), 0.1)
+    run = simulate_run(spec, c, 3.0, 1, truth.scaled(k, kp))
+    assert (run["speed"], run["prefill_speed"]) == (k, kp) and run["prefill_mean_ms"] > 0
+    calls: list[tuple[float, float]] = []
+
+    def replay(t: FittedTruth) -> dict[str, Any]:
+        calls.append((t.scale, t.prefill_scale))
+        return simulate_run(spec, c, 3.0, 1, t)
+
+    rec = match_pace(replay, truth, run["itl_mean_ms"], run["prefill_mean_ms"])
+    assert calls[0] == (1.0, 1.0) and len(calls) > 2
+    assert rec["speed"] == pytest.approx(k, rel=0.1) and rec["prefill_speed"] == pytest.approx(kp, rel=0.1)
+    assert rec["itl_mean_ms"] == pytest.approx(run["itl_mean_ms"], rel=0.03)
+    assert rec["prefill_mean_ms"] == pytest.approx(run["prefill_mean_ms"], rel=0.03)
+    for bad in (math.nan, 0.0, -3.0):
+        with pytest.raises(ValueError, match="live_prefill_ms"):
+            match_pace(replay, truth, run["itl_mean_ms"], bad)
+    with pytest.raises(ValueError, match="prefill_scale"):
+        truth.scaled(1.0, 0.0)
+
+
 def test_the_sweep_replays_each_run_at_its_own_speed() -> None:
     """With live records holding vLLM's inter-token latency, each run gets a "sim+speed"
     replay, the table a +speed column and the factors a line."""
@@ -442,6 +473,35 @@ def test_the_sweep_replays_each_run_at_its_own_speed() -> None:
         assert r["speed"] > 1.1 and r["live_itl_mean_ms"] > r["itl_mean_ms"] / 1.04
     text = sim_table(live, sim)
     assert "| sim | +speed |" in text and "(the \"+speed\" factor)" in text and "vllm 1." in text
+    assert not [r for r in sim if r["source"] == "sim+pace"]  # no prefill time measured: no second factor
+
+
+def test_the_sweep_replays_each_run_at_its_pace() -> None:
+    """With vLLM's prefill time as well, each run at a rate and seed gets a "sim+pace"
+    replay whose prefill factor is the one that makes vLLM's own run there match both its
+    times; the other configurations take that factor and match their own inter-token
+    latency with the first."""
+    from clients.live.sim import simulate_sweep
+    from scheduler_service.core import default_predictor
+
+    configs = (Config.parse("vllm"), Config.parse("inproc:slidingserve"))
+    spec = LiveSpec(configs, rates=(3.0,), seeds=(1,), workload=WorkloadSpec(requests=30, warmup=5))
+    bare = simulate_sweep(spec, default_predictor(), 0.1)
+    live = [{**r, "source": "live", "vllm_timings": {"itl_mean_ms": 1.1 * r["itl_mean_ms"],
+                                                     "prefill_mean_ms": 1.5 * r["prefill_mean_ms"]}} for r in bare]
+    sim = simulate_sweep(spec, default_predictor(), 0.1, live=live)
+    paced = {r["config"]: r for r in sim if r["source"] == "sim+pace"}
+    assert set(paced) == {"vllm", "inproc:slidingserve"}
+    assert paced["vllm"]["prefill_speed"] == paced["inproc:slidingserve"]["prefill_speed"] > 1.1
+    assert paced["vllm"]["prefill_mean_ms"] == pytest.approx(live[0]["vllm_timings"]["prefill_mean_ms"], rel=0.05)
+    for r in paced.values():
+        assert r["itl_mean_ms"] == pytest.approx(r["live_itl_mean_ms"], rel=0.03)
+    # predicted from vLLM's run alone: at both of its factors, for the adapter's configurations only
+    (pred,) = [r for r in sim if r["source"] == "sim+vllm"]
+    assert pred["config"] == "inproc:slidingserve"
+    assert pred["prefill_speed"] == paced["vllm"]["prefill_speed"]
+    assert pred["speed"] == pytest.approx(paced["vllm"]["speed"], rel=0.05)  # both matched vLLM's latency
+    assert "| +speed | +pace | +vLLM's |" in sim_table(live, sim)
 
 
 @pytest.mark.parametrize(("sigma", "bias"), [(0.15, 1.0), (0.3, 0.9), (0.25, 1.15)])
@@ -483,6 +543,17 @@ def test_report_only_sim_reads_the_noise_off_the_runs(tmp_path: Path, capsys: py
     assert main([*base, "--report-only", "--sim", "--sim-noise", "0.1"]) == 0
     assert "noise σ" not in capsys.readouterr().out
     assert {json.loads(x)["noise_sigma"] for x in (tmp_path / "sim.jsonl").read_text().splitlines()} == {0.1}
+    # another sweep's cost model, to check the replay on runs it was not fitted on
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"predictor": default_predictor().to_dict(), "reports_accepted": 7}))
+    assert main([*base, "--report-only", "--sim", str(other), "--sim-noise", "0.1"]) == 0
+    assert f"the cost model: {other}" in capsys.readouterr().out
+    assert f"({other}: the service's predictor fitted on 7 iteration reports)" in (tmp_path / "report.md").read_text()
+    for bad, why in ((tmp_path / "none.json", "run a sweep with a remote configuration first"),
+                     (tmp_path / "runs.jsonl", "not an engine_predictor.json")):
+        assert main([*base, "--report-only", "--sim", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert why in err and err.count("\n") == 1 and "Traceback" not in err
 
 
 def test_a_remote_runs_late_answers_are_replayed() -> None:

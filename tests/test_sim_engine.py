@@ -64,6 +64,11 @@ def _check_conservation(eng: SimulatedEngine, res: SimResult, w: Workload) -> No
     # TTFT recorded exactly for the requests that produced a first token
     assert len(res.ttft_s) == int(np.count_nonzero(eng.generated > 0))
     assert np.all(res.ttft_s > 0)
+    # scheduled (vLLM's prefill time counts from there) after arriving, before the first token
+    started = ~np.isnan(eng.first_token)
+    assert not np.isnan(eng.first_scheduled[started]).any()
+    assert np.all(eng.first_scheduled[started] >= w.arrival[started] - 1e-9)
+    assert np.all(eng.first_scheduled[started] < eng.first_token[started])
     # KV: nothing held by finished requests, never over capacity
     assert np.all(eng.blocks[done] == 0)
     assert res.max_kv_used_blocks <= res.kv_total_blocks

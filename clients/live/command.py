@@ -125,8 +125,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=Path("live-bench"), help="output folder (default ./live-bench); "
                    "runs already in its runs.jsonl are not repeated")
     p.add_argument("--report-only", action="store_true", help="only rebuild the report from runs.jsonl")
-    p.add_argument("--sim", action="store_true", help="also replay the sweep in the simulator on the engine's "
-                   "fitted cost model (engine_predictor.json, saved by sweeps with a remote configuration)")
+    p.add_argument("--sim", nargs="?", const="", default=None, metavar="ENGINE_PREDICTOR_JSON",
+                   help="also replay the sweep in the simulator on the engine's fitted cost model (the "
+                        "sweep's own engine_predictor.json, saved by sweeps with a remote configuration; or "
+                        "the one given, e.g. another sweep's, to check the replay on runs it was not fitted on)")
     p.add_argument("--sim-only", type=Path, metavar="ENGINE_PREDICTOR_JSON",
                    help="start no engine: replay the sweep in the simulator on this cost model (the "
                         "engine_predictor.json of an earlier sweep, e.g. docs/results/live/) and report it; "
@@ -147,7 +149,7 @@ def spec_of(args: argparse.Namespace) -> LiveSpec:
     if (args.shared_prefix > 0 or args.turns > 1) and workload.longest_request() > engine.max_model_len:
         raise ValueError(f"a request may hold {workload.longest_request()} tokens (--shared-prefix + --turns x "
                          f"(--max-prompt + --max-output)), over the engine's {engine.max_model_len}")
-    if args.turns > 1 and (args.sim or args.sim_only is not None):
+    if args.turns > 1 and (args.sim is not None or args.sim_only is not None):
         raise ValueError("--sim and --sim-only replay independent requests: not with --turns > 1")
     judge = tuple(x for x in (args.judge_seeds or ((1,) if args.turns == 1 else ())) if x != 0)
     if args.turns > 1 and judge:
@@ -182,15 +184,22 @@ def _configs(text: str) -> tuple[Config, ...]:
     return tuple(Config.parse(x) for x in items)
 
 
-def _simulate(spec: LiveSpec, out: Path, noise: float | None, live: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def _simulate(spec: LiveSpec, out: Path, noise: float | None, live: Sequence[dict[str, Any]],
+              model: str = "") -> list[dict[str, Any]]:
     from scheduler_service.core import BatchLatencyPredictor
 
     from .sim import noise_from_overruns, simulate_sweep
 
-    path = out / "engine_predictor.json"
+    path = Path(model) if model else out / "engine_predictor.json"
     if not path.exists():
-        raise ValueError(f"--sim needs {path}: run a sweep with a remote configuration first")
-    pred = BatchLatencyPredictor.from_dict(json.loads(path.read_text())["predictor"])
+        raise ValueError(f"--sim needs {path}: run a sweep with a remote configuration first, or name "
+                         "another sweep's engine_predictor.json")
+    try:
+        pred = BatchLatencyPredictor.from_dict(json.loads(path.read_text())["predictor"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--sim {path}: not an engine_predictor.json ({e})") from e
+    if model:
+        print(f"the cost model: {path}", flush=True)
     if noise is None:
         found = noise_from_overruns(live)
         noise = DEFAULT_SIM_NOISE if found is None else round(found, 2)
@@ -246,8 +255,8 @@ def _sim_only(spec: LiveSpec, out: Path, args: argparse.Namespace) -> int:
     return 0
 
 
-def _cost(out: Path) -> str:
-    path = out / "engine_predictor.json"
+def _cost(path: Path) -> str:
+    """The cost structure of the engine_predictor.json at ``path`` (the replays' model), or nothing."""
     if not path.exists():
         return ""
     from scheduler_service.core import BatchLatencyPredictor
@@ -256,7 +265,8 @@ def _cost(out: Path) -> str:
 
     info = json.loads(path.read_text())
     c = cost_structure(BatchLatencyPredictor.from_dict(info["predictor"]))
-    return (f"The engine's cost model (the service's predictor fitted on {info['reports_accepted']} iteration reports): "
+    return (f"The replays' cost model ({path}: the service's predictor fitted on {info['reports_accepted']} iteration "
+            "reports): "
             f"a lone decode {c['one_decode_ms']:.1f} ms, each more decode {c['per_decode_ms']:.3f} ms, each prefill "
             f"token {c['per_prefill_token_ms']:.4f} ms, a 512-token prefill {c['prefill_512_ms']:.1f} ms.\n")
 
@@ -301,11 +311,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         spec = resolve_rates(spec, out)
     except ValueError:
         spec = replace(spec, rates=tuple(sorted({float(r["rate"]) for r in data})))
-    sim = _simulate(spec, out, args.sim_noise, data) if args.sim else []
+    try:
+        sim = _simulate(spec, out, args.sim_noise, data, args.sim) if args.sim is not None else []
+    except ValueError as e:
+        print(f"live-bench: {e}", file=sys.stderr)
+        return 2
     text = "\n".join(x for x in (capacity_note(out), markdown(data, args.threshold), aa_table(data), shared_note(data, args.max_foreign_load),
                                   judge_table(data), timing_table(data),
                                   noise_table(data), sim_table(data, sim),
-                                  _cost(out)) if x)
+                                  _cost(Path(args.sim) if args.sim else out / "engine_predictor.json")) if x)
     (out / "report.md").write_text(text)
     png = write_plot(data, out / "live.png", args.threshold, sim)
     sim_png = write_sim_plot(data, sim, out / "sim.png") if sim else None

@@ -336,7 +336,8 @@ def write_plot(runs: Sequence[dict[str, Any]], path: Path, threshold: float,
                 hi.append(max(xs) if xs else math.nan)
             (line,) = ax.plot(rates, m, marker="o", label=c)
             ax.fill_between(rates, lo, hi, color=line.get_color(), alpha=0.15)
-            for src, ls in (("sim", "--"), ("sim+client", ":"), ("sim+speed", "-.")):
+            for src, ls in (("sim", "--"), ("sim+client", ":"), ("sim+speed", "-."), ("sim+pace", (0, (5, 1, 1, 1))),
+                            ("sim+vllm", (0, (1, 3)))):
                 mine = [r for r in sim if r.get("source", "sim") == src and r["config"] == c]
                 if mine:
                     ax.plot(rates, [_mean_at(mine, c, rate, key) for rate in rates], ls=ls, lw=1,
@@ -376,7 +377,7 @@ def write_plot(runs: Sequence[dict[str, Any]], path: Path, threshold: float,
 
 def write_sim_plot(live: Sequence[dict[str, Any]], sim: Sequence[dict[str, Any]], path: Path) -> Path | None:
     """Sim-to-real run by run: each run's attainment live (x) against its replay's (y),
-    one panel per definition and replay kind ("sim", "+client", "+speed"), the ±10-point
+    one panel per definition and replay kind ("sim", "+client", "+speed", "+pace"), the ±10-point
     band shaded; None without matplotlib or replays."""
     srcs = [(src, name) for src, name in SIM_SOURCES if any(r.get("source", "sim") == src for r in sim)]
     if not srcs:
@@ -435,7 +436,8 @@ def _mean_at(runs: Sequence[dict[str, Any]], c: str, rate: float, key: str) -> f
     return float(np.mean(xs)) if xs else math.nan
 
 
-SIM_SOURCES = (("sim", "sim"), ("sim+client", "+client"), ("sim+speed", "+speed"))
+SIM_SOURCES = (("sim", "sim"), ("sim+client", "+client"), ("sim+speed", "+speed"), ("sim+pace", "+pace"),
+               ("sim+vllm", "+vLLM's"))
 
 
 def sim_table(live: Sequence[dict[str, Any]], sim: Sequence[dict[str, Any]]) -> str:
@@ -449,7 +451,10 @@ def sim_table(live: Sequence[dict[str, Any]], sim: Sequence[dict[str, Any]]) -> 
     srcs = [(name, rs) for name, rs in srcs if rs]
     lines = ["Live vs simulated (the same requests on the live engine's fitted cost model; \"+client\": with the "
              "client's recorded delays added back; \"+speed\": with them, at the speed that gives the replay the "
-             "live run's own mean inter-token latency), mean over seeds, formula (1) / TTFT+TPOT; ⚠ marks a gap "
+             "live run's own mean inter-token latency; \"+pace\": as +speed, with the iterations that carry "
+             "prefill chunks slower or faster by the factor under which vLLM's own run at that rate and seed also "
+             "has its mean prefill time; \"+vLLM's\": predicted from vLLM's run alone, at its two factors and with "
+             "its client's delays), mean over seeds, formula (1) / TTFT+TPOT; ⚠ marks a gap "
              "over 10 points from live:", "",
              "| configuration | " + " | ".join(f"{r:g} rps live | " + " | ".join(n for n, _ in srcs)
                                              for r in rates) + " |",
@@ -481,5 +486,13 @@ def _speeds(sim: Sequence[dict[str, Any]]) -> str:
     for c in _configs(fast):
         xs = [float(r["speed"]) for r in fast if r["config"] == c]
         parts.append(f"{c} {np.mean(xs):.2f} ({min(xs):.2f}–{max(xs):.2f})")
-    return ("\nIteration time of each run's engine against the fitted cost model (the \"+speed\" factor), mean "
+    text = ("\nIteration time of each run's engine against the fitted cost model (the \"+speed\" factor), mean "
             "(min–max) over runs: " + "; ".join(parts) + ".\n")
+    paced = {(float(r["rate"]), int(r["seed"])): float(r["prefill_speed"]) for r in sim
+             if r.get("source") == "sim+pace" and r.get("mode") == "native"}
+    if paced:
+        by_rate = {rate: [v for (rr, _), v in paced.items() if rr == rate] for rate in sorted({k[0] for k in paced})}
+        text += ("\nThe \"+pace\" factor on iterations that carry prefill chunks, fitted on vLLM's own run, by rate, "
+                 "mean (min–max) over seeds: " + "; ".join(f"{rate:g} rps {np.mean(v):.2f} ({min(v):.2f}–{max(v):.2f})"
+                                                          for rate, v in by_rate.items()) + ".\n")
+    return text

@@ -28,6 +28,15 @@ taken from the live run; what the replay still gets wrong is the scheduling and 
 A remote run's late answers are replayed too (:class:`LateAnswers`): the same share of the
 decisions fails as late, and the adapter falls back to ``vllm-fcfs`` and backs off, as it
 did live (the live run's ``fallback_deadline`` count over its iterations).
+
+One factor is not the engine's whole shape: at 1 and 2 req/s the replays at each run's
+speed gave vLLM's prefills 10–25% less time than vLLM measured (its prefill time, from first
+scheduling to first token), and its attainment 10–17 points too much at its capacity.
+:func:`match_pace` fits a second factor, on the iterations that carry prefill chunks, with
+the first, so that the replay of vLLM's own run has both its mean inter-token latency and
+its mean prefill time; every configuration's run at that rate and seed is replayed with that
+prefill factor, at its own speed (``source: "sim+pace"``).  The prefill factor is read on
+vLLM's run only: a policy that holds chunks back adds its own waits to the prefill time.
 """
 
 from __future__ import annotations
@@ -51,24 +60,30 @@ from .measure import RequestResult, summarize
 from .runner import Config, LiveSpec, frontend_path
 from .workload import make_requests
 
-__all__ = ["FittedTruth", "Frontend", "LateAnswers", "cost_structure", "late_share", "match_speed",
-           "noise_from_overruns", "simulate_sweep"]
+__all__ = ["FittedTruth", "Frontend", "LateAnswers", "cost_structure", "late_share", "match_pace",
+           "match_speed", "noise_from_overruns", "simulate_sweep"]
 
 
 class FittedTruth:
     """Iteration latency (ms) from a predictor fitted on a live engine, with mean-one
     lognormal noise of spread ``noise_sigma`` (the simulated engine's ground-truth interface),
-    times ``scale`` (above 1: a slower engine than the one the predictor was fitted on)."""
+    times ``scale`` (above 1: a slower engine than the one the predictor was fitted on), and
+    times ``prefill_scale`` more on an iteration that carries a prefill chunk (one with an
+    entry of more than one token: this engine has no multi-token decodes)."""
 
-    def __init__(self, predictor: BatchLatencyPredictor, noise_sigma: float = 0.15, scale: float = 1.0) -> None:
-        if not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"scale must be a positive number, got {scale}")
+    def __init__(self, predictor: BatchLatencyPredictor, noise_sigma: float = 0.15, scale: float = 1.0,
+                 prefill_scale: float = 1.0) -> None:
+        for name, v in (("scale", scale), ("prefill_scale", prefill_scale)):
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be a positive number, got {v}")
         self.predictor = predictor
         self.noise_sigma = float(noise_sigma)
         self.scale = float(scale)
+        self.prefill_scale = float(prefill_scale)
 
-    def scaled(self, scale: float) -> FittedTruth:
-        return FittedTruth(self.predictor, self.noise_sigma, scale)
+    def scaled(self, scale: float, prefill_scale: float | None = None) -> FittedTruth:
+        return FittedTruth(self.predictor, self.noise_sigma, scale,
+                           self.prefill_scale if prefill_scale is None else prefill_scale)
 
     def iteration_ms(self, c: np.ndarray, u: np.ndarray, rng: np.random.Generator | None = None) -> float:
         c = np.asarray(c, dtype=np.int64)
@@ -77,6 +92,8 @@ class FittedTruth:
         if not live.any():
             return 0.0
         t = max(float(self.predictor.predict_batch_ms(c[live], u[live])), 0.05) * self.scale
+        if self.prefill_scale != 1.0 and c.max() > 1:
+            t *= self.prefill_scale
         if rng is not None:
             s = self.noise_sigma
             t *= math.exp(s * rng.standard_normal() - 0.5 * s * s)
@@ -223,9 +240,14 @@ def simulate_run(spec: LiveSpec, c: Config, rate: float, seed: int, truth: Fitte
         else:
             res.error = "not finished in the simulation"
         results.append(res)
+    started = ~np.isnan(eng.first_token)
+    prefill = eng.first_token[started] - eng.first_scheduled[started]
     return {"config": c.label, "mode": c.mode, "policy": _policy(c)[0], "rate": rate, "seed": seed,
             **summarize(results, slo).to_dict(), "source": "sim" if frontend is None else "sim+client",
-            "itl_mean_ms": itl_mean_ms(eng.token_times), "speed": truth.scale, "noise_sigma": truth.noise_sigma,
+            "itl_mean_ms": itl_mean_ms(eng.token_times),
+            # vLLM's prefill time: from a request's first scheduling to its first token (engine-side)
+            "prefill_mean_ms": 1e3 * float(np.mean(prefill)) if len(prefill) else math.nan,
+            "speed": truth.scale, "prefill_speed": truth.prefill_scale, "noise_sigma": truth.noise_sigma,
             "late_share": late, "fallbacks": fallbacks}
 
 
@@ -263,6 +285,55 @@ def match_speed(run: Callable[[FittedTruth], dict[str, Any]], truth: FittedTruth
     if not tries:
         raise ValueError("the replay has no inter-token latency to match (no request had two tokens)")
     return min(tries, key=lambda t: abs(t[1]))[2]
+
+
+def match_pace(run: Callable[[FittedTruth], dict[str, Any]], truth: FittedTruth, live_itl_ms: float,
+               live_prefill_ms: float, tol: float = 0.03, steps: int = 10,
+               first: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The replay ``run`` at the two factors (``scale`` on every iteration, ``prefill_scale``
+    more on those that carry a prefill chunk) under which its mean inter-token latency and
+    its mean prefill time are the live run's (both within ``tol``, relative), else the
+    closest of ``steps`` tries (by the larger of the two errors).
+
+    Both times grow with both factors, the inter-token latency mostly with the first and
+    the prefill time mostly with the second, so the search is a Broyden (quasi-Newton)
+    iteration on the logarithms from that guess of the slopes, at most a factor of 2 per
+    step.  Meant for vLLM's own scheduler, where the prefill time is the engine's pace: a
+    policy that holds chunks back adds its own waits to it."""
+    targets = np.array([live_itl_ms, live_prefill_ms], dtype=np.float64)
+    if not (np.isfinite(targets).all() and (targets > 0).all()):
+        raise ValueError(f"live_itl_ms and live_prefill_ms must be positive numbers, got {live_itl_ms}, "
+                         f"{live_prefill_ms}")
+    goal = np.log(targets)
+    x = np.log([truth.scale, truth.prefill_scale])
+    jac = np.array([[2.0, 0.5], [0.5, 1.0]])  # d log(itl, prefill) / d log(scale, prefill_scale), first guess
+    best: tuple[float, dict[str, Any]] | None = None
+    prev: tuple[np.ndarray, np.ndarray] | None = None
+    for step in range(steps):
+        rec = first if step == 0 and first is not None else run(truth.scaled(*np.exp(x).tolist()))
+        got = np.array([rec["itl_mean_ms"], rec.get("prefill_mean_ms", math.nan)], dtype=np.float64)
+        if not (np.isfinite(got).all() and (got > 0).all()):
+            break
+        err = np.log(got) - goal
+        if best is None or np.abs(err).max() < best[0]:
+            best = (float(np.abs(err).max()), rec)
+        if np.abs(err).max() <= math.log1p(tol):
+            break
+        if prev is not None:
+            dx, de = x - prev[0], err - prev[1]
+            if dx @ dx > 1e-12:
+                jac = jac + np.outer(de - jac @ dx, dx) / (dx @ dx)
+        try:
+            move = -np.linalg.solve(jac, err)
+        except np.linalg.LinAlgError:
+            move = -err / np.array([2.0, 1.0])
+        if not np.isfinite(move).all():
+            move = -err / np.array([2.0, 1.0])
+        prev = (x, err)
+        x = x + np.clip(move, -math.log(2), math.log(2))
+    if best is None:
+        raise ValueError("the replay has no inter-token latency or prefill time to match")
+    return best[1]
 
 
 def _next_factor(tries: Sequence[tuple[float, float, Any]]) -> float:
@@ -316,13 +387,16 @@ def simulate_sweep(spec: LiveSpec, predictor: BatchLatencyPredictor, noise_sigma
     (``source: "sim+client"``); with the ``live`` records, each run whose vLLM inter-token
     latency they hold is replayed once more at that run's speed (``source: "sim+speed"``,
     with the client's delays where recorded and, remote, its late answers;
-    :func:`match_speed`, :class:`LateAnswers`)."""
+    :func:`match_speed`, :class:`LateAnswers`), once more at its pace (``source:
+    "sim+pace"``, :func:`_native_pace`) and, for the adapter's configurations, once more at
+    vLLM's own run's pace with its client's delays (``source: "sim+vllm"``)."""
     from clients.bench.runner import quiet_logs
 
     quiet_logs()  # one refit log line per few hundred iterations otherwise
     truth = FittedTruth(predictor, noise_sigma)
     runs = {(r["config"], float(r["rate"]), int(r["seed"])): r for r in live}
     todo = [(rate, seed, c) for rate, seed, c in spec.order() if configs is None or c in configs]
+    paces: dict[tuple[float, int], tuple[float, float, str] | None] = {}  # (rate, seed) -> _native_pace
     out = []
     for i, (rate, seed, c) in enumerate(todo, 1):
         out.append(simulate_run(spec, c, rate, seed, truth))
@@ -337,6 +411,39 @@ def simulate_sweep(spec: LiveSpec, predictor: BatchLatencyPredictor, noise_sigma
                               simulate_run(spec, c, rate, seed, t, fe, late), truth, float(live_itl),
                               first=None if late else out[-1])  # the replay just made, at the fitted speed
             out.append({**rec, "source": "sim+speed", "live_itl_mean_ms": float(live_itl)})
+            if (rate, seed) not in paces:
+                paces[(rate, seed)] = _native_pace(spec, rate, seed, truth, runs, live_dir)
+            pace = paces[(rate, seed)]
+            if pace is not None:
+                rec = match_speed(lambda t, c=c, rate=rate, seed=seed, fe=fe, late=late:
+                                  simulate_run(spec, c, rate, seed, t, fe, late),
+                                  truth.scaled(rec["speed"], pace[1]), float(live_itl))
+                out.append({**rec, "source": "sim+pace", "live_itl_mean_ms": float(live_itl)})
+                if c.mode != "native":  # predicted from vLLM's run alone: its pace and its client's delays
+                    native_fe = Frontend.load(frontend_path(live_dir, pace[2], rate, seed)) if live_dir else None
+                    out.append({**simulate_run(spec, c, rate, seed, truth.scaled(pace[0], pace[1]), native_fe, late),
+                                "source": "sim+vllm"})
         if progress is not None:
             progress(i, len(todo), f"{c.label} at {rate:g} req/s, seed {seed} (simulated)")
     return out
+
+
+def _native_pace(spec: LiveSpec, rate: float, seed: int, truth: FittedTruth,
+                 runs: dict[tuple[str, float, int], dict[str, Any]], live_dir: Path | None
+                 ) -> tuple[float, float, str] | None:
+    """The two factors (every iteration; more on those that carry prefill chunks) that make
+    the replay of vLLM's own scheduler at ``rate`` and ``seed`` match both its mean
+    inter-token latency and its mean prefill time (:func:`match_pace`), and that run's
+    configuration; None without such a run.  The second is the engine's shape that day at
+    that load, read where the prefill time is the engine's pace alone: every
+    configuration's run at that rate and seed is replayed with it (``sim+pace``, at its own
+    speed), and with both (``sim+vllm``: predicted from vLLM's run alone)."""
+    for c in (c for c in spec.configs if c.mode == "native"):
+        timings = (runs.get((c.label, float(rate), int(seed))) or {}).get("vllm_timings") or {}
+        itl, pre = timings.get("itl_mean_ms"), timings.get("prefill_mean_ms")
+        if itl and pre:
+            fe = Frontend.load(frontend_path(live_dir, c.label, rate, seed)) if live_dir is not None else None
+            rec = match_pace(lambda t, c=c, fe=fe: simulate_run(spec, c, rate, seed, t, fe), truth,
+                             float(itl), float(pre))
+            return float(rec["speed"]), float(rec["prefill_speed"]), c.label
+    return None

@@ -244,6 +244,9 @@ class SimulatedEngine:
         #: finished by a plan's rejection (overload control): done, and violated
         self.rejected = np.zeros(n, dtype=bool)
         self.first_token = np.full(n, np.nan)
+        #: when each request was first given tokens (vLLM's "scheduled" time, from which its
+        #: prefill time counts to the first token)
+        self.first_scheduled = np.full(n, np.nan)
         #: a token came after its formula (1) deadline (whatever the request is judged by)
         self.late_f1 = np.zeros(n, dtype=bool)
         #: every output token's time per request (``EngineConfig.keep_token_times``), else None
@@ -464,6 +467,8 @@ class SimulatedEngine:
         tok = np.fromiter((a.tokens for a in plan.allocations), dtype=np.int64,
                           count=len(plan.allocations))
         u = self.kv[idx].copy()
+        new = idx[np.isnan(self.first_scheduled[idx])]
+        self.first_scheduled[new] = self.clock
         latency_ms = self.truth.iteration_ms(tok, u, rng)
         self.clock += latency_ms / 1e3
         tally.iterations += 1
