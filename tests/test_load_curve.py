@@ -48,13 +48,14 @@ def rho_of(snap: Snapshot, pred: BatchLatencyPredictor) -> float:
     return snap.prefill_throughput or pred.prefill_throughput(snap.max_batch_tokens)
 
 
-def fcfs_keeps_first_tokens(snap: Snapshot, rho: float) -> bool:
+def fcfs_keeps_first_tokens(snap: Snapshot, rho: float, margin: float = 1.1) -> bool:
     """The oracle: prefills in arrival order (then id), served one after another at
-    ``rho``, each live one (slack left) done within its slack."""
+    ``rho``, each live one (slack left) done within its slack, every time counted
+    ``margin`` times over (the policy's default margin)."""
     rows = sorted(np.flatnonzero(~snap.is_decoding).tolist(), key=lambda i: (snap.arrival[i], snap.ids[i]))
     t = 0.0
     for i in rows:
-        t += float(snap.remaining_prefill[i]) / rho
+        t += margin * float(snap.remaining_prefill[i]) / rho
         if snap.slack[i] > 0 and t > snap.slack[i]:
             return False
     return True
@@ -99,6 +100,20 @@ def test_a_first_token_fcfs_would_lose_brings_the_trade_offs_back() -> None:
     on = registry.create("slidingserve").plan(snap, PRED)
     assert key(on) == key(registry.create("slidingserve", {"fcfs_when_safe": False}).plan(snap, PRED))
     assert alloc(on)["new"] == 50
+
+
+def test_a_first_token_fcfs_would_keep_only_within_the_margin_brings_the_trade_offs_back() -> None:
+    """FCFS would finish the short prompt 0.95 s from now against its 1 s of slack: on
+    time as predicted, not with the margin (1.1) every other promise of a plan counts, so
+    the plan is the one without the rule; with margin 1.0 it is FCFS."""
+    reqs = [*quiet(), waiting("old", 900, arrival=9.0, ttft=4.0), waiting("new", 50, arrival=9.9, ttft=1.1)]
+    snap = make_snapshot(reqs, now=10.0, max_batch_tokens=512, prefill_throughput=1000.0)
+    assert fcfs_keeps_first_tokens(snap, 1000.0, margin=1.0) and not fcfs_keeps_first_tokens(snap, 1000.0)
+    for margin, rule_acts in ((1.1, False), (1.0, True)):
+        on = registry.create("slidingserve", {"margin": margin}).plan(snap, PRED)
+        off = registry.create("slidingserve", {"margin": margin, "fcfs_when_safe": False}).plan(snap, PRED)
+        assert (key(on) != key(off)) == rule_acts
+        assert (alloc(on).get("new", 0) == 0) == rule_acts  # FCFS: the old prompt takes the whole room
 
 
 @PROPS

@@ -47,7 +47,7 @@ from .sorter import edf_order, fcfs_order, late_set, mlps_order, ordered, prefil
 
 __all__ = ["SlidingServeParams", "SlidingServePolicy"]
 
-VERSION = "1.4.0"
+VERSION = "1.4.1"
 #: Paths whose plan gives tokens to a prefill.
 _PREFILL_PATHS = ("batch_constructor", "sliding_chunker")
 
@@ -379,13 +379,14 @@ class SlidingServePolicy:
     def _nothing_to_trade(self, snap: Snapshot, pre: np.ndarray, lost: np.ndarray, rho: float) -> np.ndarray | None:
         """vLLM's own prefill queue (first come first served) when it keeps every live
         prefill's first token, served one after another at ``rho`` (expired ones included,
-        where they come), and nothing is given up on; else None.  The decodes' side of the
+        where they come) with every time counted ``margin`` times over, and nothing is given
+        up on; else None.  The decodes' side of the
         rule is checked on the queue's budget curve (:func:`_keeps_decodes`)."""
         if not self.params.fcfs_when_safe or not len(pre) or lost.any():
             return None
         queue = fcfs_order(snap, pre)
         slack = snap.slack[queue]
-        done = np.cumsum(snap.remaining_prefill[queue]) / rho
+        done = np.cumsum(snap.remaining_prefill[queue]) * (self.params.margin / rho)
         live = slack > 0
         return queue if bool((done[live] <= slack[live]).all()) else None
 
