@@ -190,7 +190,7 @@ def _simulate(spec: LiveSpec, out: Path, noise: float | None, live: Sequence[dic
 
     from .sim import noise_from_overruns, simulate_sweep
 
-    path = Path(model) if model else out / "engine_predictor.json"
+    path = _sim_model(out, model)
     if not path.exists():
         raise ValueError(f"--sim needs {path}: run a sweep with a remote configuration first, or name "
                          "another sweep's engine_predictor.json")
@@ -253,6 +253,11 @@ def _sim_only(spec: LiveSpec, out: Path, args: argparse.Namespace) -> int:
     print(text)
     print(f"wrote {out / 'report.md'}, {out / 'sim.jsonl'}" + (f", {png}" if png else ""))
     return 0
+
+
+def _sim_model(out: Path, model: str) -> Path:
+    """The cost model ``--sim`` replays on: the one named, else the sweep's own."""
+    return Path(model) if model else out / "engine_predictor.json"
 
 
 def _cost(path: Path) -> str:
@@ -319,7 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = "\n".join(x for x in (capacity_note(out), markdown(data, args.threshold), aa_table(data), shared_note(data, args.max_foreign_load),
                                   judge_table(data), timing_table(data),
                                   noise_table(data), sim_table(data, sim),
-                                  _cost(Path(args.sim) if args.sim else out / "engine_predictor.json")) if x)
+                                  _cost(_sim_model(out, args.sim or ""))) if x)
     (out / "report.md").write_text(text)
     png = write_plot(data, out / "live.png", args.threshold, sim)
     sim_png = write_sim_plot(data, sim, out / "sim.png") if sim else None

@@ -396,7 +396,7 @@ def simulate_sweep(spec: LiveSpec, predictor: BatchLatencyPredictor, noise_sigma
     truth = FittedTruth(predictor, noise_sigma)
     runs = {(r["config"], float(r["rate"]), int(r["seed"])): r for r in live}
     todo = [(rate, seed, c) for rate, seed, c in spec.order() if configs is None or c in configs]
-    paces: dict[tuple[float, int], tuple[float, float, str] | None] = {}  # (rate, seed) -> _native_pace
+    paces: dict[tuple[float, int], tuple[float, float, Frontend | None] | None] = {}  # (rate, seed) -> _native_pace
     out = []
     for i, (rate, seed, c) in enumerate(todo, 1):
         out.append(simulate_run(spec, c, rate, seed, truth))
@@ -420,8 +420,7 @@ def simulate_sweep(spec: LiveSpec, predictor: BatchLatencyPredictor, noise_sigma
                                   truth.scaled(rec["speed"], pace[1]), float(live_itl))
                 out.append({**rec, "source": "sim+pace", "live_itl_mean_ms": float(live_itl)})
                 if c.mode != "native":  # predicted from vLLM's run alone: its pace and its client's delays
-                    native_fe = Frontend.load(frontend_path(live_dir, pace[2], rate, seed)) if live_dir else None
-                    out.append({**simulate_run(spec, c, rate, seed, truth.scaled(pace[0], pace[1]), native_fe, late),
+                    out.append({**simulate_run(spec, c, rate, seed, truth.scaled(pace[0], pace[1]), pace[2], late),
                                 "source": "sim+vllm"})
         if progress is not None:
             progress(i, len(todo), f"{c.label} at {rate:g} req/s, seed {seed} (simulated)")
@@ -430,11 +429,11 @@ def simulate_sweep(spec: LiveSpec, predictor: BatchLatencyPredictor, noise_sigma
 
 def _native_pace(spec: LiveSpec, rate: float, seed: int, truth: FittedTruth,
                  runs: dict[tuple[str, float, int], dict[str, Any]], live_dir: Path | None
-                 ) -> tuple[float, float, str] | None:
+                 ) -> tuple[float, float, Frontend | None] | None:
     """The two factors (every iteration; more on those that carry prefill chunks) that make
     the replay of vLLM's own scheduler at ``rate`` and ``seed`` match both its mean
     inter-token latency and its mean prefill time (:func:`match_pace`), and that run's
-    configuration; None without such a run.  The second is the engine's shape that day at
+    client delays where recorded; None without such a run.  The second is the engine's shape that day at
     that load, read where the prefill time is the engine's pace alone: every
     configuration's run at that rate and seed is replayed with it (``sim+pace``, at its own
     speed), and with both (``sim+vllm``: predicted from vLLM's run alone)."""
@@ -445,5 +444,5 @@ def _native_pace(spec: LiveSpec, rate: float, seed: int, truth: FittedTruth,
             fe = Frontend.load(frontend_path(live_dir, c.label, rate, seed)) if live_dir is not None else None
             rec = match_pace(lambda t, c=c, fe=fe: simulate_run(spec, c, rate, seed, t, fe), truth,
                              float(itl), float(pre))
-            return float(rec["speed"]), float(rec["prefill_speed"]), c.label
+            return float(rec["speed"]), float(rec["prefill_speed"]), fe
     return None

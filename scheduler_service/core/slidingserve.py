@@ -380,8 +380,8 @@ class SlidingServePolicy:
         """vLLM's own prefill queue (first come first served) when it keeps every live
         prefill's first token, served one after another at ``rho`` (expired ones included,
         where they come) with every time counted ``margin`` times over, and nothing is given
-        up on; else None.  The decodes' side of the
-        rule is checked on the queue's budget curve (:func:`_keeps_decodes`)."""
+        up on; else None.  The decodes' side of the rule is checked on the queue's budget
+        curve (:func:`_keeps_decodes`)."""
         if not self.params.fcfs_when_safe or not len(pre) or lost.any():
             return None
         queue = fcfs_order(snap, pre)
