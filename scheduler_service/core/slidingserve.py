@@ -176,12 +176,6 @@ class SlidingServePolicy:
             # (the same reason rules: they do not depend on the margin)
             return replace(self, params=replace(p, margin=predictor.margin), reason_rules=self.reason_rules).plan(
                 snapshot, predictor, explain=explain)
-        if p.starve_after > 0 and not self._bound_fits(snapshot, predictor):
-            off = self.unbounded[0]
-            if off is None:
-                off = self.unbounded[0] = replace(self, params=replace(p, starve_after=0.0),
-                                                  reason_rules=[None] * 6, unbounded=[None])
-            return off.plan(snapshot, predictor, explain=explain)
         if not explain:
             return self._decide(snapshot, predictor, None)
         plan = self._decide(snapshot, predictor, {})
@@ -199,8 +193,11 @@ class SlidingServePolicy:
         pre = prefill_indices(snap)
         rho = snap.prefill_throughput or predictor.prefill_throughput(snap.max_batch_tokens)
         lost = self._lost(snap, predictor, pre, rho)
-        if p.starve_after > 0 and len(pre):
-            lost = lost & ~self._starving(snap, pre)  # no longer given up on
+        starving = self._starving(snap, pre)
+        if starving.any():
+            if not _spare_holds(snap, pre, starving, lost, rho):  # the bound waits: plan without it
+                return self._unbounded().plan(snapshot, predictor, explain=trace is not None)
+            lost = lost & ~starving  # no longer given up on
         if p.preempt and not snap.one_class and snap.free_kv_tokens is not None and len(pre):
             victims = _kv_victims(snap, pre, lost, len(dec_all), p.kv_growth_iters, p.kv_decode_reserve, p.shed)
             if len(victims):
@@ -326,24 +323,22 @@ class SlidingServePolicy:
         return out
 
     def _bound_fits(self, snap: Snapshot, predictor: BatchLatencyPredictor) -> bool:
-        """Whether the starvation bound costs no live first token: the starving prefills'
-        remaining work, served first at the prefill rate ρ, fits the spare slack of the
-        live prefills that are kept (not expired, not given up on, served after them in
-        deadline order at ρ).  Under sustained overload it does not, and the given-up
-        requests wait until it does, so that they never take the engine from live ones
-        (the collapse of 1.3.0, where every request soon starved)."""
+        """Whether the starvation bound holds on ``snap`` (:func:`_spare_holds`; true when
+        nothing starves)."""
         pre = prefill_indices(snap)
         starving = self._starving(snap, pre)
         if not starving.any():
             return True
         rho = snap.prefill_throughput or predictor.prefill_throughput(snap.max_batch_tokens)
-        kept = pre[~starving & (snap.slack[pre] > 0) & ~self._lost(snap, predictor, pre, rho)]
-        need = float(snap.remaining_prefill[pre[starving]].sum()) / rho
-        if not len(kept):
-            return False  # nothing live waits: the given-up ones are served without the bound's help
-        kept = kept[np.argsort(snap.ttft_deadline[kept], kind="stable")]
-        spare = snap.slack[kept] - np.cumsum(snap.remaining_prefill[kept]) / rho
-        return need <= float(spare.min())
+        return _spare_holds(snap, pre, starving, self._lost(snap, predictor, pre, rho), rho)
+
+    def _unbounded(self) -> SlidingServePolicy:
+        """This policy without the starvation bound, for the decisions where it waits."""
+        off = self.unbounded[0]
+        if off is None:
+            off = self.unbounded[0] = replace(self, params=replace(self.params, starve_after=0.0),
+                                              reason_rules=[None] * 6, unbounded=[None])
+        return off
 
     def _lost(self, snap: Snapshot, predictor: BatchLatencyPredictor, pre: np.ndarray,
               rho: float) -> np.ndarray:
@@ -387,8 +382,7 @@ class SlidingServePolicy:
         queue = fcfs_order(snap, pre)
         slack = snap.slack[queue]
         done = np.cumsum(snap.remaining_prefill[queue]) * (self.params.margin / rho)
-        live = slack > 0
-        return queue if bool((done[live] <= slack[live]).all()) else None
+        return queue if bool(((done <= slack) | (slack <= 0)).all()) else None  # expired ones: nothing to keep
 
     def _plan(self, snap: Snapshot, predictor: BatchLatencyPredictor, t0: int, dec_all: np.ndarray,
               runnable: np.ndarray, pre: np.ndarray, lost: np.ndarray, live: np.ndarray, rho: float,
@@ -477,6 +471,22 @@ class SlidingServePolicy:
             snap, cq, p1, cq.decodes, *sliding_rules(self, snap, len(cq.decodes) + p1, None, W, pre, lost,
                                                      n_decoding, holders, trace))
         return pre_rows, pre_toks, Reasons(snap.ids, *arrays)
+
+
+def _spare_holds(snap: Snapshot, pre: np.ndarray, starving: np.ndarray, lost: np.ndarray, rho: float) -> bool:
+    """Whether the starvation bound costs no live first token: the ``starving`` prefills'
+    remaining work (masks over ``pre``, as ``lost``), served first at the prefill rate ρ,
+    fits the spare slack of the live prefills that are kept (not expired, not ``lost``,
+    served after them in deadline order at ρ).  Under sustained overload it does not, and
+    the given-up requests wait until it does, so that they never take the engine from live
+    ones (the collapse of 1.3.0, where every request soon starved)."""
+    kept = pre[~starving & (snap.slack[pre] > 0) & ~lost]
+    if not len(kept):
+        return False  # nothing live waits: the given-up ones are served without the bound's help
+    need = float(snap.remaining_prefill[pre[starving]].sum()) / rho
+    kept = kept[np.argsort(snap.ttft_deadline[kept], kind="stable")]
+    spare = snap.slack[kept] - np.cumsum(snap.remaining_prefill[kept]) / rho
+    return need <= float(spare.min())
 
 
 def _keeps_decodes(curve: Any, first_cap: int, W: np.ndarray | None) -> bool:
