@@ -38,7 +38,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -51,7 +51,7 @@ from scheduler_service.core import (
     plan_violations,
     registry,
 )
-from scheduler_service.core.plan import Reasons
+from scheduler_service.core.plan import Reasons, Rejection
 from scheduler_service.core.reasons import reason_counts
 
 __all__ = [
@@ -107,6 +107,13 @@ class AdapterSettings:
     #: carries the reasons why requests wait (:class:`ReasonLog`).  The remote service
     #: has its own knob (server.yaml ``explain_every``).
     explain_every: int = 16
+    #: Wait bound under overload (docs/operations.md, "Bounded waits"): a request still
+    #: without its first token this many times its TTFT SLO after it arrived becomes
+    #: sheddable, so a policy that sheds (slidingserve) rejects it, and the engine finishes it
+    #: as aborted with reason ``wait_bound``, instead of letting it wait behind every live
+    #: request for as long as the overload lasts.  0 = off (nothing is rejected that the
+    #: client did not mark sheddable).
+    shed_after: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +226,9 @@ class AdapterCore:
         while the engine's running step still has ``grace_s`` to go (the pipelined adapter),
         is late only once the engine needs it, not a deadline after it was asked."""
         t0 = time.perf_counter()
+        overdue: frozenset[str] = frozenset()
+        if self.settings.shed_after > 0:
+            snapshot, overdue = mark_overdue(snapshot, self.settings.shed_after)
         reason = ""
         if self._skip > 0:
             self._skip -= 1
@@ -238,6 +248,8 @@ class AdapterCore:
                     if ReasonLog.carries(plan):
                         self.reasons.observe(snapshot, plan)
                     self._backoff = self.settings.min_backoff_decisions
+                    if overdue and plan.rejections:
+                        plan = _wait_bound(plan, overdue)
                     return Decision(plan, "remote", "", int((time.perf_counter() - t0) * 1e6))
                 reason = "invalid_plan"
                 self.last_error = "; ".join(problems[:3])
@@ -328,6 +340,25 @@ class AdapterCore:
             self._cv.notify_all()
         self._thread.join(timeout=5)
         self.backend.close()
+
+
+def mark_overdue(snapshot: Snapshot, factor: float) -> tuple[Snapshot, frozenset[str]]:
+    """``snapshot`` with the requests still waiting for their first token ``factor`` times
+    their TTFT SLO after they arrived marked sheddable (:attr:`AdapterSettings.shed_after`),
+    and the ids of those it marked (not those the client marked itself)."""
+    late = ~snapshot.is_decoding & ~snapshot.sheddable & (snapshot.now - snapshot.arrival >= factor * snapshot.ttft_slo)
+    if not late.any():
+        return snapshot, frozenset()
+    marked = frozenset(snapshot.ids[i] for i in np.flatnonzero(late).tolist())
+    cols = {"sheddable": snapshot.sheddable | late}  # a schema column: not in the class body mypy reads
+    return replace(snapshot, _cache={}, **cols), marked
+
+
+def _wait_bound(plan: Plan, overdue: frozenset[str]) -> Plan:
+    """``plan`` with its rejections of the ``overdue`` requests (which only the wait bound
+    made sheddable) giving that reason."""
+    return replace(plan, rejections=tuple(Rejection(r.id, "wait_bound") if r.id in overdue else r
+                                          for r in plan.rejections))
 
 
 def _classify(e: Exception) -> str:

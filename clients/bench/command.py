@@ -86,6 +86,8 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         raise CliError("--tolerance must be in (0, 1)")
     if not args.deadline_ms > 0:
         raise CliError("--deadline-ms must be > 0")
+    if not 0 <= args.shed_after <= 1000:
+        raise CliError("--shed-after must be in [0, 1000] (times the TTFT SLO)")
     if args.jobs is not None and args.jobs < 1:
         raise CliError("--jobs must be >= 1")
     _check_workload(args.workload)
@@ -97,6 +99,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         n_requests=args.requests, seeds=args.seeds, first_seed=args.seed, tolerance=args.tolerance,
         experiments=tuple(exps), params=params, workers=args.jobs or os.cpu_count() or 1,
         executor=args.executor, deadline_ms=args.deadline_ms, slo_definition=args.slo_definition,
+        shed_after=args.shed_after,
     )
 
 
@@ -157,6 +160,9 @@ def _common(s: argparse.ArgumentParser, requests: int, seeds: int) -> None:
                    help="relative width at which the goodput search stops (default 0.05)")
     s.add_argument("--deadline-ms", type=float, default=20.0,
                    help="per-iteration scheduler deadline; a miss falls back to vllm-fcfs (default 20)")
+    s.add_argument("--shed-after", type=float, default=0.0, metavar="X",
+                   help="the engine's wait bound: a request without its first token X times its TTFT SLO after "
+                        "it arrived may be rejected (reason wait_bound) by a policy that sheds; 0 = off (default)")
     s.add_argument("--jobs", type=int, help="parallel worker processes (default: CPU count)")
     s.add_argument("--executor", default="process", help="process (default) or ray (RAY_ADDRESS for a cluster)")
     s.add_argument("--param", action="append", metavar="POLICY:KEY=VALUE",

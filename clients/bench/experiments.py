@@ -112,6 +112,8 @@ class BenchConfig:
     workers: int | None = None
     executor: str = "process"
     deadline_ms: float = 20.0
+    #: The engine's wait bound (``--shed-after``; AdapterSettings.shed_after, 0 = off).
+    shed_after: float = 0.0
     overload_factor: float = 2.0
     burst_base_fraction: float = 0.8
     burst_multiplier: float = 3.0
@@ -167,7 +169,7 @@ def plan_variants(cfg: BenchConfig) -> dict[str, list[Variant]]:
 def _base_spec(cfg: BenchConfig, v: Variant, seed: int, rate: float) -> RunSpec:
     return RunSpec(policy=v.policy, workload=cfg.workload, rate=rate, seed=seed, n_requests=cfg.n_requests,
                    profile=cfg.profile, transport=cfg.transport, params=v.params, label=v.label,
-                   deadline_ms=cfg.deadline_ms, slo=SLOConfig(definition=cfg.slo_definition))
+                   deadline_ms=cfg.deadline_ms, shed_after=cfg.shed_after, slo=SLOConfig(definition=cfg.slo_definition))
 
 
 def _aggregate_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -188,6 +190,8 @@ def _aggregate_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "completed_fraction": float(np.mean([r["completed"] / r["requests"] for r in runs])),
         "ttft_p50_s": mean("ttft_p50_s"),
         "ttft_p99_s": mean("ttft_p99_s"),
+        "ttft_max_s": max((r["ttft_max_s"] for r in runs if r["ttft_max_s"] == r["ttft_max_s"]), default=float("nan")),
+        "rejected": float(np.mean([r["rejected"] for r in runs])),
         "tbt_p50_s": mean("tbt_p50_s"),
         "tbt_p99_s": mean("tbt_p99_s"),
         "throughput_rps": mean("throughput_rps"),

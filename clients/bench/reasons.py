@@ -46,7 +46,7 @@ def simulate_with_reasons(spec: RunSpec) -> tuple[SimulatedEngine, SimResult]:
                              slo=spec.slo, classes=spec.classes)
     profile = PROFILES[spec.profile]
     settings = AdapterSettings(policy=spec.policy, params=dict(spec.params), profile=profile.key,
-                               deadline_ms=spec.deadline_ms, report_inline=True)
+                               deadline_ms=spec.deadline_ms, shed_after=spec.shed_after, report_inline=True)
     adapter = AdapterCore(InProcessBackend(settings, predictor), settings, predictor)
     try:
         config = EngineConfig(noise_seed=spec.seed, keep_reasons=True)

@@ -125,12 +125,13 @@ def _classes_table(res: dict[str, Any]) -> str:
 
 
 def _runs_table(rows: list[dict[str, Any]]) -> str:
-    header = ["policy", "rate rps", "violations", "per seed", "TTFT p50 ms", "TTFT p99 ms", "TBT p99 ms",
-              "preempt"]
+    header = ["policy", "rate rps", "violations", "per seed", "TTFT p50 ms", "TTFT p99 ms", "TTFT max ms",
+              "TBT p99 ms", "preempt", "rejected"]
     return _table(header, [[
         r["policy"], f"{r['rate_rps']:.3f}", _pct(r["violation_rate"]),
         " ".join(_pct(x) for x in r["violation_rate_by_seed"]),
-        _ms(r["ttft_p50_s"]), _ms(r["ttft_p99_s"]), _ms(r["tbt_p99_s"]), f"{r['preemptions']:.0f}",
+        _ms(r["ttft_p50_s"]), _ms(r["ttft_p99_s"]), _ms(r.get("ttft_max_s", float("nan"))), _ms(r["tbt_p99_s"]),
+        f"{r['preemptions']:.0f}", f"{r.get('rejected', 0):.0f}",
     ] for r in rows])
 
 

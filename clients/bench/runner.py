@@ -90,6 +90,8 @@ class RunSpec:
     label: str = ""
     #: Per-iteration deadline of the scheduler call (matters for gRPC: a miss falls back).
     deadline_ms: float = 20.0  # AdapterSettings default
+    #: The engine's wait bound (AdapterSettings.shed_after; 0 = off).
+    shed_after: float = 0.0
     #: SLOs of the workload (None: the defaults of :class:`~clients.workloads.SLOConfig`).
     slo: SLOConfig | None = None
     #: A class mix of :data:`~clients.workloads.CLASS_MIXES` (None: one class).
@@ -220,7 +222,7 @@ def run(spec: RunSpec) -> dict[str, Any]:
     key = profile.key
     backend: SchedulerBackend
     settings = AdapterSettings(policy=spec.policy, params=dict(spec.params), profile=key,
-                               deadline_ms=spec.deadline_ms)
+                               deadline_ms=spec.deadline_ms, shed_after=spec.shed_after)
     if spec.transport == "grpc":
         server = _SERVERS.setdefault(spec.profile, _EmbeddedServer(spec.profile))
         target, key = server.acquire()
@@ -245,6 +247,7 @@ def run(spec: RunSpec) -> dict[str, Any]:
         "profile": spec.profile,
         "transport": spec.transport,
         "deadline_ms": spec.deadline_ms,
+        "shed_after": spec.shed_after,
         "rate_rps": spec.rate,
         "seed": spec.seed,
         "burst": dataclasses.asdict(spec.burst) if spec.burst else None,

@@ -185,6 +185,7 @@ class SimResult:
             "ttft_p50_s": pct(self.ttft_s, 50),
             "ttft_p90_s": pct(self.ttft_s, 90),
             "ttft_p99_s": pct(self.ttft_s, 99),
+            "ttft_max_s": pct(self.ttft_s, 100),
             "tbt_p50_s": pct(self.tbt_s, 50),
             "tbt_p90_s": pct(self.tbt_s, 90),
             "tbt_p99_s": pct(self.tbt_s, 99),

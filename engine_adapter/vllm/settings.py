@@ -170,6 +170,10 @@ class VllmAdapterSettings:
     #: ``vllm:slidingserve_requests_waiting_by_reason`` and debug log); 0 = never.  Remote,
     #: the service decides (server.yaml ``explain_every``).
     explain_every: int = 16
+    #: Wait bound (docs/operations.md, "Bounded waits"): a request still without its first
+    #: token this many times its TTFT SLO after it arrived may be rejected (finish reason
+    #: ``abort``, stop reason ``slidingserve:wait_bound``) by a policy that sheds; 0 = off.
+    shed_after: float = 0.0
     #: Decide the next iteration in the background while the current one runs on
     #: the GPU (from the queues as they will be after it), so that the decision's
     #: time is hidden; "false" decides synchronously inside ``schedule()``.
@@ -221,6 +225,9 @@ class VllmAdapterSettings:
                 raise SettingsError(f"SLIDINGSERVE_{name.upper()} must be >= 1")
         if not 0 <= self.explain_every <= 1_000_000:
             raise SettingsError(f"SLIDINGSERVE_EXPLAIN_EVERY must be in [0, 1000000], got {self.explain_every}")
+        if not 0 <= self.shed_after <= 1000:  # also rejects NaN
+            raise SettingsError(f"SLIDINGSERVE_SHED_AFTER must be in [0, 1000] (times the TTFT SLO), "
+                                f"got {self.shed_after}")
         if self.policy and self.policy != FOLLOW_DEFAULT:
             if self.address == "inproc":
                 try:

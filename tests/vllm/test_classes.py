@@ -126,6 +126,39 @@ def test_rejected_requests_finish_with_a_clear_reason_and_free_their_kv(base: ty
     s.slidingserve_close()
 
 
+@pytest.mark.parametrize("base,async_", CASES, ids=["sync", "async"])
+def test_the_wait_bound_rejects_requests_the_client_did_not_mark_sheddable(base: type, async_: bool,
+                                                                           mdir: str) -> None:
+    """With ``SLIDINGSERVE_SHED_AFTER`` a request still without its first token that many
+    TTFTs after it arrived is rejected like a sheddable one, with its own reason (stop reason
+    ``slidingserve:wait_bound``, counted under it); a request within the bound is served."""
+    clock = FakeClock()
+    env = {"SLIDINGSERVE_ADDRESS": "inproc", "SLIDINGSERVE_POLICY": "slidingserve", "SLIDINGSERVE_SHED_AFTER": "3"}
+    s = build_scheduler(scheduler_class(base, env, clock), mdir, async_scheduling=async_, num_blocks=400)
+    free0 = s.kv_cache_manager.block_pool.get_num_free_blocks()
+    now = time.time()  # 5 s ago with a 1 s TTFT: past 3 TTFTs; with a minute: within them
+    old = [make_request(300, 4, arrival=now - 5, extra_args={"slo_ttft_ms": 1000, "slo_tbt_ms": 60})
+           for _ in range(2)]
+    fresh = [make_request(64, 4, arrival=now - 5, extra_args={"slo_ttft_ms": 60000, "slo_tbt_ms": 60000})]
+    for r in old + fresh:
+        s.add_request(r)
+    res, final = _run_keeping_final_outputs(s, clock, async_)
+    for r in old:
+        o = final[r.request_id]
+        assert o.finish_reason == FinishReason.ABORT and o.stop_reason == "slidingserve:wait_bound"
+        assert r.request_id not in res.scheduled
+    assert res.finished[fresh[0].request_id] == 4
+    assert not s.requests and s.kv_cache_manager.block_pool.get_num_free_blocks() == free0
+    assert s.slidingserve_stats()["rejected"] == {"wait_bound": 2}
+    s.slidingserve_close()
+
+
+def test_the_wait_bound_setting_is_checked() -> None:
+    assert VllmAdapterSettings.from_env({"SLIDINGSERVE_SHED_AFTER": "2.5"}).shed_after == 2.5
+    with pytest.raises(SettingsError, match="SLIDINGSERVE_SHED_AFTER must be in"):
+        VllmAdapterSettings.from_env({"SLIDINGSERVE_SHED_AFTER": "-1"})
+
+
 # ------------------------------------------------------- end-to-end objective
 E2E_TABLE = ('{"0": {"ttft_ms": 400, "tbt_ms": 40, "e2e_ms": 20000}, '
              '"2": {"ttft_ms": 4000, "tbt_ms": 100, "sheddable": true, "e2e_ms": 1500}}')
