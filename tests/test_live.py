@@ -41,6 +41,7 @@ from clients.live.runner import (
     resolve_rates,
 )
 from clients.live.workload import WorkloadSpec, make_requests
+from engine_adapter.vllm.settings import VllmAdapterSettings
 
 SLO = Slo(ttft_ms=1000, tbt_ms=50)
 
@@ -197,6 +198,14 @@ def test_config_parse() -> None:
     assert t.xargs(SLO) == {"slo_tpot_ms": SLO.tbt_ms} and c.xargs(SLO) is None and c.objective == "formula1"
     with pytest.raises(ValueError, match="objective must be one of formula1, tpot, got 'p99'"):
         Config.parse("inproc:slidingserve:objective=p99")
+    # so is the engine's wait bound, which reaches the engine's settings file
+    b = Config.parse("inproc:slidingserve:shed_after=4,window=3")
+    assert (b.shed_after, dict(b.params), b.settings("h:1", SLO)["shed_after"]) == (4.0, {"window": "3"}, 4.0)
+    assert VllmAdapterSettings(**b.settings("h:1", SLO)).shed_after == 4.0
+    assert c.shed_after == 0.0
+    for bad in ("-1", "x", "nan"):
+        with pytest.raises(ValueError, match="shed_after must be a number from 0 to 1000"):
+            Config.parse(f"inproc:slidingserve:shed_after={bad}")
 
 
 def test_runs_interleave_configurations_seed_by_seed() -> None:

@@ -54,6 +54,9 @@ SERVICE_NICE = "service_nice"
 #: ``others`` (the default) on the cores the API server and the client share.  It tests
 #: whether remote loses to in process because of where its CPU time lands.
 SERVICE_CORES = "service_cores"
+#: ``shed_after=X`` in a configuration's text (not a policy parameter): the engine's wait
+#: bound, ``SLIDINGSERVE_SHED_AFTER`` (docs/operations.md, "Bounded waits"; 0 = off).
+SHED_AFTER = "shed_after"
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +70,8 @@ class Config:
     service_nice: int | None = None
     #: where the service's threads run for this configuration's runs: "others" or "worker"
     service_cores: str = "others"
+    #: the engine's wait bound (``shed_after=X``; 0 = off)
+    shed_after: float = 0.0
 
     @classmethod
     def parse(cls, text: str) -> Config:
@@ -90,11 +95,12 @@ class Config:
                              f"got {objective!r}")
         nice = _service_nice(text, mode, dict(kv).get(SERVICE_NICE))
         cores = _service_cores(text, mode, dict(kv).get(SERVICE_CORES))
-        kv = [(k, v) for k, v in kv if k not in ("objective", SERVICE_NICE, SERVICE_CORES)]
+        shed_after = _shed_after(text, dict(kv).get(SHED_AFTER, "0"))
+        kv = [(k, v) for k, v in kv if k not in ("objective", SERVICE_NICE, SERVICE_CORES, SHED_AFTER)]
         from scheduler_service.core import registry
 
         registry.create(policy, dict(kv))  # fails here, with the policy's own message, on a bad name or value
-        return cls(text, mode, policy, tuple(kv), objective, nice, cores)
+        return cls(text, mode, policy, tuple(kv), objective, nice, cores, shed_after)
 
     def xargs(self, slo: Slo) -> dict[str, Any] | None:
         """What each request of this configuration carries in ``vllm_xargs``."""
@@ -102,7 +108,19 @@ class Config:
 
     def settings(self, service_address: str, slo: Slo) -> dict[str, Any]:
         return {"address": service_address if self.mode == "remote" else "inproc", "policy": self.policy,
-                "params": dict(self.params), "default_ttft_ms": slo.ttft_ms, "default_tbt_ms": slo.tbt_ms}
+                "params": dict(self.params), "default_ttft_ms": slo.ttft_ms, "default_tbt_ms": slo.tbt_ms,
+                "shed_after": self.shed_after}
+
+
+def _shed_after(text: str, value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        x = -1.0
+    if not 0 <= x <= 1000:
+        raise ValueError(f"configuration {text!r}: {SHED_AFTER} must be a number from 0 to 1000 (times the TTFT "
+                         f"SLO), got {value!r}")
+    return x
 
 
 def _service_nice(text: str, mode: str, value: str | None) -> int | None:

@@ -361,7 +361,8 @@ def _replay(spec: LiveSpec, c: Config, w: Workload, truth: FittedTruth, seed: in
     (``late``: that share of its decisions answered late); the engine, and its decisions
     and fallbacks by reason."""
     policy, params = _policy(c)
-    settings = AdapterSettings(policy=policy, params=params, profile=DEFAULT_PROFILE, report_inline=True)
+    settings = AdapterSettings(policy=policy, params=params, profile=DEFAULT_PROFILE, report_inline=True,
+                               shed_after=c.shed_after)
     pred = default_predictor()
     backend = InProcessBackend(settings, pred)
     adapter = AdapterCore(LateAnswers(backend, late, seed) if late else backend, settings, pred)  # type: ignore[arg-type]
