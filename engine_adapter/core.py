@@ -346,7 +346,7 @@ def mark_overdue(snapshot: Snapshot, factor: float) -> tuple[Snapshot, frozenset
     """``snapshot`` with the requests still waiting for their first token ``factor`` times
     their TTFT SLO after they arrived marked sheddable (:attr:`AdapterSettings.shed_after`),
     and the ids of those it marked (not those the client marked itself)."""
-    late = ~snapshot.is_decoding & ~snapshot.sheddable & (snapshot.now - snapshot.arrival >= factor * snapshot.ttft_slo)
+    late = (snapshot.output_tokens == 0) & ~snapshot.sheddable & (snapshot.now - snapshot.arrival >= factor * snapshot.ttft_slo)
     if not late.any():
         return snapshot, frozenset()
     marked = frozenset(snapshot.ids[i] for i in np.flatnonzero(late).tolist())
