@@ -232,7 +232,7 @@ def write_outputs(res: dict[str, Any], out_dir: Path) -> list[Path]:
     if res.get("runs"):
         p = out_dir / "runs.csv"
         _write_csv(p, res["runs"], ["experiment", "policy", "params", "seed", "rate_rps", "requests", "completed",
-                                    "violation_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tbt_p50_s",
+                                    "violation_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_max_s", "tbt_p50_s",
                                     "tbt_p90_s", "tbt_p99_s", "throughput_rps", "preemptions", "iterations",
                                     "decision_us_p50", "decision_us_p99", "fallback_decisions", "rejected",
                                     "weighted_goodput_rps", "wall_s"])
