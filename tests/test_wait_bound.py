@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from clients.bench.runner import profile_predictor, quiet_logs
 from clients.workloads import make_workload
-from engine_adapter.core import AdapterCore, AdapterSettings, mark_overdue
+from engine_adapter.core import AdapterCore, AdapterSettings, Decision, mark_overdue
 from engine_adapter.inprocess import InProcessBackend
 from engine_adapter.sim.engine import SimulatedEngine
 from engine_adapter.sim.groundtruth import DEFAULT_PROFILE, PROFILES, load_ground_truth
@@ -28,9 +28,14 @@ from scheduler_service.core import Snapshot, default_predictor, plan_violations
 from tests.factories import decoding, make_snapshot, prefilling, random_snapshot, waiting
 
 
-def _core(shed_after: float) -> AdapterCore:
+def _decide(snap: Snapshot, shed_after: float) -> Decision:
+    """One decision of the real adapter core over the in-process SlidingServe."""
     s = AdapterSettings(policy="slidingserve", report_inline=True, shed_after=shed_after)
-    return AdapterCore(InProcessBackend(s, default_predictor()), s)
+    core = AdapterCore(InProcessBackend(s, default_predictor()), s)
+    try:
+        return core.decide(snap)
+    finally:
+        core.close()
 
 
 def _queue() -> Snapshot:
@@ -56,11 +61,7 @@ def test_marks_only_requests_without_a_first_token_past_the_bound() -> None:
 
 
 def test_the_overdue_requests_are_rejected_with_the_wait_bound_reason() -> None:
-    core = _core(3.0)
-    try:
-        d = core.decide(_queue())
-    finally:
-        core.close()
+    d = _decide(_queue(), 3.0)
     assert d.source == "remote" and d.plan is not None
     why = dict(d.plan.rejections)
     assert why == {"old": "wait_bound", "half": "wait_bound", "old-shed": "ttft_expired"}
@@ -68,11 +69,7 @@ def test_the_overdue_requests_are_rejected_with_the_wait_bound_reason() -> None:
 
 
 def test_without_the_bound_only_the_clients_sheddable_requests_are_rejected() -> None:
-    core = _core(0.0)
-    try:
-        d = core.decide(_queue())
-    finally:
-        core.close()
+    d = _decide(_queue(), 0.0)
     assert d.plan is not None and dict(d.plan.rejections) == {"old-shed": "ttft_expired"}
 
 
@@ -87,11 +84,7 @@ def test_rejections_stay_within_what_the_client_and_the_bound_allow(seed: int, f
     arrival = base.now - rng.uniform(0.0, 8.0, len(base))
     shed = rng.random(len(base)) < 0.3
     snap = dataclasses.replace(base, arrival=arrival, sheddable=shed, _cache={})
-    core = _core(factor)
-    try:
-        d = core.decide(snap)
-    finally:
-        core.close()
+    d = _decide(snap, factor)
     assert d.plan is not None and d.source == "remote"
     marked, overdue = mark_overdue(snap, factor)
     assert not plan_violations(marked, d.plan)
