@@ -22,10 +22,11 @@ import os
 import queue
 import threading
 import time
-from collections.abc import AsyncIterable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
@@ -64,6 +65,7 @@ __all__ = [
 SnapshotLike = Snapshot | pb.Snapshot | Mapping[str, Any]
 ProfileLike = EngineProfile | str | None
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
+T = TypeVar("T")
 
 
 # ------------------------------------------------------------------ errors
@@ -427,14 +429,6 @@ class _Encoder:
             yield r if isinstance(r, pb.IterationReport) else r.to_pb(self.profile)
 
 
-def _wrong_reply(resp: pb.ScheduleResponse, req: pb.ScheduleRequest) -> SchedulerError:
-    """A stream's reply that answers another request than the one sent: the stream is out
-    of step (the caller drops it; the next call opens a new one)."""
-    return SchedulerError(grpc.StatusCode.INTERNAL,
-                          f"stream out of step: the reply is for request {resp.request_id!r}, "
-                          f"expected {req.request_id!r}")
-
-
 def _ids(snapshot: Any) -> Sequence[str] | None:
     """The request ids, in the order sent, of a :class:`Snapshot` (the compact reasons of the
     reply refer to rows); None for other snapshot forms (the reasons of field 15 are read)."""
@@ -492,8 +486,75 @@ def _channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
     ]
 
 
+# ------------------------------------------------------------ shared bases
+class _Caller:
+    """The encoder (configuration, security metadata, request encoding) and the default
+    deadline, shared by clients and their streams."""
+
+    def __init__(self, enc: _Encoder, timeout_s: float) -> None:
+        self._enc = enc
+        self.timeout_s = timeout_s
+
+    def _t(self, timeout_s: float | None) -> float:
+        return self.timeout_s if timeout_s is None else timeout_s
+
+
+class _BaseClient(_Caller):
+    """What :class:`SchedulerClient` and :class:`AsyncSchedulerClient` share: configuration,
+    security and metadata, request encoding, reply decoding and error mapping.  The two
+    differ only in I/O: which channel they open and whether a call is awaited."""
+
+    def __init__(self, target: str, timeout_s: float, profile: ProfileLike, engine_id: str, encoding: str,
+                 max_message_bytes: int, security: ClientSecurity | None) -> None:
+        super().__init__(_Encoder(_profile(profile), engine_id, encoding, security), timeout_s)
+        self.target = target
+        #: without security, a plain one: an insecure channel and no metadata
+        self._security = security or ClientSecurity()
+        self._options = _channel_options(max_message_bytes)
+
+    def _kwargs(self, timeout_s: float | None) -> dict[str, Any]:
+        """A unary call's deadline and metadata."""
+        return {"timeout": self._t(timeout_s), "metadata": self._enc.md()}
+
+    def _predictor_request(self, profile: ProfileLike) -> pb.GetPredictorRequest:
+        prof = _profile(profile) or self._enc.profile or EngineProfile()
+        return pb.GetPredictorRequest(engine_profile=profile_to_pb(prof))
+
+
+class _BaseStream(_Caller):
+    """What :class:`ScheduleStream` and :class:`AsyncScheduleStream` share: the encoder, the
+    default deadline, the check of each reply and the errors; they differ only in I/O."""
+
+    def __init__(self, stub: pb_grpc.SchedulerServiceStub, enc: _Encoder, timeout_s: float) -> None:
+        super().__init__(enc, timeout_s)
+        self._stub = stub
+        self._call: Any = None
+
+    def _drop(self) -> None:
+        """Cancel the call in progress; the next decision opens a new one."""
+        raise NotImplementedError
+
+    def _answer(self, resp: pb.ScheduleResponse, req: pb.ScheduleRequest, snapshot: SnapshotLike) -> Plan:
+        """The plan of ``resp``; a reply that answers another request than the one sent means
+        the stream is out of step: it is dropped (the next call opens a new one)."""
+        if resp.request_id != req.request_id:  # cannot happen on an in-order stream
+            self._drop()
+            raise SchedulerError(grpc.StatusCode.INTERNAL,
+                                 f"stream out of step: the reply is for request {resp.request_id!r}, "
+                                 f"expected {req.request_id!r}")
+        return _plan(resp, _ids(snapshot))
+
+    @staticmethod
+    def _late(timeout: float) -> SchedulerError:
+        return SchedulerError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply within {timeout:g} s")
+
+    @staticmethod
+    def _server_closed() -> SchedulerError:
+        return SchedulerError(grpc.StatusCode.UNAVAILABLE, "the server closed the stream")
+
+
 # ------------------------------------------------------------ sync client
-class SchedulerClient:
+class SchedulerClient(_BaseClient):
     """Blocking client.  ``profile`` and ``engine_id`` are defaults for snapshots and
     reports that carry none; ``encoding`` is "columns" (faster) or "rows"; ``security``
     adds TLS and a token (with ``channel`` given, only its token is used)."""
@@ -501,26 +562,22 @@ class SchedulerClient:
     def __init__(self, target: str, timeout_s: float = 1.0, *, profile: ProfileLike = None,
                  engine_id: str = "", encoding: str = "columns", max_message_bytes: int = 64 << 20,
                  channel: grpc.Channel | None = None, security: ClientSecurity | None = None) -> None:
-        self.target = target
-        self.timeout_s = timeout_s
-        self._enc = _Encoder(_profile(profile), engine_id, encoding, security)
-        opts = _channel_options(max_message_bytes)
-        self._channel = channel or (security.channel(target, opts) if security is not None
-                                    else grpc.insecure_channel(target, options=opts))
+        super().__init__(target, timeout_s, profile, engine_id, encoding, max_message_bytes, security)
+        self._channel = channel or self._security.channel(target, self._options)
         self._stub = pb_grpc.SchedulerServiceStub(self._channel)
 
-    def _t(self, timeout_s: float | None) -> float:
-        return self.timeout_s if timeout_s is None else timeout_s
+    def _unary(self, method: Any, req: Any, timeout_s: float | None, decode: Callable[[Any], T]) -> T:
+        try:
+            return decode(method(req, **self._kwargs(timeout_s)))
+        except grpc.RpcError as e:
+            raise SchedulerError.from_rpc_error(e) from None
 
     def schedule(self, snapshot: SnapshotLike, policy: str | None = None, params: Mapping[str, Any] | None = None,
                  timeout_s: float | None = None, *, request_id: str | None = None, explain: bool = False) -> Plan:
         """One decision.  ``explain``: ask for its reasons (``Plan.reasons``, docs/reasons.md);
         the decision is the same, and a service older than the field ignores it."""
         req = self._enc.request(snapshot, policy, params, request_id, explain)
-        try:
-            return _plan(self._stub.Schedule(req, timeout=self._t(timeout_s), metadata=self._enc.md()), _ids(snapshot))
-        except grpc.RpcError as e:
-            raise SchedulerError.from_rpc_error(e) from None
+        return self._unary(self._stub.Schedule, req, timeout_s, partial(_plan, ids=_ids(snapshot)))
 
     def stream(self) -> ScheduleStream:
         """One long-lived ScheduleStream (use as a context manager, or ``close()`` it)."""
@@ -528,27 +585,13 @@ class SchedulerClient:
 
     def report(self, reports: Iterable[IterationReport | pb.IterationReport],
                timeout_s: float | None = None) -> ReportSummary:
-        try:
-            return _summary(self._stub.ReportIterations(self._enc.reports(reports), timeout=self._t(timeout_s),
-                                                        metadata=self._enc.md()))
-        except grpc.RpcError as e:
-            raise SchedulerError.from_rpc_error(e) from None
+        return self._unary(self._stub.ReportIterations, self._enc.reports(reports), timeout_s, _summary)
 
     def list_policies(self, timeout_s: float | None = None) -> PolicyList:
-        try:
-            return _policy_list(self._stub.ListPolicies(pb.ListPoliciesRequest(), timeout=self._t(timeout_s),
-                                                        metadata=self._enc.md()))
-        except grpc.RpcError as e:
-            raise SchedulerError.from_rpc_error(e) from None
+        return self._unary(self._stub.ListPolicies, pb.ListPoliciesRequest(), timeout_s, _policy_list)
 
     def get_predictor(self, profile: ProfileLike = None, timeout_s: float | None = None) -> PredictorInfo:
-        prof = _profile(profile) or self._enc.profile or EngineProfile()
-        req = pb.GetPredictorRequest(engine_profile=profile_to_pb(prof))
-        try:
-            return _predictor_info(self._stub.GetPredictor(req, timeout=self._t(timeout_s),
-                                                           metadata=self._enc.md()))
-        except grpc.RpcError as e:
-            raise SchedulerError.from_rpc_error(e) from None
+        return self._unary(self._stub.GetPredictor, self._predictor_request(profile), timeout_s, _predictor_info)
 
     def close(self) -> None:
         self._channel.close()
@@ -564,7 +607,7 @@ class SchedulerClient:
 _END = object()
 
 
-class ScheduleStream:
+class ScheduleStream(_BaseStream):
     """Sequential decisions over one bidirectional stream.
 
     The caller's thread reads the reply straight from the call (no reader thread: a thread
@@ -577,12 +620,9 @@ class ScheduleStream:
     """
 
     def __init__(self, stub: pb_grpc.SchedulerServiceStub, enc: _Encoder, timeout_s: float) -> None:
-        self._stub = stub
-        self._enc = enc
-        self.timeout_s = timeout_s
+        super().__init__(stub, enc, timeout_s)
         self._lock = threading.Lock()  # one decision in flight at a time
         self._cv = threading.Condition()
-        self._call: Any = None
         self._send: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._seq = 0
         self._deadline: tuple[int, float, Any] | None = None
@@ -610,11 +650,23 @@ class ScheduleStream:
                 self._expired = d[0]
                 d[2].cancel()
 
+    def _arm(self, seq: int, due: float, call: Any) -> None:
+        """Hand the watchdog this call's deadline."""
+        with self._cv:
+            self._deadline = (seq, due, call)
+            if due < self._watch_until:  # idle, or asleep until after this deadline
+                self._cv.notify()
+
+    def _disarm(self, seq: int) -> None:
+        with self._cv:
+            if self._deadline is not None and self._deadline[0] == seq:
+                self._deadline = None  # no notify: the watchdog finds out when it wakes
+
     def _open(self) -> None:
         self._send = queue.SimpleQueue()
         self._call = self._stub.ScheduleStream(iter(self._send.get, _END), metadata=self._enc.md())
 
-    def _reset(self) -> None:
+    def _drop(self) -> None:
         if self._call is not None:
             self._send.put(_END)
             self._call.cancel()
@@ -623,7 +675,7 @@ class ScheduleStream:
     def schedule(self, snapshot: SnapshotLike, policy: str | None = None, params: Mapping[str, Any] | None = None,
                  timeout_s: float | None = None, *, request_id: str | None = None) -> Plan:
         req = self._enc.request(snapshot, policy, params, request_id)
-        timeout = self.timeout_s if timeout_s is None else timeout_s
+        timeout = self._t(timeout_s)
         with self._lock:
             if self._closed:
                 raise SchedulerError(grpc.StatusCode.CANCELLED, "the stream is closed")
@@ -631,36 +683,26 @@ class ScheduleStream:
                 self._open()
             self._seq += 1
             seq, call = self._seq, self._call
-            with self._cv:
-                due = time.monotonic() + timeout
-                self._deadline = (seq, due, call)
-                if due < self._watch_until:  # idle, or asleep until after this deadline
-                    self._cv.notify()
+            self._arm(seq, time.monotonic() + timeout, call)
             try:
                 self._send.put(req)
                 resp = next(call)
             except StopIteration:
-                self._reset()
-                raise SchedulerError(grpc.StatusCode.UNAVAILABLE, "the server closed the stream") from None
+                self._drop()
+                raise self._server_closed() from None
             except grpc.RpcError as e:
-                self._reset()
+                self._drop()
                 if self._expired == seq:
-                    raise SchedulerError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                         f"no reply within {timeout:g} s") from None
+                    raise self._late(timeout) from None
                 raise SchedulerError.from_rpc_error(e) from None
             finally:
-                with self._cv:
-                    if self._deadline is not None and self._deadline[0] == seq:
-                        self._deadline = None  # no notify: the watchdog finds out when it wakes
+                self._disarm(seq)
             if self._expired == seq:
                 # The reply came just as the deadline passed and the watchdog cancelled the
                 # stream anyway: the reply is good, the stream is not; reopen it next call
                 # (else that call would fail with CANCELLED and count as an error).
-                self._reset()
-            if resp.request_id != req.request_id:  # cannot happen on an in-order stream
-                self._reset()
-                raise _wrong_reply(resp, req)
-            return _plan(resp, _ids(snapshot))
+                self._drop()
+            return self._answer(resp, req, snapshot)
 
     def close(self) -> None:
         with self._lock:
@@ -680,32 +722,27 @@ class ScheduleStream:
 
 
 # ----------------------------------------------------------- async client
-class AsyncSchedulerClient:
+class AsyncSchedulerClient(_BaseClient):
     """asyncio twin of :class:`SchedulerClient` (grpc.aio); create it inside a running loop."""
 
     def __init__(self, target: str, timeout_s: float = 1.0, *, profile: ProfileLike = None,
                  engine_id: str = "", encoding: str = "columns", max_message_bytes: int = 64 << 20,
                  security: ClientSecurity | None = None) -> None:
-        self.target = target
-        self.timeout_s = timeout_s
-        self._enc = _Encoder(_profile(profile), engine_id, encoding, security)
-        opts = _channel_options(max_message_bytes)
-        self._channel = (security.aio_channel(target, opts) if security is not None
-                         else grpc.aio.insecure_channel(target, options=opts))
+        super().__init__(target, timeout_s, profile, engine_id, encoding, max_message_bytes, security)
+        self._channel = self._security.aio_channel(target, self._options)
         self._stub = pb_grpc.SchedulerServiceStub(self._channel)
 
-    def _t(self, timeout_s: float | None) -> float:
-        return self.timeout_s if timeout_s is None else timeout_s
+    async def _unary(self, method: Any, req: Any, timeout_s: float | None, decode: Callable[[Any], T]) -> T:
+        try:
+            return decode(await method(req, **self._kwargs(timeout_s)))
+        except grpc.RpcError as e:
+            raise SchedulerError.from_rpc_error(e) from None
 
     async def schedule(self, snapshot: SnapshotLike, policy: str | None = None,
                        params: Mapping[str, Any] | None = None, timeout_s: float | None = None, *,
                        request_id: str | None = None, explain: bool = False) -> Plan:
         req = self._enc.request(snapshot, policy, params, request_id, explain)
-        try:
-            return _plan(await self._stub.Schedule(req, timeout=self._t(timeout_s), metadata=self._enc.md()),
-                         _ids(snapshot))
-        except grpc.RpcError as e:
-            raise SchedulerError.from_rpc_error(e) from None
+        return await self._unary(self._stub.Schedule, req, timeout_s, partial(_plan, ids=_ids(snapshot)))
 
     def stream(self) -> AsyncScheduleStream:
         return AsyncScheduleStream(self._stub, self._enc, self.timeout_s)
@@ -723,27 +760,14 @@ class AsyncSchedulerClient:
                 for m in enc.reports(reports):
                     yield m
 
-        try:
-            return _summary(await self._stub.ReportIterations(gen(), timeout=self._t(timeout_s),
-                                                              metadata=self._enc.md()))
-        except grpc.RpcError as e:
-            raise SchedulerError.from_rpc_error(e) from None
+        return await self._unary(self._stub.ReportIterations, gen(), timeout_s, _summary)
 
     async def list_policies(self, timeout_s: float | None = None) -> PolicyList:
-        try:
-            return _policy_list(await self._stub.ListPolicies(pb.ListPoliciesRequest(), timeout=self._t(timeout_s),
-                                                              metadata=self._enc.md()))
-        except grpc.RpcError as e:
-            raise SchedulerError.from_rpc_error(e) from None
+        return await self._unary(self._stub.ListPolicies, pb.ListPoliciesRequest(), timeout_s, _policy_list)
 
     async def get_predictor(self, profile: ProfileLike = None, timeout_s: float | None = None) -> PredictorInfo:
-        prof = _profile(profile) or self._enc.profile or EngineProfile()
-        req = pb.GetPredictorRequest(engine_profile=profile_to_pb(prof))
-        try:
-            return _predictor_info(await self._stub.GetPredictor(req, timeout=self._t(timeout_s),
-                                                                 metadata=self._enc.md()))
-        except grpc.RpcError as e:
-            raise SchedulerError.from_rpc_error(e) from None
+        return await self._unary(self._stub.GetPredictor, self._predictor_request(profile), timeout_s,
+                                 _predictor_info)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -756,21 +780,18 @@ class AsyncSchedulerClient:
         await self.close()
 
 
-class AsyncScheduleStream:
+class AsyncScheduleStream(_BaseStream):
     """asyncio version of :class:`ScheduleStream` (one call in flight at a time)."""
 
     def __init__(self, stub: pb_grpc.SchedulerServiceStub, enc: _Encoder, timeout_s: float) -> None:
-        self._stub = stub
-        self._enc = enc
-        self.timeout_s = timeout_s
-        self._call: Any = None
+        super().__init__(stub, enc, timeout_s)
         self._lock = asyncio.Lock()
 
     async def schedule(self, snapshot: SnapshotLike, policy: str | None = None,
                        params: Mapping[str, Any] | None = None, timeout_s: float | None = None, *,
                        request_id: str | None = None) -> Plan:
         req = self._enc.request(snapshot, policy, params, request_id)
-        timeout = self.timeout_s if timeout_s is None else timeout_s
+        timeout = self._t(timeout_s)
         async with self._lock:
             if self._call is None:
                 self._call = self._stub.ScheduleStream(metadata=self._enc.md())
@@ -779,25 +800,19 @@ class AsyncScheduleStream:
                 async with asyncio.timeout(timeout):
                     await call.write(req)
                     resp = await call.read()
-                    if resp is grpc.aio.EOF:
-                        raise SchedulerError(grpc.StatusCode.UNAVAILABLE, "the server closed the stream")
             except TimeoutError:
                 self._drop()
-                raise SchedulerError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply within {timeout:g} s") from None
+                raise self._late(timeout) from None
             except grpc.RpcError as e:
                 self._drop()
                 raise SchedulerError.from_rpc_error(e) from None
-            except SchedulerError as e:
-                if e.code == grpc.StatusCode.UNAVAILABLE:
-                    self._drop()
-                raise
             except asyncio.CancelledError:  # the reply may still come: it must not answer the next call
                 self._drop()
                 raise
-            if resp.request_id != req.request_id:  # cannot happen on an in-order stream
+            if resp is grpc.aio.EOF:
                 self._drop()
-                raise _wrong_reply(resp, req)
-            return _plan(resp, _ids(snapshot))
+                raise self._server_closed()
+            return self._answer(resp, req, snapshot)
 
     def _drop(self) -> None:
         if self._call is not None:
