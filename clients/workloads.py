@@ -213,32 +213,7 @@ def make_workload(
             raise ValueError(f"unknown class mix {classes!r}; known: {', '.join(sorted(CLASS_MIXES))}")
         classes = CLASS_MIXES[classes]
     rng = np.random.default_rng(seed)
-    mix = MIXES.get(name)
-    arrival: np.ndarray
-    if name in SHAPES:
-        prompt, output = _shape(name, n, seed)
-        arrival = _arrivals(n, rate, rng, burst)
-    elif mix is None:  # a CSV path
-        trace = load_trace(name)
-        idx = rng.integers(0, len(trace), n) if not use_trace_arrivals else np.arange(min(n, len(trace)))
-        prompt, output = trace.prefill[idx], trace.decode[idx]
-        if use_trace_arrivals:
-            if trace.arrived_at is None:
-                raise ValueError(f"{name} has no arrived_at column")
-            arrival = trace.arrived_at[idx] - trace.arrived_at[idx].min()
-        else:
-            arrival = _arrivals(len(idx), rate, rng, burst)
-    else:
-        names = list(mix)
-        weights = np.array([mix[k] for k in names])
-        which = rng.choice(len(names), n, p=weights / weights.sum())
-        prompt = np.empty(n, dtype=np.int64)
-        output = np.empty(n, dtype=np.int64)
-        for k, tname in enumerate(names):
-            sel = np.flatnonzero(which == k)
-            p, d = load_trace(tname).sample(len(sel), seed * 7919 + k)
-            prompt[sel], output[sel] = p, d
-        arrival = _arrivals(n, rate, rng, burst)
+    prompt, output, arrival = _lengths_and_arrivals(name, n, rate, seed, rng, burst, use_trace_arrivals)
     m = len(arrival)
     order = np.argsort(arrival, kind="stable")
     arrival, prompt, output = arrival[order], prompt[order], output[order]
@@ -248,13 +223,7 @@ def make_workload(
     tbt = np.full(m, slo.tbt_s)
     priority = sheddable = e2e = None
     if classes is not None:
-        k = classes.draw(m, seed)
-        table = classes.classes
-        ttft = ttft * np.array([c.ttft_scale for c in table])[k]
-        tbt = tbt * np.array([c.tbt_scale for c in table])[k]
-        priority = np.array([c.priority for c in table], np.int64)[k]
-        sheddable = np.array([c.sheddable for c in table], np.bool_)[k]
-        e2e = np.array([c.e2e_s for c in table], np.float64)[k]
+        ttft, tbt, priority, sheddable, e2e = _class_columns(classes, seed, ttft, tbt)
     return Workload(
         arrival=arrival.astype(np.float64),
         prompt_tokens=prompt.astype(np.int64),
@@ -268,3 +237,41 @@ def make_workload(
         e2e_slo=e2e,
         tpot_slo=tbt.copy() if slo.definition == "tpot" else None,
     )
+
+
+def _lengths_and_arrivals(name: str, n: int, rate: float, seed: int, rng: np.random.Generator,
+                          burst: Burst | None, use_trace_arrivals: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Prompt and output lengths and arrival times of a shape, a CSV trace or a mix of traces."""
+    mix = MIXES.get(name)
+    if name in SHAPES:
+        prompt, output = _shape(name, n, seed)
+        return prompt, output, _arrivals(n, rate, rng, burst)
+    if mix is None:  # a CSV path
+        trace = load_trace(name)
+        idx = rng.integers(0, len(trace), n) if not use_trace_arrivals else np.arange(min(n, len(trace)))
+        if not use_trace_arrivals:
+            return trace.prefill[idx], trace.decode[idx], _arrivals(len(idx), rate, rng, burst)
+        if trace.arrived_at is None:
+            raise ValueError(f"{name} has no arrived_at column")
+        return trace.prefill[idx], trace.decode[idx], trace.arrived_at[idx] - trace.arrived_at[idx].min()
+    names = list(mix)
+    weights = np.array([mix[k] for k in names])
+    which = rng.choice(len(names), n, p=weights / weights.sum())
+    prompt = np.empty(n, dtype=np.int64)
+    output = np.empty(n, dtype=np.int64)
+    for k, tname in enumerate(names):
+        sel = np.flatnonzero(which == k)
+        p, d = load_trace(tname).sample(len(sel), seed * 7919 + k)
+        prompt[sel], output[sel] = p, d
+    return prompt, output, _arrivals(n, rate, rng, burst)
+
+
+def _class_columns(classes: ClassMix, seed: int, ttft: np.ndarray, tbt: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Each request's class drawn from ``classes``: its scaled TTFT and TBT objectives, its
+    priority, whether it may be shed, and its end-to-end objective."""
+    k = classes.draw(len(ttft), seed)
+    table = classes.classes
+    return (ttft * np.array([c.ttft_scale for c in table])[k], tbt * np.array([c.tbt_scale for c in table])[k],
+            np.array([c.priority for c in table], np.int64)[k], np.array([c.sheddable for c in table], np.bool_)[k],
+            np.array([c.e2e_s for c in table], np.float64)[k])

@@ -273,6 +273,23 @@ def _phase2(cfg: BenchConfig, main: list[dict[str, Any]], exps: set[str],
         return out
     variants = {r["policy"]: Variant(r["policy"], r["base_policy"], tuple(sorted(r["params"].items())))
                 for r in main}
+    jobs, tags = _phase2_jobs(cfg, main, exps, variants, ref)
+    cb = progress("fixed-rate runs", len(jobs)) if progress else None
+    results = run_jobs(jobs, workers=cfg.workers, executor=cfg.executor, on_done=cb)
+    grouped: dict[str, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    for tag, res in zip(tags, results, strict=True):
+        grouped[tag][res["policy"]].append(res)
+    out.update(_phase2_sections(cfg, exps, grouped, [r["policy"] for r in main], ref, basis))
+    if "reasons" in exps:
+        out["reasons"] = _reasons(cfg, list(variants.values()), ref, basis, progress)
+    out["runs"] = [{k: v for k, v in r.items() if not k.endswith("_samples_s") and k != "classes"}
+                   | {"experiment": t} for t, r in zip(tags, results, strict=True)]
+    return out
+
+
+def _phase2_jobs(cfg: BenchConfig, main: list[dict[str, Any]], exps: set[str], variants: dict[str, Variant],
+                 ref: float) -> tuple[list[Job], list[str]]:
+    """The fixed-rate runs of the experiments in ``exps``, each with its experiment's tag."""
     jobs: list[Job] = []
     tags: list[str] = []
 
@@ -300,12 +317,13 @@ def _phase2(cfg: BenchConfig, main: list[dict[str, Any]], exps: set[str],
         for v in _class_variants(cfg, variants):
             for f in CLASS_FACTORS:
                 add(f"classes {f:g}x", v, f * ref, classes=cfg.class_mix)
-    cb = progress("fixed-rate runs", len(jobs)) if progress else None
-    results = run_jobs(jobs, workers=cfg.workers, executor=cfg.executor, on_done=cb)
-    grouped: dict[str, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
-    for tag, res in zip(tags, results, strict=True):
-        grouped[tag][res["policy"]].append(res)
-    order = [r["policy"] for r in main]
+    return jobs, tags
+
+
+def _phase2_sections(cfg: BenchConfig, exps: set[str], grouped: dict[str, dict[str, list[dict[str, Any]]]],
+                     order: list[str], ref: float, basis: str) -> dict[str, Any]:
+    """The report's sections of the fixed-rate experiments, from their runs by tag and policy."""
+    out: dict[str, Any] = {}
 
     def rows(tag: str) -> list[dict[str, Any]]:
         return [_aggregate_runs(grouped[tag][p]) for p in order if grouped[tag].get(p)]
@@ -334,27 +352,29 @@ def _phase2(cfg: BenchConfig, main: list[dict[str, Any]], exps: set[str],
             "rows": rows("burst"),
         }
     if "load" in exps:
-        by_factor = {1.0: grouped["reference"], 1.5: grouped["load"], cfg.overload_factor: grouped["overload_common"]}
-        out["load"] = {
-            "note": f"runs to completion at 1x, 1.5x and {cfg.overload_factor:g}x the reference rate {ref:.3f} rps "
-                    f"= {basis}; preemptions and violated requests per 1,000 requests, mean over seeds",
-            "rows": [
-                {"policy": p, **{f"{f:g}x": {
-                    "rate_rps": f * ref,
-                    "violations_per_1000": 1000 * float(np.mean([r["violation_rate"] for r in by_factor[f][p]])),
-                    "preemptions_per_1000": 1000 * float(np.mean([r["preemptions"] / r["requests"]
-                                                                  for r in by_factor[f][p]])),
-                } for f in sorted(by_factor) if by_factor[f].get(p)}}
-                for p in order
-            ],
-        }
+        out["load"] = _load_section(cfg, grouped, order, ref, basis)
     if "classes" in exps:
         out["classes"] = _class_rows(cfg, grouped, ref, basis)
-    if "reasons" in exps:
-        out["reasons"] = _reasons(cfg, list(variants.values()), ref, basis, progress)
-    out["runs"] = [{k: v for k, v in r.items() if not k.endswith("_samples_s") and k != "classes"}
-                   | {"experiment": t} for t, r in zip(tags, results, strict=True)]
     return out
+
+
+def _load_section(cfg: BenchConfig, grouped: dict[str, dict[str, list[dict[str, Any]]]], order: list[str],
+                  ref: float, basis: str) -> dict[str, Any]:
+    """Preemptions and violations per 1,000 requests at 1x, 1.5x and the overload factor."""
+    by_factor = {1.0: grouped["reference"], 1.5: grouped["load"], cfg.overload_factor: grouped["overload_common"]}
+    return {
+        "note": f"runs to completion at 1x, 1.5x and {cfg.overload_factor:g}x the reference rate {ref:.3f} rps "
+                f"= {basis}; preemptions and violated requests per 1,000 requests, mean over seeds",
+        "rows": [
+            {"policy": p, **{f"{f:g}x": {
+                "rate_rps": f * ref,
+                "violations_per_1000": 1000 * float(np.mean([r["violation_rate"] for r in by_factor[f][p]])),
+                "preemptions_per_1000": 1000 * float(np.mean([r["preemptions"] / r["requests"]
+                                                              for r in by_factor[f][p]])),
+            } for f in sorted(by_factor) if by_factor[f].get(p)}}
+            for p in order
+        ],
+    }
 
 
 def _reasons(cfg: BenchConfig, variants: list[Variant], ref: float, basis: str,

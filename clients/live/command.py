@@ -98,6 +98,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity-seed", type=int, default=1000, help="the capacity probes' seed (default 1000)")
     p.add_argument("--rates", type=_floats, default=None,
                    help="absolute Poisson rates, req/s, instead of --loads (no capacity search)")
+    _add_workload_args(p)
+    _add_output_args(p)
+    return p
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    """Seeds, requests, SLOs and the engine's settings."""
     p.add_argument("--seeds", type=_ints, default=(1, 2, 3, 4, 5), help="seeds, e.g. 1-5 or 1,3 (default 1-5)")
     p.add_argument("--requests", type=int, default=100, help="measured requests per run (default 100)")
     p.add_argument("--warmup", type=int, default=20, help="unmeasured requests before them (default 20)")
@@ -120,6 +127,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--think-s", type=float, default=1.0,
                    help="mean think time between a conversation's turns, seconds (default 1)")
     p.add_argument("--deadline-ms", type=float, default=20.0, help="the adapter's plan deadline (default 20)")
+
+
+def _add_output_args(p: argparse.ArgumentParser) -> None:
+    """The judge, the output folder and the simulator's replay."""
     p.add_argument("--judge-seeds", type=_ints, default=None, help="seeds whose runs vLLM's own `bench serve` "
                    "replays as an independent judge (default 1, none with --turns; 0 = none)")
     p.add_argument("--out", type=Path, default=Path("live-bench"), help="output folder (default ./live-bench); "
@@ -136,7 +147,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sim-noise", type=float, default=None,
                    help="lognormal spread of the simulated iteration times (default: with --sim, read off the "
                         "sweep's remote runs (their overrun shares); else, and where they have none, 0.15)")
-    return p
 
 
 def spec_of(args: argparse.Namespace) -> LiveSpec:

@@ -328,32 +328,12 @@ def write_plot(runs: Sequence[dict[str, Any]], path: Path, threshold: float,
     fig, axes = plt.subplots(1, 4 if remote else 3, figsize=(19 if remote else 14.5, 4.2))
     for c in configs:
         for ax, (key, title) in zip(axes[:2], DEFS, strict=True):
-            m, lo, hi = [], [], []
-            for rate in rates:
-                xs = [100 * v[key] for (cc, rr, _), v in by.items() if cc == c and rr == rate]
-                m.append(np.mean(xs) if xs else math.nan)
-                lo.append(min(xs) if xs else math.nan)
-                hi.append(max(xs) if xs else math.nan)
-            (line,) = ax.plot(rates, m, marker="o", label=c)
-            ax.fill_between(rates, lo, hi, color=line.get_color(), alpha=0.15)
-            for src, ls in (("sim", "--"), ("sim+client", ":"), ("sim+speed", "-."), ("sim+pace", (0, (5, 1, 1, 1))),
-                            ("sim+vllm", (0, (1, 3)))):
-                mine = [r for r in sim if r.get("source", "sim") == src and r["config"] == c]
-                if mine:
-                    ax.plot(rates, [_mean_at(mine, c, rate, key) for rate in rates], ls=ls, lw=1,
-                            color=line.get_color(), label=f"{c} ({src})")
+            _plot_attainment(ax, by, c, key, rates, sim)
             ax.set_title(f"SLO attainment, {title}")
         tmax = [max((v["ttft_max_ms"] / 1e3 for (cc, rr, _), v in by.items() if cc == c and rr == rate),
                     default=math.nan) for rate in rates]
         axes[2].plot(rates, tmax, marker="o", label=c)
-    band = aa_band(runs)
-    if band:  # vLLM's A/A band: its mean over both runs, ± the largest difference between them
-        br = sorted(band)
-        for ax, (key, _) in zip(axes[:2], DEFS, strict=True):
-            mid = np.array([np.mean([100 * v[key] for (cc, rr, _), v in by.items() if cc in AA and rr == r])
-                            for r in br])
-            half = np.array([band[r][key] for r in br])
-            ax.fill_between(br, mid - half, mid + half, color="black", alpha=0.12, label="vLLM A/A band")
+    _plot_aa_band(axes[:2], runs, by)
     cap = next((r["capacity_rps"] for r in runs if "capacity_rps" in r), None)
     xlabel = "request rate (req/s)" + (f"; vLLM's capacity {cap:g}" if cap else "")
     for ax in axes[:2]:
@@ -373,6 +353,39 @@ def write_plot(runs: Sequence[dict[str, Any]], path: Path, threshold: float,
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _plot_attainment(ax: Any, by: dict[tuple[str, float, int], dict[str, Any]], c: str, key: str, rates: list[float],
+                     sim: Sequence[dict[str, Any]]) -> None:
+    """One configuration's attainment under one definition: mean and range over seeds, and
+    the simulator's replays of it, dashed."""
+    m, lo, hi = [], [], []
+    for rate in rates:
+        xs = [100 * v[key] for (cc, rr, _), v in by.items() if cc == c and rr == rate]
+        m.append(np.mean(xs) if xs else math.nan)
+        lo.append(min(xs) if xs else math.nan)
+        hi.append(max(xs) if xs else math.nan)
+    (line,) = ax.plot(rates, m, marker="o", label=c)
+    ax.fill_between(rates, lo, hi, color=line.get_color(), alpha=0.15)
+    for src, ls in (("sim", "--"), ("sim+client", ":"), ("sim+speed", "-."), ("sim+pace", (0, (5, 1, 1, 1))),
+                    ("sim+vllm", (0, (1, 3)))):
+        mine = [r for r in sim if r.get("source", "sim") == src and r["config"] == c]
+        if mine:
+            ax.plot(rates, [_mean_at(mine, c, rate, key) for rate in rates], ls=ls, lw=1,
+                    color=line.get_color(), label=f"{c} ({src})")
+
+
+def _plot_aa_band(axes: Any, runs: Sequence[dict[str, Any]], by: dict[tuple[str, float, int], dict[str, Any]]) -> None:
+    """vLLM's A/A band: its mean over both runs, ± the largest difference between them."""
+    band = aa_band(runs)
+    if not band:
+        return
+    br = sorted(band)
+    for ax, (key, _) in zip(axes, DEFS, strict=True):
+        mid = np.array([np.mean([100 * v[key] for (cc, rr, _), v in by.items() if cc in AA and rr == r])
+                        for r in br])
+        half = np.array([band[r][key] for r in br])
+        ax.fill_between(br, mid - half, mid + half, color="black", alpha=0.12, label="vLLM A/A band")
 
 
 def write_sim_plot(live: Sequence[dict[str, Any]], sim: Sequence[dict[str, Any]], path: Path) -> Path | None:

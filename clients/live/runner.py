@@ -360,19 +360,9 @@ class _Bench:
                 p.stop()
 
     def run(self, rate: float, seed: int, c: Config) -> dict[str, Any]:
-        server = self.native if c.mode == "native" else self.adapter
-        assert server is not None
-        if c.mode != "native":
-            self.write_settings(c)
-            time.sleep(1.2)  # the adapter checks its settings file once a second
-        if self.service is not None:
-            self.service.renice(c.service_nice)
-            self.service.place({self.worker} if c.service_cores == "worker" else self.others)
+        server = self._configure(c)
         before = _counters(server) if c.mode != "native" else {}
-        dec0 = self.service.decisions() if self.service is not None else (0.0, 0.0)
-        err0 = self.service.predictor_error() if self.service is not None else (0.0, 0.0)
-        over0 = self.service.overruns() if self.service is not None else {}
-        refits0 = self.service.refits() if self.service is not None else {}
+        marks = self._service_marks()
         quiet = self.wait_quiet(server)
         reqs = make_requests(self.spec.workload, rate, seed)
         if self.spec.engine.prefix_caching:  # every configuration starts from an empty cache
@@ -401,37 +391,71 @@ class _Bench:
             rec["prefix_cache_reset"] = True  # sweeps from before the reset ran on a warm cache
         self._save_frontend(c, rate, seed, results, lag, rec)
         if c.mode != "native":
-            info = server.adapter_info()
-            if info.get("policy") != c.policy or (info.get("address") == "inproc") != (c.mode == "inproc"):
-                raise RuntimeError(f"the adapter did not take the settings of {c.label}: its metrics say {info}")
-            after = _counters(server)
-            rec["adapter"] = ad = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-            # the adapter's engine-thread time per iteration: snapshots, waiting for the plan, execution
-            ad["own_ms_per_iter"] = 1e3 * ad.pop("own_seconds", 0.0) / ad["iterations"] if ad.get("iterations") else None
-            _decision_path(ad)
-            rec["params"] = dict(c.params)
-        if self.service is not None:
-            s, n = self.service.predictor_error()
-            rec["service_mae_ms"] = (s - err0[0]) / (n - err0[1]) if n > err0[1] else None
-            rec["service_reports"] = n - err0[1]
-            rec["service_refits"] = refits = self.service.refits()
-            rec["service_refits_run"] = {k: v - refits0.get(k, 0.0) for k, v in refits.items() if v > refits0.get(k, 0.0)}
-        if self.service is not None and c.mode == "remote":  # the service plans for this run
-            s, n = self.service.decisions()
-            # the service's own time per decision (decode, validate, plan, encode), beside the
-            # adapter's time per iteration: the rest of a remote decision is transport and waiting
-            rec["service_decision_ms"] = 1e3 * (s - dec0[0]) / (n - dec0[1]) if n > dec0[1] else None
-            rec["service_nice"] = self.service.nice
-            rec["service_cores"] = c.service_cores
-            over = self.service.overruns()
-            dn = over["reports"] - over0.get("reports", 0.0)
-            # the share of this run's iterations that ran over the promise plans were built on
-            rec["overrun_share"] = {k: (over[k] - over0.get(k, 0.0)) / dn for k in ("none", "learned")} if dn else None
-            served = self.served_predictor()
-            rec["service_margin"] = served.margin if served is not None else None
+            self._adapter_record(server, c, before, rec)
+        self._service_record(c, marks, rec)
         if seed in self.spec.judge_seeds:
             rec["judge"] = self.judge(server, [r for r in reqs if not r.warmup], c, rate, seed)
         return rec
+
+    def _configure(self, c: Config) -> VllmProcess:
+        """The server that runs ``c``, set up for it (the adapter's settings, the service's
+        priority and cores)."""
+        server = self.native if c.mode == "native" else self.adapter
+        assert server is not None
+        if c.mode != "native":
+            self.write_settings(c)
+            time.sleep(1.2)  # the adapter checks its settings file once a second
+        if self.service is not None:
+            self.service.renice(c.service_nice)
+            self.service.place({self.worker} if c.service_cores == "worker" else self.others)
+        return server
+
+    def _service_marks(self) -> dict[str, Any]:
+        """The service's counters before a run, which its record is the difference from."""
+        if self.service is None:
+            return {"decisions": (0.0, 0.0), "error": (0.0, 0.0), "overruns": {}, "refits": {}}
+        return {"decisions": self.service.decisions(), "error": self.service.predictor_error(),
+                "overruns": self.service.overruns(), "refits": self.service.refits()}
+
+    def _adapter_record(self, server: VllmProcess, c: Config, before: dict[str, float],
+                        rec: dict[str, Any]) -> None:
+        """The adapter's counters over the run, after checking it ran ``c``'s settings."""
+        info = server.adapter_info()
+        if info.get("policy") != c.policy or (info.get("address") == "inproc") != (c.mode == "inproc"):
+            raise RuntimeError(f"the adapter did not take the settings of {c.label}: its metrics say {info}")
+        after = _counters(server)
+        rec["adapter"] = ad = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+        # the adapter's engine-thread time per iteration: snapshots, waiting for the plan, execution
+        ad["own_ms_per_iter"] = 1e3 * ad.pop("own_seconds", 0.0) / ad["iterations"] if ad.get("iterations") else None
+        _decision_path(ad)
+        rec["params"] = dict(c.params)
+
+    def _service_record(self, c: Config, marks: dict[str, Any], rec: dict[str, Any]) -> None:
+        """The service's predictor error and refits over the run; for a remote run also its
+        time per decision, the overrun shares and the served predictor's margin."""
+        if self.service is None:
+            return
+        err0, refits0 = marks["error"], marks["refits"]
+        s, n = self.service.predictor_error()
+        rec["service_mae_ms"] = (s - err0[0]) / (n - err0[1]) if n > err0[1] else None
+        rec["service_reports"] = n - err0[1]
+        rec["service_refits"] = refits = self.service.refits()
+        rec["service_refits_run"] = {k: v - refits0.get(k, 0.0) for k, v in refits.items() if v > refits0.get(k, 0.0)}
+        if c.mode != "remote":  # the service plans only for remote runs
+            return
+        dec0, over0 = marks["decisions"], marks["overruns"]
+        s, n = self.service.decisions()
+        # the service's own time per decision (decode, validate, plan, encode), beside the
+        # adapter's time per iteration: the rest of a remote decision is transport and waiting
+        rec["service_decision_ms"] = 1e3 * (s - dec0[0]) / (n - dec0[1]) if n > dec0[1] else None
+        rec["service_nice"] = self.service.nice
+        rec["service_cores"] = c.service_cores
+        over = self.service.overruns()
+        dn = over["reports"] - over0.get("reports", 0.0)
+        # the share of this run's iterations that ran over the promise plans were built on
+        rec["overrun_share"] = {k: (over[k] - over0.get(k, 0.0)) / dn for k in ("none", "learned")} if dn else None
+        served = self.served_predictor()
+        rec["service_margin"] = served.margin if served is not None else None
 
     def wait_quiet(self, server: VllmProcess) -> float:
         """Wait until processes outside the benchmark keep at most ``spec.max_foreign``
