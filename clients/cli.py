@@ -281,7 +281,18 @@ def cmd_token_hash(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="slidingserve", description="SLO-aware batch scheduling service for LLM engines.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_serve(sub)
+    _add_health(sub)
+    _add_plan(sub)
+    add_explain(sub, cmd_explain)
+    _add_policies(sub)
+    _add_predictor(sub)
+    _add_token(sub)
+    add_subcommands(sub)  # bench, demo
+    return p
 
+
+def _add_serve(sub: Any) -> None:
     s = sub.add_parser("serve", help="run the gRPC scheduling service")
     s.add_argument("--port", type=int, help="gRPC port (default from config: 50051)")
     s.add_argument("--host", help="bind address (default from config: 0.0.0.0)")
@@ -291,6 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="worker processes sharing the port (default from config: 1); see docs/operations.md")
     s.set_defaults(func=cmd_serve)
 
+
+def _add_health(sub: Any) -> None:
     s = sub.add_parser("health", help="gRPC health check of a running service; exit 0 when SERVING")
     s.add_argument("--address", required=True, metavar="HOST:PORT", help="service address (any gRPC target)")
     s.add_argument("--service", default="",
@@ -298,6 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
     s.set_defaults(func=cmd_health)
 
+
+def _add_plan(sub: Any) -> None:
     s = sub.add_parser("plan", help="decide one iteration for a snapshot JSON file")
     s.add_argument("--snapshot", required=True, help="snapshot JSON (docs/usage.md), '-' for stdin")
     s.add_argument("--policy", help="policy name (default slidingserve; see `slidingserve policies`)")
@@ -307,14 +322,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout", type=float, default=5.0, help="per-call deadline in seconds (with --server)")
     s.set_defaults(func=cmd_plan)
 
-    add_explain(sub, cmd_explain)
 
+def _add_policies(sub: Any) -> None:
     s = sub.add_parser("policies", help="list policies and their parameters")
     s.add_argument("--server", metavar="HOST:PORT")
     s.add_argument("--timeout", type=float, default=5.0)
     s.add_argument("--json", action="store_true", help="print JSON")
     s.set_defaults(func=cmd_policies)
 
+
+def _add_predictor(sub: Any) -> None:
     s = sub.add_parser("predictor", help="fit or show batch-latency predictors")
     psub = s.add_subparsers(dest="action", required=True, parser_class=_Parser)
     f = psub.add_parser("fit", help="fit from a CSV with columns x1..x7,latency_ms")
@@ -337,6 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
     sh.add_argument("--timeout", type=float, default=5.0)
     sh.set_defaults(func=cmd_predictor_show)
 
+
+def _add_token(sub: Any) -> None:
     s = sub.add_parser("token", help="bearer tokens for the server's auth_tokens_file (docs/security.md)")
     tsub = s.add_subparsers(dest="action", required=True, parser_class=_Parser)
     n = tsub.add_parser("new", help="print a fresh token and its tokens-file entry")
@@ -346,9 +365,6 @@ def build_parser() -> argparse.ArgumentParser:
     n.set_defaults(func=cmd_token_new)
     h = tsub.add_parser("hash", help="SHA-256 of a token read from stdin, for a tokens-file entry")
     h.set_defaults(func=cmd_token_hash)
-
-    add_subcommands(sub)  # bench, demo
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
