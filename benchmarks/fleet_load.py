@@ -197,30 +197,10 @@ def run_engine(job: EngineJob, counters: Any = None, on_ready: Callable[[], None
     w = make_workload(job.workload, job.requests, job.rate, seed=job.seed)
     settings = AdapterSettings(policy=job.policy, profile=profile.key, deadline_ms=job.deadline_ms,
                                engine_id=f"fleet-{job.index}", report_inline=not job.target)
-    rtt_us: list[int] = []
-    server_us: list[int] = []
-    policy_us: list[int] = []
+    samples: dict[str, list[int]] = {"rtt_us": [], "server_us": [], "policy_us": []}
     backend: SchedulerBackend
     if job.target:
-        class Measured(GrpcBackend):
-            def schedule(self, snapshot: Snapshot, timeout_s: float) -> Any:
-                t0 = time.perf_counter_ns()
-                plan = super().schedule(snapshot, timeout_s)
-                rtt_us.append((time.perf_counter_ns() - t0) // 1000)
-                policy_us.append(plan.decision_us)
-                return plan
-
-        backend = Measured(job.target, settings, channel_factory=_channel_factory(job.target, server_us))
-        # Open the channel and the stream before the clock starts (not part of any figure).
-        warm = Snapshot.from_columns(
-            now=0.0, max_batch_tokens=64, max_num_seqs=4, ids=["warm"], arrival=np.zeros(1),
-            prompt_tokens=np.array([8]), computed_tokens=np.zeros(1, dtype=np.int64),
-            output_tokens=np.zeros(1, dtype=np.int64), ttft_slo=np.ones(1), tbt_slo=np.ones(1),
-            protected=np.zeros(1, dtype=bool), profile=profile.key)
-        backend.schedule(warm, 30.0)
-        rtt_us.clear()
-        server_us.clear()
-        policy_us.clear()
+        backend = _measured_backend(job, settings, samples)
     else:
         backend = InProcessBackend(settings, pred)
     cls = _make_paced_adapter(AdapterCore, job.speedup if job.target else 0.0, counters, job.index)
@@ -240,8 +220,6 @@ def run_engine(job: EngineJob, counters: Any = None, on_ready: Callable[[], None
     finally:
         adapter.flush(2.0)
         adapter.close()
-    st = adapter.stats()
-    lag = np.array(getattr(adapter, "lag_s", []) or [0.0])
     done = engine.done
     return {
         "index": job.index,
@@ -255,6 +233,41 @@ def run_engine(job: EngineJob, counters: Any = None, on_ready: Callable[[], None
         "wall_s": res.wall_time_s,
         "sim_s": res.sim_time_s,
         "cpu_s": time.process_time() - cpu0,
+        **_adapter_figures(adapter),
+        **{k: np.array(v, dtype=np.int64) for k, v in samples.items()},
+    }
+
+
+def _measured_backend(job: EngineJob, settings: AdapterSettings, samples: dict[str, list[int]]) -> GrpcBackend:
+    """The remote backend, recording each decision's round trip, the service's time and the
+    policy's time into ``samples``; its channel and stream already open (not part of any figure)."""
+    rtt_us, policy_us = samples["rtt_us"], samples["policy_us"]
+
+    class Measured(GrpcBackend):
+        def schedule(self, snapshot: Snapshot, timeout_s: float) -> Any:
+            t0 = time.perf_counter_ns()
+            plan = super().schedule(snapshot, timeout_s)
+            rtt_us.append((time.perf_counter_ns() - t0) // 1000)
+            policy_us.append(plan.decision_us)
+            return plan
+
+    backend = Measured(job.target, settings, channel_factory=_channel_factory(job.target, samples["server_us"]))
+    warm = Snapshot.from_columns(
+        now=0.0, max_batch_tokens=64, max_num_seqs=4, ids=["warm"], arrival=np.zeros(1),
+        prompt_tokens=np.array([8]), computed_tokens=np.zeros(1, dtype=np.int64),
+        output_tokens=np.zeros(1, dtype=np.int64), ttft_slo=np.ones(1), tbt_slo=np.ones(1),
+        protected=np.zeros(1, dtype=bool), profile=settings.profile)
+    backend.schedule(warm, 30.0)
+    for v in samples.values():
+        v.clear()
+    return backend
+
+
+def _adapter_figures(adapter: Any) -> dict[str, Any]:
+    """The adapter's counters and the paced adapter's lag and timing figures."""
+    st = adapter.stats()
+    lag = np.array(getattr(adapter, "lag_s", []) or [0.0])
+    return {
         "remote": st["remote_decisions"],
         "fallbacks": st["fallbacks"],
         "last_error": st["last_error"],
@@ -269,9 +282,6 @@ def run_engine(job: EngineJob, counters: Any = None, on_ready: Callable[[], None
         "max_decide_ms": getattr(adapter, "max_decide_s", 0.0) * 1e3,
         "max_between_ms": getattr(adapter, "max_between_s", 0.0) * 1e3,
         "late_fraction": float(np.mean(lag > 0.005)),
-        "rtt_us": np.array(rtt_us, dtype=np.int64),
-        "server_us": np.array(server_us, dtype=np.int64),
-        "policy_us": np.array(policy_us, dtype=np.int64),
     }
 
 
@@ -521,37 +531,14 @@ def run_phase(phase: Phase, base: EngineJob, workdir: Path, spy_dir: Path | None
     try:
         for p in procs:
             p.start()
-        ready = 0
-        while ready < len(procs):
-            kind, i, payload = events.get(timeout=120)
-            if kind == "ready":
-                ready += 1
-            else:  # failed before the start
-                raise SystemExit(f"engine {i} failed to start:\n{payload}")
+        _wait_ready(events, len(procs))
         expected_wall = (base.requests / base.rate) / phase.speedup
         spy_out = spy_dir / f"pyspy-N{phase.engines}-x{phase.speedup:g}.txt" if spy_dir else None
         cpu0, t0 = service.cpu_s(), time.perf_counter()
         with profiled(service, 0.8 * expected_wall, spy_out) as spy:
             start.set()
-            last = t0
-            while len(results) + len(failures) < len(procs):
-                try:
-                    kind, i, payload = events.get(timeout=1.0)
-                except queue.Empty:
-                    kind = ""
-                if kind == "done":
-                    results[i] = payload
-                elif kind == "failed":
-                    failures[i] = payload
-                now = time.perf_counter()
-                if now - last >= 5.0 or len(results) + len(failures) == len(procs):
-                    last = now
-                    c = np.frombuffer(counters, dtype=np.int64).reshape(-1, 3).sum(axis=0)
-                    print(f"  {label}  {now - t0:5.0f}s (arrivals end at {expected_wall:.0f}s)  decisions {c[0]:,} "
-                          f"({c[0] / (now - t0):,.0f}/s)  fallbacks {c[1]}  requests "
-                          f"{c[2]}/{base.requests * phase.engines}", file=sys.stderr, flush=True)
-                if now - t0 > 3 * expected_wall + 120:
-                    raise SystemExit(f"{label}: engines did not finish in time")
+            _collect(events, counters, results, failures, len(procs),
+                     label, t0, expected_wall, base.requests * phase.engines)
             wall = time.perf_counter() - t0
             cpu = service.cpu_s() - cpu0
             threads = service.threads()
@@ -562,27 +549,104 @@ def run_phase(phase: Phase, base: EngineJob, workdir: Path, spy_dir: Path | None
             p.join(5)
         service.stop()
     rs = [results[i] for i in sorted(results)]
+    out = _phase_figures(phase, rs, failures, wall, cpu, threads)
+    if spy:
+        out["server_profile_gil"] = spy
+    out["_engines"] = rs  # raw per-engine results (samples included); not written to --out
+    return out
 
-    def cat(key: str) -> np.ndarray:
-        return np.concatenate([r[key] for r in rs]) if rs else np.zeros(0)
 
-    srv, rtt, pol = cat("server_us") / 1e3, cat("rtt_us") / 1e3, cat("policy_us") / 1e3
+def _wait_ready(events: Any, n: int) -> None:
+    """Wait until ``n`` engines have said they are ready; SystemExit when one failed."""
+    ready = 0
+    while ready < n:
+        kind, i, payload = events.get(timeout=120)
+        if kind == "ready":
+            ready += 1
+        else:  # failed before the start
+            raise SystemExit(f"engine {i} failed to start:\n{payload}")
+
+
+def _collect(events: Any, counters: Any, results: dict[int, dict[str, Any]], failures: dict[int, str], n: int,
+             label: str, t0: float, expected_wall: float, requests: int) -> None:
+    """Gather the ``n`` engines' results (or failures), with a progress line every 5 s;
+    SystemExit when they take more than three times the expected wall time."""
+    last = t0
+    while len(results) + len(failures) < n:
+        try:
+            kind, i, payload = events.get(timeout=1.0)
+        except queue.Empty:
+            kind = ""
+        if kind == "done":
+            results[i] = payload
+        elif kind == "failed":
+            failures[i] = payload
+        now = time.perf_counter()
+        if now - last >= 5.0 or len(results) + len(failures) == n:
+            last = now
+            c = np.frombuffer(counters, dtype=np.int64).reshape(-1, 3).sum(axis=0)
+            print(f"  {label}  {now - t0:5.0f}s (arrivals end at {expected_wall:.0f}s)  decisions {c[0]:,} "
+                  f"({c[0] / (now - t0):,.0f}/s)  fallbacks {c[1]}  requests "
+                  f"{c[2]}/{requests}", file=sys.stderr, flush=True)
+        if now - t0 > 3 * expected_wall + 120:
+            raise SystemExit(f"{label}: engines did not finish in time")
+
+
+def _phase_figures(phase: Phase, rs: list[dict[str, Any]], failures: dict[int, str], wall: float, cpu: float,
+                   threads: int) -> dict[str, Any]:
+    """A phase's figures from its engines' results and the service's CPU time."""
     decisions = sum(r["decisions"] for r in rs)
-    fb: collections.Counter[str] = collections.Counter()
-    for r in rs:
-        fb.update(r["fallbacks"])
-    out = {
+    out: dict[str, Any] = {
         "engines": phase.engines,
         "speedup": phase.speedup,
         "workers": phase.workers,
         "wall_s": round(wall, 2),
-        "decisions": decisions,
+        **_latency_figures(rs),
+        **_fallback_figures(rs, failures, decisions),
+        **_pace_figures(rs),
+        "service_cpu_cores": round(cpu / wall, 2),
+        # CPU per decision (reports and refits included): 1000 / this is the most decisions/s
+        # one core can serve, an upper bound for one GIL-bound process.
+        "service_cpu_ms_per_decision": round(1e3 * cpu / max(decisions, 1), 3),
+        "service_threads": threads,
+        "engine_cpu_cores": round(sum(r["cpu_s"] for r in rs) / wall, 2),
+        **{k: sum(r[k] for r in rs) for k in ("requests", "completed", "violated")},
+        "tokens_conserved": all(r["tokens_conserved"] for r in rs),
+        **{k: sum(r[k] for r in rs) for k in ("reports_sent", "reports_dropped")},
+        "loadavg_1m": os.getloadavg()[0],
+    }
+    out["slo_attainment"] = 1.0 - out["violated"] / max(out["requests"], 1)
+    # Engines that ask late most of the time set the pace themselves (machine CPU): the
+    # offered load then falls short of the nominal one and the service is not the limit.
+    out["engines_keep_pace"] = bool(out["late_fraction"] <= 0.05)
+    out["meets_target"] = bool(out["service_ms"]["p99"] <= TARGET_P99_MS
+                               and out["fallback_rate"] <= TARGET_FALLBACK and out["errors"] == 0)
+    return out
+
+
+def _latency_figures(rs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Decisions and their rate; service, policy and round-trip times (ms)."""
+    def cat(key: str) -> np.ndarray:
+        return np.concatenate([r[key] for r in rs]) if rs else np.zeros(0)
+
+    srv, rtt, pol = cat("server_us") / 1e3, cat("rtt_us") / 1e3, cat("policy_us") / 1e3
+    return {
+        "decisions": sum(r["decisions"] for r in rs),
         "decisions_per_s": round(sum(r["decisions"] / r["wall_s"] for r in rs), 1),
         "per_engine_iterations_per_s": round(float(np.mean([r["iterations"] / r["wall_s"] for r in rs])), 1)
         if rs else 0.0,
         "service_ms": {"p50": _pct(srv, 50), "p99": _pct(srv, 99), "max": _pct(srv, 100)},
         "policy_ms": {"p50": _pct(pol, 50), "p99": _pct(pol, 99)},
         "round_trip_ms": {"p50": _pct(rtt, 50), "p99": _pct(rtt, 99), "max": _pct(rtt, 100)},
+    }
+
+
+def _fallback_figures(rs: list[dict[str, Any]], failures: dict[int, str], decisions: int) -> dict[str, Any]:
+    """Fallbacks by reason and their rate, errors and the engines' last error messages."""
+    fb: collections.Counter[str] = collections.Counter()
+    for r in rs:
+        fb.update(r["fallbacks"])
+    return {
         "fallbacks": dict(fb),
         "fallback_rate": sum(fb.values()) / max(decisions, 1),
         "errors": fb.get("error", 0) + len(failures),
@@ -590,6 +654,12 @@ def run_phase(phase: Phase, base: EngineJob, workdir: Path, spy_dir: Path | None
         "last_errors": sorted({r["last_error"] for r in rs if r["last_error"]})[:3],
         "error_messages": dict(sum((collections.Counter(r["error_messages"]) for r in rs),
                                    collections.Counter()).most_common(5)),
+    }
+
+
+def _pace_figures(rs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Whether the engines kept real time: lag, late share, and where their wall time went."""
+    return {
         "lag_p99_ms": max((r["lag_p99_ms"] for r in rs), default=0.0),
         "late_fraction": float(np.mean([r["late_fraction"] for r in rs])) if rs else 0.0,
         # Where an engine's wall time went: pacing sleep, decide() (mostly the round trip), and
@@ -601,30 +671,7 @@ def run_phase(phase: Phase, base: EngineJob, workdir: Path, spy_dir: Path | None
             "sleep": round(float(np.mean([r["sleep_s"] / r["wall_s"] for r in rs])), 3) if rs else 0.0,
             "decide": round(float(np.mean([r["decide_s"] / r["wall_s"] for r in rs])), 3) if rs else 0.0,
         },
-        "service_cpu_cores": round(cpu / wall, 2),
-        # CPU per decision (reports and refits included): 1000 / this is the most decisions/s
-        # one core can serve, an upper bound for one GIL-bound process.
-        "service_cpu_ms_per_decision": round(1e3 * cpu / max(decisions, 1), 3),
-        "service_threads": threads,
-        "engine_cpu_cores": round(sum(r["cpu_s"] for r in rs) / wall, 2),
-        "requests": sum(r["requests"] for r in rs),
-        "completed": sum(r["completed"] for r in rs),
-        "violated": sum(r["violated"] for r in rs),
-        "tokens_conserved": all(r["tokens_conserved"] for r in rs),
-        "reports_sent": sum(r["reports_sent"] for r in rs),
-        "reports_dropped": sum(r["reports_dropped"] for r in rs),
-        "loadavg_1m": os.getloadavg()[0],
     }
-    out["slo_attainment"] = 1.0 - out["violated"] / max(out["requests"], 1)
-    # Engines that ask late most of the time set the pace themselves (machine CPU): the
-    # offered load then falls short of the nominal one and the service is not the limit.
-    out["engines_keep_pace"] = bool(out["late_fraction"] <= 0.05)
-    out["meets_target"] = bool(out["service_ms"]["p99"] <= TARGET_P99_MS
-                               and out["fallback_rate"] <= TARGET_FALLBACK and out["errors"] == 0)
-    if spy:
-        out["server_profile_gil"] = spy
-    out["_engines"] = rs  # raw per-engine results (samples included); not written to --out
-    return out
 
 
 # ------------------------------------------------------------------ report
@@ -665,25 +712,7 @@ def _positive(text: str) -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--engines", type=_ints, default=[1, 4, 8, 16], help="engine counts, e.g. 1,4,8,16")
-    ap.add_argument("--duration", type=_positive, default=30.0,
-                    help="simulated seconds of arrivals per engine (requests = rate × duration)")
-    ap.add_argument("--speedup", type=_positive, default=1.0, help="simulated seconds per wall second")
-    ap.add_argument("--rate", type=_positive, default=1.6, help="arrivals per second per engine")
-    ap.add_argument("--workload", default="mixed-v1")
-    ap.add_argument("--policy", default="slidingserve")
-    ap.add_argument("--profile", default="", help="GPU profile (default: the simulator's default)")
-    ap.add_argument("--deadline-ms", type=_positive, default=20.0)
-    ap.add_argument("--workers", type=_ints, default=[1],
-                    help="service worker processes per phase, e.g. 1,2 (every engine count runs with each)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--saturate", action="store_true",
-                    help="then double the speedup at the largest N until the target breaks")
-    ap.add_argument("--max-speedup", type=_positive, default=64.0)
-    ap.add_argument("--profile-server", action="store_true", help="sample the service with py-spy --gil")
-    ap.add_argument("--no-reference", action="store_true", help="skip the in-process SLO reference")
-    ap.add_argument("--out", help="write all figures as JSON")
+    ap = _parser()
     args = ap.parse_args(argv)
 
     profile = args.profile or DEFAULT_PROFILE
@@ -721,34 +750,85 @@ def main(argv: Sequence[str] | None = None) -> int:
         for w in args.workers:
             for n in args.engines:
                 go(Phase(n, args.speedup, w))
-        saturation: dict[str, Any] = {}
-        if args.saturate:
-            n, s, w = max(args.engines), args.speedup, max(args.workers)
-            last_ok = next((p for p in phases[::-1] if p["engines"] == n and p["meets_target"]), None)
-            while s * 2 <= args.max_speedup:
-                s *= 2
-                res = go(Phase(n, s, w))
-                if not res["engines_keep_pace"] and res["meets_target"]:
-                    saturation = {"engines": n, "speedup": s, "decisions_per_s": res["decisions_per_s"],
-                                  "limited_by": "the engines: they could not keep real-time pace on this "
-                                                "machine, so the service was not the limit"}
-                    break
-                if not res["meets_target"]:
-                    saturation = {"engines": n, "breaks_at_speedup": s, "decisions_per_s": res["decisions_per_s"],
-                                  "last_ok": None if last_ok is None else
-                                  {"speedup": last_ok["speedup"], "decisions_per_s": last_ok["decisions_per_s"]}}
-                    break
-                last_ok = res
+        saturation = _saturate(go, phases, args) if args.saturate else {}
         if not args.no_reference:
-            n_ref = max(p["engines"] for p in phases)
-            print(f"in-process reference: {n_ref} engines, same workloads and seeds", file=sys.stderr)
-            with mp.get_context("spawn").Pool(max(1, min(n_ref, os.cpu_count() or 1))) as pool:
-                refs = pool.map(_reference, [replace(base, index=i, seed=base.seed + i) for i in range(n_ref)])
-            for p in phases:
-                sub = refs[: p["engines"]]
-                p["slo_attainment_inproc"] = 1.0 - sum(r["violated"] for r in sub) / max(
-                    sum(r["requests"] for r in sub), 1)
+            _add_reference(base, phases)
+    _print_summary(phases)
+    if args.saturate:
+        print(f"saturation: {saturation or 'not reached up to speedup ' + format(args.max_speedup, 'g')}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"config": {**vars(args), "profile": profile,
+                                                          "requests_per_engine": requests},
+                                              "target": {"service_p99_ms": TARGET_P99_MS,
+                                                         "fallback_rate": TARGET_FALLBACK},
+                                              "phases": [{k: v for k, v in p.items() if not k.startswith("_")}
+                                                         for p in phases],
+                                              "saturation": saturation,
+                                              "cpus": os.cpu_count(), "base_job": asdict(base) | {
+                                                  "predictor_json": "<offline fit>"}}, indent=2))
+        print(f"wrote {args.out}")
+    return 0
 
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engines", type=_ints, default=[1, 4, 8, 16], help="engine counts, e.g. 1,4,8,16")
+    ap.add_argument("--duration", type=_positive, default=30.0,
+                    help="simulated seconds of arrivals per engine (requests = rate × duration)")
+    ap.add_argument("--speedup", type=_positive, default=1.0, help="simulated seconds per wall second")
+    ap.add_argument("--rate", type=_positive, default=1.6, help="arrivals per second per engine")
+    ap.add_argument("--workload", default="mixed-v1")
+    ap.add_argument("--policy", default="slidingserve")
+    ap.add_argument("--profile", default="", help="GPU profile (default: the simulator's default)")
+    ap.add_argument("--deadline-ms", type=_positive, default=20.0)
+    ap.add_argument("--workers", type=_ints, default=[1],
+                    help="service worker processes per phase, e.g. 1,2 (every engine count runs with each)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--saturate", action="store_true",
+                    help="then double the speedup at the largest N until the target breaks")
+    ap.add_argument("--max-speedup", type=_positive, default=64.0)
+    ap.add_argument("--profile-server", action="store_true", help="sample the service with py-spy --gil")
+    ap.add_argument("--no-reference", action="store_true", help="skip the in-process SLO reference")
+    ap.add_argument("--out", help="write all figures as JSON")
+    return ap
+
+
+def _saturate(go: Callable[[Phase], dict[str, Any]], phases: list[dict[str, Any]],
+              args: argparse.Namespace) -> dict[str, Any]:
+    """Double the speedup at the largest N until the target breaks, or until the engines
+    cannot keep pace; where it stopped and why (empty when ``--max-speedup`` came first)."""
+    n, s, w = max(args.engines), args.speedup, max(args.workers)
+    last_ok = next((p for p in phases[::-1] if p["engines"] == n and p["meets_target"]), None)
+    while s * 2 <= args.max_speedup:
+        s *= 2
+        res = go(Phase(n, s, w))
+        if not res["engines_keep_pace"] and res["meets_target"]:
+            return {"engines": n, "speedup": s, "decisions_per_s": res["decisions_per_s"],
+                    "limited_by": "the engines: they could not keep real-time pace on this "
+                                  "machine, so the service was not the limit"}
+        if not res["meets_target"]:
+            return {"engines": n, "breaks_at_speedup": s, "decisions_per_s": res["decisions_per_s"],
+                    "last_ok": None if last_ok is None else
+                    {"speedup": last_ok["speedup"], "decisions_per_s": last_ok["decisions_per_s"]}}
+        last_ok = res
+    return {}
+
+
+def _add_reference(base: EngineJob, phases: list[dict[str, Any]]) -> None:
+    """Each phase's SLO attainment with the policy in the engines' own processes."""
+    n_ref = max(p["engines"] for p in phases)
+    print(f"in-process reference: {n_ref} engines, same workloads and seeds", file=sys.stderr)
+    with mp.get_context("spawn").Pool(max(1, min(n_ref, os.cpu_count() or 1))) as pool:
+        refs = pool.map(_reference, [replace(base, index=i, seed=base.seed + i) for i in range(n_ref)])
+    for p in phases:
+        sub = refs[: p["engines"]]
+        p["slo_attainment_inproc"] = 1.0 - sum(r["violated"] for r in sub) / max(
+            sum(r["requests"] for r in sub), 1)
+
+
+def _print_summary(phases: list[dict[str, Any]]) -> None:
+    """The table, then per phase the service's CPU per decision, the engines' pace, the
+    service's GIL profile and any fallbacks or errors."""
     print("\n" + HEADER)
     for p in phases:
         print(row(p))
@@ -770,20 +850,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"N={p['engines']} x{p['speedup']:g}: fallbacks {p['fallbacks']}, engine failures "
                   f"{len(p['engine_failures'])}, last errors {p['last_errors']}"
                   + (f", errors {p['error_messages']}" if p["error_messages"] else ""))
-    if args.saturate:
-        print(f"saturation: {saturation or 'not reached up to speedup ' + format(args.max_speedup, 'g')}")
-    if args.out:
-        Path(args.out).write_text(json.dumps({"config": {**vars(args), "profile": profile,
-                                                          "requests_per_engine": requests},
-                                              "target": {"service_p99_ms": TARGET_P99_MS,
-                                                         "fallback_rate": TARGET_FALLBACK},
-                                              "phases": [{k: v for k, v in p.items() if not k.startswith("_")}
-                                                         for p in phases],
-                                              "saturation": saturation,
-                                              "cpus": os.cpu_count(), "base_job": asdict(base) | {
-                                                  "predictor_json": "<offline fit>"}}, indent=2))
-        print(f"wrote {args.out}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -313,6 +313,32 @@ def free_cores(seconds: float = 2.0) -> float:
 
 
 def main() -> None:
+    args = _parser().parse_args()
+    if args.serve_child:
+        serve_child(args.serve_child, args.workers)
+        return
+
+    snaps = [busy_snapshot(args.decodes, args.queued, seed=s) for s in range(args.seeds)]
+    print(f"snapshot: {args.decodes} decodes + {args.queued} waiting/prefilling (ShareGPT lengths), "
+          f"{args.seeds} seeds, {args.iters} calls each; policy {args.policy}; "
+          f"server {'in-process' if args.in_process else 'in a separate process'}")
+    pol, pred = registry.create(args.policy), default_predictor()
+    _print_in_process(snaps, pol.plan(snaps[0], pred), args)
+    # Fresh Snapshot objects per call, as a server sees them (no memoised derived columns).
+    fresh = [snapshot_from_pb(snapshot_to_pb(s), max_requests=100_000)[0] for s in snaps for _ in range(50)]
+    inproc = timed(lambda s: pol.plan(s, pred), fresh, min(args.iters, len(fresh)))
+    results, srv_times = _end_to_end(snaps, args)
+
+    print("\nend to end (client encode → gRPC → plan → client decode)   p50 ms   p99 ms")
+    print(f"  {'in-process policy.plan, fresh snapshots (no gRPC)':52s}  {pct(inproc)[0]:7.3f}  {pct(inproc)[1]:7.3f}")
+    print(f"  {'server-side (decode+validate+plan+encode)':52s}  {pct(srv_times)[0]:7.3f}  {pct(srv_times)[1]:7.3f}")
+    for name, p50, p99 in results:
+        print(f"  {name:52s}  {p50:7.3f}  {p99:7.3f}")
+    if args.throughput:
+        _print_throughput(snaps, args)
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--decodes", type=int, default=256)
     ap.add_argument("--queued", type=int, default=512)
@@ -325,23 +351,16 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=4, help="closed-loop streams for --throughput")
     ap.add_argument("--seconds", type=float, default=20.0, help="duration of each --throughput run")
     ap.add_argument("--serve-child", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.serve_child:
-        serve_child(args.serve_child, args.workers)
-        return
+    return ap
 
-    snaps = [busy_snapshot(args.decodes, args.queued, seed=s) for s in range(args.seeds)]
-    print(f"snapshot: {args.decodes} decodes + {args.queued} waiting/prefilling (ShareGPT lengths), "
-          f"{args.seeds} seeds, {args.iters} calls each; policy {args.policy}; "
-          f"server {'in-process' if args.in_process else 'in a separate process'}")
 
+def _print_in_process(snaps: list[Snapshot], plan: Plan, args: argparse.Namespace) -> None:
+    """The tables measured in this process: wire encodings, fields, server steps, before/after."""
     print("\nwire encoding               encode p50/p99 ms    decode+validate p50/p99 ms   bytes")
     for enc, e50, e99, d50, d99, size in bench_codec(snaps, args.iters):
         print(f"  {enc:24s}  {e50:7.3f} / {e99:7.3f}       {d50:7.3f} / {d99:7.3f}          {size}")
-
-    pol, pred = registry.create(args.policy), default_predictor()
     print("\nper field (seed 0)                 bytes   decode p50 µs   encode p50 µs")
-    for name, size, dec, enc in bench_fields(snaps, pol.plan(snaps[0], pred), args.iters):
+    for name, size, dec, enc in bench_fields(snaps, plan, args.iters):
         print(f"  {name:32s} {size:7d}   {dec:13.1f}   {enc:13.1f}")
     print("\nserver side, step by step (in this process)   p50 ms   p99 ms")
     for name, p50, p99 in bench_server_steps(snaps, args.policy, args.iters):
@@ -349,12 +368,13 @@ def main() -> None:
     print("\nbefore → after the columnar path (interleaved)   before p50 / p99 ms    after p50 / p99 ms")
     for name, b50, b99, a50, a99 in bench_before_after(snaps, args.policy, args.iters):
         print(f"  {name:44s}  {b50:7.3f} / {b99:7.3f}     {a50:7.3f} / {a99:7.3f}")
-    # Fresh Snapshot objects per call, as a server sees them (no memoised derived columns).
-    fresh = [snapshot_from_pb(snapshot_to_pb(s), max_requests=100_000)[0] for s in snaps for _ in range(50)]
-    inproc = timed(lambda s: pol.plan(s, pred), fresh, min(args.iters, len(fresh)))
 
+
+def _end_to_end(snaps: list[Snapshot], args: argparse.Namespace) -> tuple[list[tuple[Any, ...]], list[float]]:
+    """Unary and stream calls through the client (both encodings): (name, p50, p99) rows;
+    and the server-side times the responses report."""
     target, stop = start_server(args.in_process, args.workers)
-    results = []
+    results: list[tuple[Any, ...]] = []
     try:
         for enc in ("columns", "rows"):
             with SchedulerClient(target, timeout_s=5.0, encoding=enc) as cl:
@@ -372,22 +392,20 @@ def main() -> None:
             srv_times = [stub.Schedule(reqs[i % len(reqs)]).server_us * 1e-6 for i in range(args.iters)]
     finally:
         stop()
+    return results, srv_times
 
-    print("\nend to end (client encode → gRPC → plan → client decode)   p50 ms   p99 ms")
-    print(f"  {'in-process policy.plan, fresh snapshots (no gRPC)':52s}  {pct(inproc)[0]:7.3f}  {pct(inproc)[1]:7.3f}")
-    print(f"  {'server-side (decode+validate+plan+encode)':52s}  {pct(srv_times)[0]:7.3f}  {pct(srv_times)[1]:7.3f}")
-    for name, p50, p99 in results:
-        print(f"  {name:52s}  {p50:7.3f}  {p99:7.3f}")
-    if args.throughput:
-        print(f"\ndecisions/s, {args.clients} closed-loop streams spread over the workers, {args.seconds:g} s each; "
-              f"{os.cpu_count()} CPUs, two busy processes get {free_cores():.2f} cores now")
-        base = None
-        for w in (int(x) for x in args.throughput.split(",")):
-            rate, counts, cores = bench_throughput(snaps, w, args.clients, args.seconds, args.policy)
-            base = base or rate
-            print(f"  workers {w}: {rate:8,.0f} decisions/s  ({rate / base:.2f}x the first)  service used {cores:.2f} "
-                  f"cores, {1e3 * cores / max(rate, 1e-9):.2f} CPU-ms per decision; per stream {counts}")
-        print(f"  (machine after: two busy processes get {free_cores():.2f} cores)")
+
+def _print_throughput(snaps: list[Snapshot], args: argparse.Namespace) -> None:
+    """Decisions/s with each of ``--throughput``'s worker counts."""
+    print(f"\ndecisions/s, {args.clients} closed-loop streams spread over the workers, {args.seconds:g} s each; "
+          f"{os.cpu_count()} CPUs, two busy processes get {free_cores():.2f} cores now")
+    base = None
+    for w in (int(x) for x in args.throughput.split(",")):
+        rate, counts, cores = bench_throughput(snaps, w, args.clients, args.seconds, args.policy)
+        base = base or rate
+        print(f"  workers {w}: {rate:8,.0f} decisions/s  ({rate / base:.2f}x the first)  service used {cores:.2f} "
+              f"cores, {1e3 * cores / max(rate, 1e-9):.2f} CPU-ms per decision; per stream {counts}")
+    print(f"  (machine after: two busy processes get {free_cores():.2f} cores)")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -119,14 +120,14 @@ def rolling_upgrade(workdir: Path, *, engines: int = 4, requests: int = 200, rat
     quiet_logs()
     profile_predictor(DEFAULT_PROFILE)  # fit once, before any timing
     policy_file = workdir / "policies.json"
-    policy_file.write_text(json.dumps({"default": "v1", "deployments": {"v1": V1, "v2": V2}}))
+    _write_config(policy_file, "v1")
     common = {"policy_config": str(policy_file), "policy_config_poll_s": 0.2, "grace_s": 1.0}
-    (workdir / "a").mkdir(exist_ok=True)
-    (workdir / "b").mkdir(exist_ok=True)
-    a = ServiceProcess(workdir / "a", **common)
-    b = ServiceProcess(workdir / "b", **common)
-    a.start()
-    b.start()
+    replicas = []
+    for name in ("a", "b"):
+        (workdir / name).mkdir(exist_ok=True)
+        replicas.append(ServiceProcess(workdir / name, **common))
+        replicas[-1].start()
+    a, b = replicas
     target = f"ipv4:127.0.0.1:{a.port},127.0.0.1:{b.port}"
     runs = []
     for i in range(engines):
@@ -148,44 +149,61 @@ def rolling_upgrade(workdir: Path, *, engines: int = 4, requests: int = 200, rat
     for t in threads:
         t.start()
     try:
-        time.sleep(max(0.0, t0 + at[0] * wall - time.monotonic()))
-        policy_file.write_text(json.dumps({"default": "v2", "deployments": {"v1": V1, "v2": V2}}))
-        phase[0] = "reload"
-        log("policy config: default v1 -> v2")
-        time.sleep(max(0.0, t0 + at[1] * wall - time.monotonic()))
-        for name, svc in (("A", a), ("B", b)):
-            phase[0] = f"restart {name}"
-            log(f"replica {name}: SIGTERM (drain)")
-            svc.stop()
-            svc.start()
-            log(f"replica {name}: SERVING again")
-            phase[0] = f"after {name}"
-            if name == "A":
-                time.sleep(max(0.0, t0 + at[2] * wall - time.monotonic()))
-        phase[0] = "upgraded"
+        _operate(policy_file, a, b, phase, log, [t0 + f * wall for f in at])
         for t in threads:
             t.join(timeout=10 * wall + 60)
         log("all engines finished")
     finally:
         a.stop()
         b.stop()
-    total_fb: Counter[str] = Counter()
-    for r in runs:
-        total_fb.update(r.fallbacks)
-    per_engine = [{
+    return {"engines": engines, "requests_per_engine": requests, "speedup": speedup, **_totals(runs),
+            "events": events, "per_engine": [_engine_result(r) for r in runs]}
+
+
+def _write_config(policy_file: Path, default: str) -> None:
+    policy_file.write_text(json.dumps({"default": default, "deployments": {"v1": V1, "v2": V2}}))
+
+
+def _operate(policy_file: Path, a: ServiceProcess, b: ServiceProcess, phase: list[str],
+             log: Callable[[str], None], when: list[float]) -> None:
+    """The operator: at ``when[0]`` the default v1 -> v2, at ``when[1]`` replica A restarted, then
+    (not before ``when[2]``) replica B; ``phase[0]`` labels the engines' decisions meanwhile."""
+    time.sleep(max(0.0, when[0] - time.monotonic()))
+    _write_config(policy_file, "v2")
+    phase[0] = "reload"
+    log("policy config: default v1 -> v2")
+    time.sleep(max(0.0, when[1] - time.monotonic()))
+    for name, svc in (("A", a), ("B", b)):
+        phase[0] = f"restart {name}"
+        log(f"replica {name}: SIGTERM (drain)")
+        svc.stop()
+        svc.start()
+        log(f"replica {name}: SERVING again")
+        phase[0] = f"after {name}"
+        if name == "A":
+            time.sleep(max(0.0, when[2] - time.monotonic()))
+    phase[0] = "upgraded"
+
+
+def _engine_result(r: EngineRun) -> dict[str, Any]:
+    return {
         "engine": r.name, "requests": len(r.workload), "completed": r.completed, "lost": r.lost,
         "iterations": r.iterations, "served": dict(r.served), "fallbacks": dict(r.fallbacks),
         "longest_fallback_run": r.longest_fallback_run, "error": r.error,
         "served_by_phase": {k: dict(v) for k, v in r.phase_served.items()},
-    } for r in runs]
+    }
+
+
+def _totals(runs: list[EngineRun]) -> dict[str, Any]:
+    total_fb: Counter[str] = Counter()
+    for r in runs:
+        total_fb.update(r.fallbacks)
     return {
-        "engines": engines, "requests_per_engine": requests, "speedup": speedup,
         "submitted": sum(len(r.workload) for r in runs), "completed": sum(r.completed for r in runs),
         "lost": sum(r.lost for r in runs), "iterations": sum(r.iterations for r in runs),
         "served": dict(sum((r.served for r in runs), Counter())), "fallbacks": dict(total_fb),
         "fallback_iterations": sum(total_fb.values()),
         "longest_fallback_run": max(r.longest_fallback_run for r in runs),
-        "events": events, "per_engine": per_engine,
     }
 
 
