@@ -296,11 +296,7 @@ class CandidateQueue:
         if not minor.any():
             return
         xs, ys = np.broadcast_to(X, t.shape)[minor], np.broadcast_to(Y, t.shape)[minor]
-        if len(xs) <= SCALAR_MINOR:  # usually one entry (a one-token fill): numpy calls cost more
-            t[minor] = [self._segment_ms_scalar(int(x), int(y), step) for x, y in zip(xs, ys, strict=True)]
-        else:
-            f, sc = self.segment_features(xs, ys, step)
-            t[minor] = self.predictor.predict_ms(f, sc)
+        t[minor] = [self._segment_ms_scalar(int(x), int(y), step) for x, y in zip(xs, ys, strict=True)]
 
     def _segment_ms_scalar(self, x: int, y: int, step: int) -> float:
         """One segment's predicted time in plain Python (reference semantics)."""

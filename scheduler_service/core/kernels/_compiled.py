@@ -683,8 +683,6 @@ def _last_window(best: np.ndarray, first: np.ndarray, W: np.ndarray, tol: float,
             for a in src:
                 n_minor += _pair_row(int(a), cols, cols, grid, R, u0, rbig, coef, fast, n_dec, dec_u, k - 1, ends,
                                      True)
-        if n_minor > SCALAR_MINOR:
-            return -1
         rest = max(0, len(cols) - _TOP_COLUMNS)
         for part in (cols[rest:], cols[:rest]):
             if len(part) == 0:
@@ -719,9 +717,7 @@ def sliding_chunk(q, first_cap: int, iter_cap: int, W: np.ndarray, granularity: 
     n_in = 0
     while n_in < len(grid) and grid[n_in] <= first_cap:
         n_in += 1
-    t1, _, n_minor = _prefix_times(coef, fast, R, u0, pw, pf, pmax, n_dec, dec_u, grid[:n_in])
-    if n_minor > SCALAR_MINOR:
-        return -1
+    t1, _, _ = _prefix_times(coef, fast, R, u0, pw, pf, pmax, n_dec, dec_u, grid[:n_in])
     best = np.full(len(grid), np.inf)
     for i in range(n_in):
         if t1[i] <= W[0]:
@@ -731,10 +727,8 @@ def sliding_chunk(q, first_cap: int, iter_cap: int, W: np.ndarray, granularity: 
     first = np.arange(len(grid))
     every = np.arange(len(grid))
     for m in range(1, k - 1):
-        best, par, n_minor = _step(best, first, every, W[m], 0.0, m, grid, R, u0, rbig, coef, fast,
-                                   n_dec, dec_u, iter_cap, ends)
-        if n_minor > SCALAR_MINOR:
-            return -1
+        best, par, _ = _step(best, first, every, W[m], 0.0, m, grid, R, u0, rbig, coef, fast,
+                             n_dec, dec_u, iter_cap, ends)
         first = first[par]
         if not np.isfinite(best).any():
             return 0

@@ -258,18 +258,12 @@ class NumbaOps(NumpyOps):
                                    predictor.coef[fast])  # type: ignore[no-any-return]
 
     def prefix_times(self, cq: CandidateQueue, P: np.ndarray) -> np.ndarray:
-        t, minor, n_minor = self.k.prefix_times(cq.view, P)
-        if n_minor > ref.SCALAR_MINOR:  # the reference predicts these with numpy: so do we
-            cq.fix_minor(t, np.zeros_like(P), P, minor, 0)
+        t, _, _ = self.k.prefix_times(cq.view, P)
         return t  # type: ignore[no-any-return]
 
     def fill_curve(self, cq: CandidateQueue, limit: int) -> tuple[np.ndarray, np.ndarray | None]:
-        t, smin, minor, n_minor = self.k.fill_curve(cq.view, limit)
-        if n_minor <= ref.SCALAR_MINOR:
-            return t, smin
-        P = np.arange(limit + 1, dtype=np.int64)
-        cq.fix_minor(t, np.zeros_like(P), P, minor, 0)  # as the reference predicts them
-        return t, None
+        t, smin, _, _ = self.k.fill_curve(cq.view, limit)
+        return t, smin
 
     def sliding_chunk(self, cq: CandidateQueue, W: np.ndarray, granularity: int, max_points: int,
                       curve: BudgetCurve, tol: float) -> int:
