@@ -85,9 +85,10 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from engine_adapter.core import AdapterCore  # noqa: E402
-from scheduler_service.core import Plan, Rejection, Snapshot  # noqa: E402
+from engine_adapter.core import AdapterCore, Decision  # noqa: E402
+from scheduler_service.core import Rejection, Snapshot  # noqa: E402
 
+from .decision import Outcome, fallback, fit_answer, read_answer  # noqa: E402
 from .effects import live_rejections, preemptible  # noqa: E402
 from .fit import (  # noqa: E402
     Fit,
@@ -95,7 +96,6 @@ from .fit import (  # noqa: E402
     decodes_at_block_boundary,
     decodes_needing_block,
     execution_order,
-    fit_plan,
     kv_headroom,
     kv_short,
     restored_order,
@@ -273,18 +273,13 @@ class SlidingServeMixin:
         self._ss_blocked = v.blocked
         return v.snap, v.rows, self._ss_free_blocks()
 
-    def _fit(self, view: _View, plan: dict[str, int], free_blocks: int, *, stale: bool = False) -> Fit:
-        """:func:`fit_plan` with this engine's KV and admission state; ``stale``: the view
-        was taken before the last ``update_from_output`` (vLLM collects the requests freed
-        since the last ``schedule()`` in ``finished_req_ids``, exactly that window)."""
-        rules = KvRules(
+    def _kv_rules(self, free_blocks: int) -> KvRules:
+        """vLLM's KV and admission state now, with ``free_blocks`` free."""
+        return KvRules(
             block_size=self.block_size, lookahead=self.num_lookahead_tokens, free_blocks=free_blocks,
             slots=min(self.max_num_running_reqs, self.max_num_active_reqs) - len(self.running),
             watermark=int(getattr(self.kv_cache_manager, "watermark_blocks", 0)) if self.running else 0,
             full_isl=bool(getattr(self, "scheduler_reserve_full_isl", False)))
-        if view.hits is not None:
-            view = self._ss_hits_now(view, plan)
-        return fit_plan(view, plan, rules, self.finished_req_ids if stale else ())
 
     def _ss_hits_now(self, view: _View, plan: dict[str, int]) -> _View:
         """``view`` with the prefix-cache hits of the waiting requests ``plan`` admits looked
@@ -292,9 +287,9 @@ class SlidingServeMixin:
         admission's KV blocks are counted as vLLM's lookup right after will find them."""
         index, rr = view.snap.index_of, view.running_rows
         rows = [i for i in map(index.get, plan) if i is not None and i >= rr]
-        if not rows or view.evictable is None:
+        if not rows or view.hits is None or view.evictable is None:
             return view
-        hits, ev = view.hits.copy(), view.evictable.copy()  # type: ignore[union-attr]
+        hits, ev = view.hits.copy(), view.evictable.copy()
         for i in rows:
             r = view.rows[i]
             if r.num_computed_tokens == 0 and not r.is_finished():
@@ -306,68 +301,70 @@ class SlidingServeMixin:
 
     # ----------------------------------------------------------------- decision
     def _decide(self) -> Fit | None:
-        """The plan to execute this iteration, fitted to vLLM, or None for native scheduling:
-        the one decided in the background when there is one (and it stands), else decided now."""
+        """The plan to execute this iteration, fitted to vLLM, or None for native scheduling
+        (:meth:`_outcome`, carried out by :meth:`_apply`)."""
+        return self._apply(self._outcome())
+
+    def _outcome(self) -> Outcome:
+        """This iteration's :class:`.decision.Outcome`: on the view and decision taken in the
+        background when there is one (and it stands), else on a view and decision taken now."""
         pending = self._ss_pipe.take()
         if self._ss_unsupported:
-            self._fallback("unsupported", self._ss_unsupported)
-            return None
+            return fallback("unsupported", self._ss_unsupported)
         core = pending.core if pending is not None else self._core()
         done = None
         if pending is not None:
             try:
                 done = self._ss_pipe.collect(pending, finished_since=bool(self.finished_req_ids))
             except Exception as e:  # a bug in the job must not break vLLM
-                self._fallback("error", f"background decision: {type(e).__name__}: {e}")
-                return None
+                return fallback("error", f"background decision: {type(e).__name__}: {e}")
         free_blocks = self._ss_free_blocks()
         # counted on the snapshot, in the background, for a pipelined view (finished requests only free blocks)
         need = done[0].kv_need if done is not None else decodes_at_block_boundary(self.running, self.block_size)
         short = kv_short(need, free_blocks)
-        if short:
-            # vLLM must preempt to let every decode advance; a plan cannot preempt
-            self._fallback("kv_pressure", short)
-            return None
+        if short:  # vLLM must preempt to let every decode advance; a plan cannot preempt
+            return fallback("kv_pressure", short)
         self._ss_pipe.arrivals = []
         if done is None:
             try:
                 view = self._view()
             except Exception as e:  # a request state we cannot express: never break vLLM
-                self._fallback("snapshot_error", f"{type(e).__name__}: {e}")
-                return None
+                return fallback("snapshot_error", f"{type(e).__name__}: {e}")
             if len(view.snap) == 0:
-                return None
+                return Outcome()
             decision = core.decide(view.snap)
         else:
             view, decision = done
         self._ss_blocked = view.blocked
-        if decision.plan is None:
-            self._fallback(decision.reason, core.last_error)
-            return None
-        return self._take(view, decision.plan, free_blocks, stale=done is not None)
+        return self._take(view, decision, core.last_error, free_blocks, stale=done is not None)
 
-    def _take(self, view: _View, decided: Plan, free_blocks: int, *, stale: bool) -> Fit | None:
-        """The plan's rejections and preemptions carried out now, and its allocations as
-        vLLM can execute them (:meth:`_fit`); None for native scheduling."""
-        if decided.rejections:
-            self._reject(decided.rejections)
-        if decided.preemptions and self._preempt(decided.preemptions):
+    def _take(self, view: _View, decision: Decision, last_error: str, free_blocks: int, *,
+              stale: bool) -> Outcome:
+        """:func:`.decision.read_answer`, the answer's rejections and preemptions carried out
+        now, and :func:`.decision.fit_answer` on vLLM's state after them.  ``stale``: the view
+        was taken before the last ``update_from_output`` (vLLM collects the requests freed
+        since the last ``schedule()`` in ``finished_req_ids``, exactly that window)."""
+        answer = read_answer(decision, last_error)
+        if isinstance(answer, Outcome):
+            return answer
+        if answer.rejections:
+            self._reject(answer.rejections)
+        if answer.preemptions and self._preempt(answer.preemptions):
             free_blocks = self._ss_free_blocks()
-        plan = decided.tokens_by_id()
-        if not plan:
-            self._fallback("empty_plan", f"policy path {decided.path!r} schedules nothing")
+        if view.hits is not None:
+            view = self._ss_hits_now(view, answer.allocations)
+        return fit_answer(answer, view, self._kv_rules(free_blocks), self.finished_req_ids if stale else ())
+
+    def _apply(self, outcome: Outcome) -> Fit | None:
+        """Count ``outcome``; its fit, or None for native scheduling."""
+        if outcome.trimmed:
+            self._ss_counts["trimmed_admissions"] += outcome.trimmed
+        if outcome.fit is None:
+            if outcome.reason:
+                self._fallback(outcome.reason, outcome.detail)
             return None
-        fit = self._fit(view, plan, free_blocks, stale=stale)
-        if fit.why:
-            self._fallback("unallocatable", fit.why)
-            return None
-        if fit.trimmed:
-            self._ss_counts["trimmed_admissions"] += fit.trimmed
-        if not fit.plan:  # finished meanwhile, or vLLM would admit none of them: vLLM decides
-            self._fallback("unallocatable", "no planned request fits vLLM's admission rules")
-            return None
-        self._ss_pipe.ahead_s = decided.predicted_latency_ms / 1e3
-        return fit
+        self._ss_pipe.ahead_s = outcome.ahead_s
+        return outcome.fit
 
     def _reject(self, rejections: Sequence[Rejection]) -> None:
         """Finish the requests a plan rejects (overload control), now, before vLLM schedules:
@@ -493,17 +490,16 @@ class SlidingServeMixin:
         return out
 
     def _execute(self, fit: Fit, args: Any, kwargs: Any) -> Any:
-        """``super().schedule()`` with the queues ordered and the hooks capping by the fitted plan."""
+        """``super().schedule()`` with the queues ordered and the hooks capping by the fitted
+        plan; vLLM's own queue order again afterwards (:func:`.fit.restored_order`)."""
         plan = fit.plan
         running0 = list(self.running)
         waiting0 = list(self.waiting)
-        order, planned_waiting = execution_order(
+        order, shown = execution_order(
             running0, fit, holding=self.kv_holding_waiting,
             blocked=[r for r in waiting0 if r.status not in _SCHEDULABLE] if self._ss_blocked else ())
-        self.running[:] = order
-        self.waiting.clear()
-        self.waiting.extend(planned_waiting)
-        self._ss_hidden = len(waiting0) - len(planned_waiting)
+        self._set_queues(order, shown)
+        self._ss_hidden = len(waiting0) - len(shown)
         self._plan = plan
         t = time.perf_counter()
         try:
@@ -512,7 +508,8 @@ class SlidingServeMixin:
             self._ss_inner = time.perf_counter() - t
             self._plan = None
             self._ss_hidden = 0
-            self._restore(running0, waiting0, planned_waiting)
+            self._set_queues(*restored_order(running0, waiting0, self.running, self.waiting,
+                                             self.kv_holding_waiting, shown))
             if fit.admit:
                 # admitted (their hits are vLLM's now) or refused (the hit planned with may be stale)
                 self._ss_hits.forget([r.request_id for r in fit.admit])
@@ -520,10 +517,8 @@ class SlidingServeMixin:
         self._ss_stats.deviated(deviations(plan, out.num_scheduled_tokens, self.requests))
         return out
 
-    def _restore(self, running0: list[Any], waiting0: list[Any], shown: list[Any] | None = None) -> None:
-        """vLLM's own queue order again (:func:`restored_order`)."""
-        running, waiting = restored_order(running0, waiting0, self.running, self.waiting,
-                                          self.kv_holding_waiting, shown)
+    def _set_queues(self, running: list[Any], waiting: list[Any]) -> None:
+        """vLLM's running and waiting queues, in place (vLLM holds references to both)."""
         self.running[:] = running
         self.waiting.clear()
         self.waiting.extend(waiting)

@@ -219,7 +219,7 @@ def test_a_stale_hit_neither_loses_nor_stalls_a_request(mdir: str) -> None:
     s.kv_cache_manager.reset_prefix_cache()  # every cached block evicted
     decision = s._core().decide(v.snap)
     assert decision.plan is not None
-    fit = s._take(v, decision.plan, s._ss_free_blocks(), stale=False)
+    fit = s._apply(s._take(v, decision, "", s._ss_free_blocks(), stale=False))
     assert fit is not None and fit.plan[r.request_id] == 168 - 128
     out = s._execute(fit, (), {})
     # vLLM found no hit now: it computes the planned 40 tokens from the start

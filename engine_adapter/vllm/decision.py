@@ -1,0 +1,120 @@
+"""The vLLM adapter's decision for one iteration, as pure functions (no vLLM import).
+
+Given the snapshot builder's output (:class:`.fit.View`) and the adapter core's answer
+(:class:`~engine_adapter.core.Decision`: the service's checked plan, or why there is none),
+the adapter either executes a plan or leaves the iteration to vLLM's native scheduling
+for a named reason.  That choice is a typed record, :class:`Outcome`; the scheduler class
+only reads vLLM's state into the arguments and carries the outcome out.
+
+It comes in two steps because a plan may ask vLLM to act before it schedules:
+
+1. :func:`read_answer`: the decision → an :class:`Answer` (the plan's allocations, the
+   requests it rejects and preempts, its predicted step time), or the fallback
+   :class:`Outcome` when the core has no plan (``deadline``, ``error``, ``invalid_plan``,
+   ``circuit_open``);
+2. the scheduler finishes the rejected requests and preempts the listed ones (vLLM's
+   calls), then :func:`fit_answer`: the allocations as vLLM can execute them on the view
+   and vLLM's KV and admission state (:func:`.fit.fit_plan`), or the fallback
+   (``empty_plan``: the plan allocates nothing; ``unallocatable``: the running requests
+   need more KV blocks than are free, or vLLM would admit none of the planned requests).
+
+:func:`settle` is both steps with nothing carried out between them.  The checks before
+an answer exists (``unsupported``, ``kv_pressure``, ``snapshot_error``) are one line each
+in the scheduler; :func:`fallback` makes their outcome.  Tests: tests/test_adapter_decision.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, replace
+
+from engine_adapter.core import Decision
+from scheduler_service.core import Rejection
+
+from .fit import Fit, KvRules, View, fit_plan
+
+__all__ = ["Answer", "Outcome", "fallback", "fit_answer", "read_answer", "settle"]
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one iteration does: execute ``fit`` or, when it is None, let vLLM schedule
+    natively (for ``reason``; "" when there was nothing to decide)."""
+
+    #: the plan as vLLM can execute it (request id → tokens, the queues' order)
+    fit: Fit | None = None
+    #: why vLLM schedules natively: a core reason (``deadline``, ``error``, ``invalid_plan``,
+    #: ``circuit_open``) or a local one (:data:`.stats.LOCAL_REASONS`)
+    reason: str = ""
+    detail: str = ""
+    #: running chunks shrunk and admissions dropped to fit vLLM (counted also on a fallback)
+    trimmed: int = 0
+    #: when the next iteration starts, as the executed plan predicts (s)
+    ahead_s: float = 0.0
+
+    @property
+    def native(self) -> bool:
+        return self.fit is None
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """A plan as the adapter reads it, before vLLM's KV and admission rules are applied."""
+
+    #: request id → tokens (plan order)
+    allocations: dict[str, int]
+    #: requests to finish (overload control) and to preempt before vLLM schedules
+    rejections: tuple[Rejection, ...] = ()
+    preemptions: tuple[str, ...] = ()
+    #: the plan's predicted step time (s) and the policy path that chose it
+    ahead_s: float = 0.0
+    path: str = ""
+
+
+def fallback(reason: str, detail: str = "") -> Outcome:
+    """vLLM's native scheduling this iteration, for ``reason``."""
+    return Outcome(None, reason, detail)
+
+
+def read_answer(decision: Decision, last_error: str = "") -> Answer | Outcome:
+    """The core's decision → the plan's :class:`Answer`, or the fallback :class:`Outcome`
+    when there is no plan (the core's reason; ``last_error``: its detail)."""
+    plan = decision.plan
+    if plan is None:
+        return fallback(decision.reason or "error", last_error)
+    return Answer(plan.tokens_by_id(), tuple(plan.rejections), tuple(plan.preemptions),
+                  plan.predicted_latency_ms / 1e3, plan.path)
+
+
+def fit_answer(answer: Answer, view: View, kv: KvRules, finished: Collection[str] = ()) -> Outcome:
+    """``answer``'s allocations as vLLM can execute them on ``view`` with ``kv`` (vLLM's KV
+    and admission state after the answer's rejections and preemptions); ``finished``: the
+    requests finished since the view was taken.  A fallback when nothing can be executed."""
+    if not answer.allocations:
+        return fallback("empty_plan", f"policy path {answer.path!r} schedules nothing")
+    fit = fit_plan(view, answer.allocations, kv, finished)
+    if finished and any(k in finished for k in fit.plan):
+        fit = _without(fit, finished)
+    if fit.why:
+        return fallback("unallocatable", fit.why)  # nothing is executed: nothing trimmed
+    if not fit.plan:  # finished meanwhile, or vLLM would admit none of them: vLLM decides
+        return Outcome(None, "unallocatable", "no planned request fits vLLM's admission rules", fit.trimmed)
+    return Outcome(fit, trimmed=fit.trimmed, ahead_s=answer.ahead_s)
+
+
+def _without(fit: Fit, finished: Collection[str]) -> Fit:
+    """``fit`` without the requests in ``finished``: :func:`.fit.fit_plan` drops them from
+    the plan, but when every planned admission is refused it runs the running decodes
+    instead, all of the view's, and a request finished since the view is no longer in vLLM's
+    running queue (shown to vLLM again, it would be scheduled after it was freed)."""
+    return replace(fit, plan={k: v for k, v in fit.plan.items() if k not in finished},
+                   run_order=[r for r in fit.run_order if r.request_id not in finished])
+
+
+def settle(view: View, decision: Decision, kv: KvRules, finished: Collection[str] = (),
+           last_error: str = "") -> Outcome:
+    """:func:`read_answer` then :func:`fit_answer`, with nothing carried out between them."""
+    answer = read_answer(decision, last_error)
+    if isinstance(answer, Outcome):
+        return answer
+    return fit_answer(answer, view, kv, finished)
