@@ -26,7 +26,9 @@ stream goes on).  With grpc's own decoding they got INTERNAL "Exception deserial
 request!" (``UNDECODABLE_INTERNAL``), leaked ~19 KB of server memory per call, and a
 stream could stay unreleased; the undecodable phase's RSS line shows that this is gone.
 
-``tests/test_fuzz_service.py`` drives the same generators from Hypothesis.
+A library as well as a command (docs/development.md): the generators, the oracle and
+:class:`Target` are what ``tests/test_fuzz_service.py`` drives from Hypothesis and
+``benchmarks/fuzz_atheris.py`` from libFuzzer, so the test and the campaign judge alike.
 """
 
 from __future__ import annotations

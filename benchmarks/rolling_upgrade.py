@@ -16,6 +16,9 @@ decisions served by v1/v2, fallback iterations by reason, and the longest run of
 consecutive fallback iterations.  Run::
 
     python -m benchmarks.rolling_upgrade [--engines 4] [--requests 200] [--speedup 2]
+
+A library as well as a command (docs/development.md): :func:`rolling_upgrade` returns the
+figures, and ``tests/test_rolling_upgrade.py`` checks a smaller run of it.
 """
 
 from __future__ import annotations
