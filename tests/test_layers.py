@@ -83,7 +83,46 @@ def test_in_process_adapter_loads_no_server(module: str) -> None:
 #: The vLLM adapter's modules that import nothing of vLLM (vLLM itself loads prometheus_client).
 ADAPTER_PLAIN = ("engine_adapter.vllm", "engine_adapter.vllm.settings", "engine_adapter.vllm.observe",
                  "engine_adapter.vllm.fit", "engine_adapter.vllm.pipeline", "engine_adapter.vllm.stats",
-                 "engine_adapter.vllm.effects", "engine_adapter.vllm.live", "engine_adapter.vllm.snapshot")
+                 "engine_adapter.vllm.effects", "engine_adapter.vllm.live", "engine_adapter.vllm.snapshot",
+                 "engine_adapter.vllm.decision")
+
+
+@pytest.mark.parametrize("module", ["engine_adapter.vllm.live", "engine_adapter.inprocess",
+                                    "engine_adapter.vllm.decision", "engine_adapter.vllm.pipeline"])
+def test_the_in_process_path_imports_no_grpc_and_nothing_of_the_server(module: str) -> None:
+    """The modules an engine with the policy in process runs on: importing them loads no
+    gRPC, client or remote planner (the remote path imports them when it builds its core)."""
+    assert _loaded_after(module, "grpc", "scheduler_service.server", "scheduler_service.client",
+                         "engine_adapter.remote") == []
+
+
+def test_an_in_process_engine_deciding_loads_no_grpc() -> None:
+    """In a fresh process: a vLLM adapter's core built in process, a decision taken and a
+    report handed over load no gRPC, client or remote planner; of the server package only
+    the predictor registry the in-process planner refits with (it loads nothing else,
+    test_the_predictor_registry_stands_apart_from_the_grpc_server)."""
+    code = """if True:
+        import sys
+        from engine_adapter.core import IterationSample
+        from engine_adapter.vllm.live import LiveCore
+        from engine_adapter.vllm.settings import SettingsWatcher, VllmAdapterSettings
+        from engine_adapter.vllm.snapshot import SloDefaults, SnapshotBuilder
+        from scheduler_service.core import Request, Snapshot
+        import numpy as np
+        live = LiveCore(SettingsWatcher(VllmAdapterSettings(policy="slidingserve")), "m|h|tp1",
+                        SnapshotBuilder(SloDefaults(), "m|h|tp1"))
+        snap = Snapshot.from_requests([Request("a", 0.0, 40), Request("d", 0.0, 8, 8, 3)], now=1.0,
+                                      max_batch_tokens=512, max_num_seqs=8)
+        core = live.get()
+        assert core.decide(snap).plan is not None
+        core.report(IterationSample(np.array([40, 1]), np.array([0, 10]), 12.0))
+        core.flush()
+        live.close()
+        watched = ("grpc", "scheduler_service.server", "scheduler_service.client", "engine_adapter.remote")
+        print(",".join(sorted(m for m in sys.modules for w in watched if m == w or m.startswith(w + "."))))
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "scheduler_service.server,scheduler_service.server.predictors", out.stdout + out.stderr
 
 
 def test_prometheus_loads_only_when_the_adapters_metrics_endpoint_is_on() -> None:

@@ -5,24 +5,29 @@ adapter's settings (gRPC to the service, or the policy in process); :class:`Live
 holds the one in use, creates it on first use (after vLLM forks the engine process)
 and swaps it when the settings file changes (:class:`.settings.SettingsWatcher`).
 Tests: tests/test_vllm_pipeline.py (no vLLM needed).
+
+The remote path's modules (gRPC, the client, :mod:`engine_adapter.remote`) are imported
+when a remote core is built, and the predictor registry
+(:mod:`scheduler_service.server.predictors`) when an in-process one is: importing this
+module loads neither, and an engine with the policy in process never loads gRPC
+(tests/test_layers.py).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
-
-import grpc
+from typing import TYPE_CHECKING, Any
 
 from engine_adapter.core import AdapterCore, AdapterSettings
 from engine_adapter.inprocess import InProcessBackend
-from engine_adapter.remote import GrpcBackend
 from scheduler_service.core import default_predictor
-from scheduler_service.server.predictors import PredictorRegistry, RefitSettings
 
 from .settings import FOLLOW_DEFAULT, SettingsWatcher, VllmAdapterSettings, default_engine_id, slo_defaults
 from .snapshot import SnapshotBuilder
+
+if TYPE_CHECKING:
+    from scheduler_service.server.predictors import PredictorRegistry
 
 __all__ = ["LiveCore", "build_core"]
 
@@ -30,6 +35,8 @@ log = logging.getLogger("engine_adapter.vllm")
 
 
 def _channel_factory(s: VllmAdapterSettings) -> Any:
+    import grpc  # the remote path only (module doc)
+
     options = [
         ("grpc.max_receive_message_length", 64 << 20),
         ("grpc.max_send_message_length", 64 << 20),
@@ -69,6 +76,8 @@ def build_core(s: VllmAdapterSettings, profile: str, predictors: PredictorRegist
     if s.address == "inproc":
         backend = InProcessBackend(a, predictors=predictors)
     else:
+        from engine_adapter.remote import GrpcBackend  # the remote path only (module doc)
+
         backend = GrpcBackend(s.address, a, channel_factory=_channel_factory(s), security=s.client_security())
     return AdapterCore(backend, a)
 
@@ -92,17 +101,27 @@ class LiveCore:
         flight: a swap is safe then)."""
         core = self.core
         if core is None:
-            core = self.core = build_core(self.settings, self.profile, self.registry())
+            core = self.core = self._build(self.settings)
         new = self.watcher.poll()
         if new is not None and self.swap(new):
             core = self.core
             assert core is not None
         return core
 
+    def _build(self, s: VllmAdapterSettings) -> AdapterCore:
+        """A core under ``s``; in process, learning into :meth:`registry` (a remote core
+        does not create one: it needs no predictor here)."""
+        return build_core(s, self.profile, self.registry() if s.address == "inproc" else None)
+
     def registry(self) -> PredictorRegistry:
         """The in-process predictor registry, one per engine: a settings reload (another
         policy, in process again after a remote spell) keeps what it learned of this engine."""
         if self.predictors is None:
+            from scheduler_service.server.predictors import (  # in process only
+                PredictorRegistry,
+                RefitSettings,
+            )
+
             self.predictors = PredictorRegistry(default_predictor(), RefitSettings())
         return self.predictors
 
@@ -112,7 +131,7 @@ class LiveCore:
         kept) when the new core cannot be built."""
         old = self.core
         try:
-            core = build_core(new, self.profile, self.registry())
+            core = self._build(new)
         except Exception as e:
             log.error("slidingserve: cannot apply the new settings, keeping the old ones: %s", e)
             return False
