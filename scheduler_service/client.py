@@ -487,47 +487,37 @@ def _channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
 
 
 # ------------------------------------------------------------ shared bases
-class _Caller:
-    """The encoder (configuration, security metadata, request encoding) and the default
-    deadline, shared by clients and their streams."""
-
-    def __init__(self, enc: _Encoder, timeout_s: float) -> None:
-        self._enc = enc
-        self.timeout_s = timeout_s
-
-    def _t(self, timeout_s: float | None) -> float:
-        return self.timeout_s if timeout_s is None else timeout_s
-
-
-class _BaseClient(_Caller):
+class _BaseClient:
     """What :class:`SchedulerClient` and :class:`AsyncSchedulerClient` share: configuration,
     security and metadata, request encoding, reply decoding and error mapping.  The two
     differ only in I/O: which channel they open and whether a call is awaited."""
 
     def __init__(self, target: str, timeout_s: float, profile: ProfileLike, engine_id: str, encoding: str,
                  max_message_bytes: int, security: ClientSecurity | None) -> None:
-        super().__init__(_Encoder(_profile(profile), engine_id, encoding, security), timeout_s)
         self.target = target
+        self.timeout_s = timeout_s
+        self._enc = _Encoder(_profile(profile), engine_id, encoding, security)
         #: without security, a plain one: an insecure channel and no metadata
         self._security = security or ClientSecurity()
         self._options = _channel_options(max_message_bytes)
 
     def _kwargs(self, timeout_s: float | None) -> dict[str, Any]:
         """A unary call's deadline and metadata."""
-        return {"timeout": self._t(timeout_s), "metadata": self._enc.md()}
+        return {"timeout": self.timeout_s if timeout_s is None else timeout_s, "metadata": self._enc.md()}
 
     def _predictor_request(self, profile: ProfileLike) -> pb.GetPredictorRequest:
         prof = _profile(profile) or self._enc.profile or EngineProfile()
         return pb.GetPredictorRequest(engine_profile=profile_to_pb(prof))
 
 
-class _BaseStream(_Caller):
+class _BaseStream:
     """What :class:`ScheduleStream` and :class:`AsyncScheduleStream` share: the encoder, the
     default deadline, the check of each reply and the errors; they differ only in I/O."""
 
     def __init__(self, stub: pb_grpc.SchedulerServiceStub, enc: _Encoder, timeout_s: float) -> None:
-        super().__init__(enc, timeout_s)
         self._stub = stub
+        self._enc = enc
+        self.timeout_s = timeout_s
         self._call: Any = None
 
     def _drop(self) -> None:
@@ -675,7 +665,7 @@ class ScheduleStream(_BaseStream):
     def schedule(self, snapshot: SnapshotLike, policy: str | None = None, params: Mapping[str, Any] | None = None,
                  timeout_s: float | None = None, *, request_id: str | None = None) -> Plan:
         req = self._enc.request(snapshot, policy, params, request_id)
-        timeout = self._t(timeout_s)
+        timeout = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
             if self._closed:
                 raise SchedulerError(grpc.StatusCode.CANCELLED, "the stream is closed")
@@ -791,7 +781,7 @@ class AsyncScheduleStream(_BaseStream):
                        params: Mapping[str, Any] | None = None, timeout_s: float | None = None, *,
                        request_id: str | None = None) -> Plan:
         req = self._enc.request(snapshot, policy, params, request_id)
-        timeout = self._t(timeout_s)
+        timeout = self.timeout_s if timeout_s is None else timeout_s
         async with self._lock:
             if self._call is None:
                 self._call = self._stub.ScheduleStream(metadata=self._enc.md())
