@@ -110,12 +110,12 @@ def test_engines_pin_a_deployment_or_follow_the_default(tmp_path: Path) -> None:
     assert override.deployment == "v1" and override.decision_key() == want.decision_key()
     assert metric(srv, "slidingserve_deployment_decisions_total", {"deployment": "v2"}) == 1
     assert metric(srv, "slidingserve_deployment_decisions_total", {"deployment": "v1"}) == 2
-    # the pre-rename series is kept as an alias with the same values (dashboards)
-    assert metric(srv, "slidingserve_version_decisions_total", {"version": "v2"}) == 1
-    assert metric(srv, "slidingserve_version_decisions_total", {"version": "v1"}) == 2
+    # one word: the pre-rename alias series and label are gone (CHANGELOG.md)
+    names = {mf.name for mf in srv.metrics.registry.collect()}
+    assert "slidingserve_deployment_decisions" in names and "slidingserve_version_decisions" not in names
     info = srv.metrics.registry.get_sample_value(
         "slidingserve_policy_config_info", {"digest": lst.config_digest, "default": "v2", "shadow": "",
-                                            "deployments": "v1,v2", "versions": "v1,v2"})
+                                            "deployments": "v1,v2"})
     assert info == 1
     # the client's pre-rename names are aliases
     assert lst.versions == lst.deployments
@@ -170,15 +170,15 @@ def test_shadow_decides_and_is_compared_but_never_served(tmp_path: Path) -> None
             served.append(plan)
             assert plan.deployment == "v1" and plan.decision_key() == in_process(V1, snap).decision_key()
             assert srv.shadow is not None and srv.shadow.wait_idle(5)
-        same = metric(srv, "slidingserve_shadow_decisions_total", {"version": "cand", "result": "same"})
-        diff = metric(srv, "slidingserve_shadow_decisions_total", {"version": "cand", "result": "different"})
+        same = metric(srv, "slidingserve_shadow_decisions_total", {"deployment": "cand", "result": "same"})
+        diff = metric(srv, "slidingserve_shadow_decisions_total", {"deployment": "cand", "result": "different"})
         assert same + diff == 12 and diff >= 1
-        assert metric(srv, "slidingserve_shadow_token_delta_count", {"version": "cand"}) == 12
+        assert metric(srv, "slidingserve_shadow_token_delta_count", {"deployment": "cand"}) == 12
         # an engine pinned to the shadow deployment is served by it, and not compared with itself
         assert c.schedule(mixed_snapshot(1), policy="cand").deployment == "cand"
         assert srv.shadow.wait_idle(5)
-        assert metric(srv, "slidingserve_shadow_decisions_total", {"version": "cand", "result": "same"}) + \
-            metric(srv, "slidingserve_shadow_decisions_total", {"version": "cand", "result": "different"}) == 12
+        assert metric(srv, "slidingserve_shadow_decisions_total", {"deployment": "cand", "result": "same"}) + \
+            metric(srv, "slidingserve_shadow_decisions_total", {"deployment": "cand", "result": "different"}) == 12
 
 
 def test_slow_shadow_is_dropped_not_queued(tmp_path: Path) -> None:
@@ -203,7 +203,7 @@ def test_slow_shadow_is_dropped_not_queued(tmp_path: Path) -> None:
         elapsed = time.perf_counter() - t0
         gate.set()
         assert srv.shadow.wait_idle(5)
-    dropped = metric(srv, "slidingserve_shadow_decisions_total", {"version": "v2", "result": "dropped"})
+    dropped = metric(srv, "slidingserve_shadow_decisions_total", {"deployment": "v2", "result": "dropped"})
     assert dropped >= 18 and elapsed < 5
 
 

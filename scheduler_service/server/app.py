@@ -235,9 +235,8 @@ class SchedulerServer:
 
     def _note_policy_config(self, c: PolicyConfig | None) -> None:
         if c is not None:
-            names = ",".join(sorted(c.deployments))  # label "versions": the pre-rename alias
             self.metrics.policy_config.info({"digest": c.digest, "default": c.default, "shadow": c.shadow,
-                                             "deployments": names, "versions": names})
+                                             "deployments": ",".join(sorted(c.deployments))})
 
     def _load_or_stop(self, policies: PolicyCache) -> None:
         try:

@@ -102,10 +102,8 @@ class EngineTable:
         for d in list(m.known_engine_deployments):
             if d not in by_deployment:
                 m.engines_by_deployment.labels(d).set(0)
-                m.engines_by_version.labels(d).set(0)  # the alias series
         for d, n in by_deployment.items():
             m.engines_by_deployment.labels(d).set(n)
-            m.engines_by_version.labels(d).set(n)
             m.known_engine_deployments.add(d)
         for rec in gone:
             m.engines_removed.labels("expired").inc()

@@ -104,15 +104,10 @@ class Metrics:
     def _deployment_metrics(self, r: CollectorRegistry) -> None:
         """The policy config's deployments, its reloads and the shadow deployment."""
         # deployments (deployments.py): their names come from the operator's config, bounded.
-        # The *_version series are the pre-rename spellings, kept as aliases with the same values
-        # so existing dashboards and alerts keep working (docs/operations.md, metric table).
+        # Every series about a deployment labels it "deployment" (CHANGELOG.md: the *_version
+        # aliases and the shadow series' "version" label are gone).
         self.deployment_decisions = Counter(
             "slidingserve_deployment_decisions", "Decisions by deployment of the policy config", ["deployment"],
-            registry=r,
-        )
-        self.version_decisions = Counter(
-            "slidingserve_version_decisions",
-            "Alias of slidingserve_deployment_decisions (label version = the deployment)", ["version"],
             registry=r,
         )
         self.config_reloads = Counter(
@@ -125,18 +120,18 @@ class Metrics:
         self.shadow_decisions = Counter(
             "slidingserve_shadow_decisions",
             "Shadow decisions by result: same/different plan than the served one, error, dropped (busy)",
-            ["version", "result"], registry=r,
+            ["deployment", "result"], registry=r,
         )
         self.shadow_token_delta = Histogram(
-            "slidingserve_shadow_token_delta", "Shadow plan tokens minus served plan tokens", ["version"],
+            "slidingserve_shadow_token_delta", "Shadow plan tokens minus served plan tokens", ["deployment"],
             buckets=(-2048, -512, -128, -32, -8, -1, 0, 1, 8, 32, 128, 512, 2048), registry=r,
         )
         self.shadow_latency_delta_ms = Histogram(
-            "slidingserve_shadow_latency_delta_ms", "Shadow plan predicted latency minus served (ms)", ["version"],
+            "slidingserve_shadow_latency_delta_ms", "Shadow plan predicted latency minus served (ms)", ["deployment"],
             buckets=(-50, -20, -10, -5, -2, -1, 0, 1, 2, 5, 10, 20, 50), registry=r,
         )
         self.shadow_decision_seconds = Histogram(
-            "slidingserve_shadow_decision_seconds", "Time the shadow deployment takes per decision", ["version"],
+            "slidingserve_shadow_decision_seconds", "Time the shadow deployment takes per decision", ["deployment"],
             buckets=DECISION_BUCKETS, registry=r,
         )
 
@@ -148,11 +143,6 @@ class Metrics:
         self.engines_by_deployment = Gauge(
             "slidingserve_engines_by_deployment", "Active engines by the deployment of their last decision",
             ["deployment"], registry=r,
-        )
-        self.engines_by_version = Gauge(
-            "slidingserve_engines_by_version",
-            "Alias of slidingserve_engines_by_deployment (label version = the deployment)",
-            ["version"], registry=r,
         )
         self.engines_removed = Counter(
             "slidingserve_engines_removed", "Engine records removed: expired (idle) or evicted (max_engines)",

@@ -107,7 +107,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         self.engines = engines or EngineTable(metrics, config.engine_ttl_s, config.max_engines)
         self.ready = threading.Event()
         self._metric_children: dict[tuple[str, str], tuple[Any, Any]] = {}
-        self._deployment_counters: dict[str, tuple[Any, Any]] = {}
+        self._deployment_counters: dict[str, Any] = {}
         # one decision in explain_every is explained (next() on a count is atomic under the GIL)
         self._ticks = itertools.count()
         self._every_plan = config.reasons == "every"  # compact reasons in every plan
@@ -134,13 +134,10 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         resp = pb.ScheduleResponse(request_id=request.request_id, plan=encode_plan(plan, snap.ids, full=full))
         if deployment:
             resp.plan.deployment = deployment
-            counters = self._deployment_counters.get(deployment)
-            if counters is None:  # names come from the operator's config: bounded
-                m = self._metrics
-                counters = self._deployment_counters[deployment] = (
-                    m.deployment_decisions.labels(deployment), m.version_decisions.labels(deployment))
-            for counter in counters:  # the series and its pre-rename alias
-                counter.inc()
+            counter = self._deployment_counters.get(deployment)
+            if counter is None:  # names come from the operator's config: bounded
+                counter = self._deployment_counters[deployment] = self._metrics.deployment_decisions.labels(deployment)
+            counter.inc()
         if explained and sampled:  # the gauge follows the engines' own sampled plans only
             self._waiting_by_reason(plan, deployment)
         if self._shadow is not None:  # one queue put at most; the comparison runs elsewhere

@@ -255,7 +255,7 @@ class TestTP1:
         print(f"\nrejections: rounds (rejected of 4, fallbacks) {rounds}")
 
     def test_faults_while_streaming(self, vllm_tp1: VllmServer, service: Service) -> None:
-        """The service SIGKILLed mid-run and restarted, then its policy config's default version
+        """The service SIGKILLed mid-run and restarted, then its policy config's default deployment
         swapped, all while requests stream: none is lost, each completes in full, the engine
         serves natively while the service is away and schedules remotely again by itself."""
         v = vllm_tp1
@@ -322,14 +322,14 @@ class TestTP1:
                 await until("remote plans again after the restart", lambda: adapter(v)["remote_decisions"] > r0 + 20,
                             90)
                 await until("the restarted service deciding", lambda: total(
-                    service.metrics(), "slidingserve_version_decisions_total", version="v1") > 0, 30)
+                    service.metrics(), "slidingserve_deployment_decisions_total", deployment="v1") > 0, 30)
 
-                # 3. swap the default policy version while requests stream
+                # 3. swap the default deployment while requests stream
                 await until("a request in flight before the swap", lambda: in_flight() > 0, 30)
                 marks["in_flight_at_swap"] = in_flight()
                 service.write_policies("v2")
                 await until("decisions by v2 after the swap", lambda: total(
-                    service.metrics(), "slidingserve_version_decisions_total", version="v2") > 20, 60)
+                    service.metrics(), "slidingserve_deployment_decisions_total", deployment="v2") > 20, 60)
                 await asyncio.sleep(2.0)
                 marks["after_swap"] = adapter(v)
                 # stop the arrivals; every request must come back
@@ -351,7 +351,7 @@ class TestTP1:
                  > down["reports_sent"], 30)
         assert total(m, "slidingserve_reports_total", result="accepted") > 0
         assert total(m, "slidingserve_policy_config_reloads_total", result="success") >= 1
-        assert total(m, "slidingserve_version_decisions_total", version="v2") > 0
+        assert total(m, "slidingserve_deployment_decisions_total", deployment="v2") > 0
         # the adapter's fallback warnings reach vLLM's output too
         assert re.search(r"\(EngineCore pid=\d+\) WARNING \S+ \S+ \[stats\.py:\d+\] slidingserve: native "
                          r"scheduling \((error|deadline|circuit_open)", v.output()), \
