@@ -18,11 +18,13 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["write_plots"]
+__all__ = ["pyplot", "write_plots"]
 
 
-def _plt() -> Any:
-    # lazy: matplotlib is slow to import and only the plots need it (without it they are skipped)
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (no display needed), imported on first use:
+    matplotlib is slow to import and only the plots need it (ImportError without it: the
+    plots are skipped)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -32,13 +34,13 @@ def _plt() -> Any:
 
 
 def _colors(names: list[str]) -> dict[str, Any]:
-    plt = _plt()
+    plt = pyplot()
     cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     return {n: cycle[i % len(cycle)] for i, n in enumerate(names)}
 
 
 def _attainment(res: dict[str, Any], path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     names = [r["policy"] for r in res.get("goodput", [])]
     colors = _colors(names)
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
@@ -80,7 +82,7 @@ def _attainment(res: dict[str, Any], path: Path) -> None:
 
 
 def _cdfs(res: dict[str, Any], path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     samples = res["latency_samples"]
     colors = _colors(list(samples))
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
@@ -110,7 +112,7 @@ def _cdfs(res: dict[str, Any], path: Path) -> None:
 
 
 def _bars(rows: list[dict[str, Any]], title: str, path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     names = [r["policy"] for r in rows]
     mean = np.array([r["goodput_rps"] for r in rows])
     lo = mean - np.array([r["goodput_rps_min"] for r in rows])
@@ -131,7 +133,7 @@ def _bars(rows: list[dict[str, Any]], title: str, path: Path) -> None:
 
 
 def _classes(res: dict[str, Any], path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     c = res["classes"]
     names = [r["policy"] for r in c["rows"]]
     colors = _colors(names)
@@ -159,7 +161,7 @@ def _classes(res: dict[str, Any], path: Path) -> None:
 def _reasons(res: dict[str, Any], title: str, path: Path) -> None:
     from scheduler_service.core.plan import CODES
 
-    plt = _plt()
+    plt = pyplot()
     rows = res["reasons"]["rows"]
     codes = [c for c in CODES if any(c in r[g]["share"] for r in rows for g in ("violated", "met"))]
     cmap = plt.get_cmap("tab20")

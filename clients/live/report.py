@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from clients.bench.plots import pyplot
+
 from .measure import goodput
 
 __all__ = ["aa_band", "aa_table", "capacity_note", "goodputs", "judge_table", "markdown", "noise_table", "shared_note", "sim_table",
@@ -315,10 +317,7 @@ def write_plot(runs: Sequence[dict[str, Any]], path: Path, threshold: float,
     predictor error run by run (where remote runs reported it: no empty panel otherwise);
     None when matplotlib is missing."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
     except ImportError:
         return None
     configs = _configs(runs)
@@ -396,10 +395,7 @@ def write_sim_plot(live: Sequence[dict[str, Any]], sim: Sequence[dict[str, Any]]
     if not srcs:
         return None
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
     except ImportError:
         return None
     by = _by(live)
