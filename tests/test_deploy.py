@@ -30,7 +30,7 @@ from grpc_health.v1 import health_pb2
 
 import engine_adapter.vllm as vllm_adapter
 from clients.cli import main
-from engine_adapter.vllm.settings import VllmAdapterSettings
+from engine_adapter.vllm.settings import RENAMED, VllmAdapterSettings
 from scheduler_service.server import SchedulerServer, ServerConfig
 from scheduler_service.server.app import SERVICE_NAME
 from scheduler_service.server.metrics import Metrics
@@ -500,9 +500,11 @@ def test_vllm_example_uses_the_adapter_with_real_settings(tmp_path: Path,
     module, _, name = cls.rpartition(".")
     assert module == "engine_adapter.vllm" and name in vllm_adapter.__all__
     fields = {f"SLIDINGSERVE_{f.name.upper()}" for f in dataclasses.fields(VllmAdapterSettings)}
+    fields = fields - {f"SLIDINGSERVE_{old.upper()}" for old in RENAMED.values()}  # old names: aliases only
+    fields |= {f"SLIDINGSERVE_{new.upper()}" for new in RENAMED}
     env = {e["name"]: e.get("value") for e in c["env"]}
-    assert set(env) <= fields, f"not adapter settings: {set(env) - fields}"
-    assert {"SLIDINGSERVE_ADDRESS", "SLIDINGSERVE_POLICY", "SLIDINGSERVE_DEADLINE_MS"} <= set(env)
+    assert set(env) <= fields, f"not adapter settings (or an old name): {set(env) - fields}"
+    assert {"SLIDINGSERVE_ADDRESS", "SLIDINGSERVE_DEPLOYMENT", "SLIDINGSERVE_DEADLINE_MS"} <= set(env)
     literal = {k: v for k, v in env.items() if v is not None}
     settings = VllmAdapterSettings.from_env(literal, apply_file=False)  # validates every value
     # The address is the production overlay's headless Service, on its configured port.
@@ -533,6 +535,7 @@ def test_operations_guide_lists_every_metric_and_only_real_settings() -> None:
                      if not re.search(rf"\b{n}(?:_total|_bucket|_info)?\b", text))
     assert not missing, f"docs/operations.md does not describe {missing}"
     fields = {f"SLIDINGSERVE_{f.name.upper()}" for f in dataclasses.fields(VllmAdapterSettings)}
+    fields |= {f"SLIDINGSERVE_{new.upper()}" for new in RENAMED}  # a setting's new name (its field's is the alias)
     named = set(re.findall(r"SLIDINGSERVE_[A-Z_]+[A-Z]", text))
     assert named and named <= fields, f"not adapter settings: {named - fields}"
     config_keys = {f.name for f in dataclasses.fields(ServerConfig)}

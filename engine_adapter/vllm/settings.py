@@ -17,6 +17,13 @@ crash reports and ``/proc`` expose) or ``SLIDINGSERVE_TOKEN`` for a service
 with token authentication.  The token is never logged (``describe()`` and
 ``repr`` redact it).
 
+An engine pins a deployment of the service's policy config with ``SLIDINGSERVE_DEPLOYMENT``
+(file key ``deployment``).  Its name before the rename, ``SLIDINGSERVE_POLICY`` (file key
+``policy``), stays an alias for one release: alone it works and logs a deprecation warning;
+given together with the new name it must hold the same value, else the settings are refused
+with a :class:`SettingsError` naming both (no silent winner).  The field keeps its name,
+:attr:`VllmAdapterSettings.policy`.
+
 This module does not import vLLM.
 """
 
@@ -27,7 +34,7 @@ import logging
 import math
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -47,14 +54,17 @@ from scheduler_service.settings import (
 from .snapshot import ClassSlo, SloDefaults
 
 __all__ = [
-    "ENV_PREFIX", "FOLLOW_DEFAULT", "SettingsError", "SettingsWatcher", "VllmAdapterSettings", "parse_params",
+    "ENV_PREFIX", "FOLLOW_DEFAULT", "RENAMED", "SettingsError", "SettingsWatcher", "VllmAdapterSettings", "parse_params",
     "parse_slo_classes", "slo_defaults",
 ]
 
 log = logging.getLogger(__name__)
 
 ENV_PREFIX = "SLIDINGSERVE_"
-#: ``SLIDINGSERVE_POLICY`` value that follows the service's default deployment (what an
+#: Settings read under a newer name than their field's: new name (file key; the variable is
+#: ``SLIDINGSERVE_`` + it in upper case) → field, whose own name stays an alias for one release.
+RENAMED: Mapping[str, str] = {"deployment": "policy"}
+#: ``SLIDINGSERVE_DEPLOYMENT`` value that follows the service's default deployment (what an
 #: empty ``ScheduleRequest.policy`` selects) instead of naming a policy or deployment.
 FOLLOW_DEFAULT = "default"
 
@@ -127,8 +137,10 @@ class VllmAdapterSettings:
 
     #: ``host:port`` of the scheduling service, or ``inproc`` (policy in the engine process).
     address: str = "inproc"
-    #: A registry policy, a deployment of the service's policy config (pins it), or
-    #: ``default`` (follow the service's default deployment; in-process: ``slidingserve``).
+    #: ``SLIDINGSERVE_DEPLOYMENT`` (file key ``deployment``; the old name ``SLIDINGSERVE_POLICY`` /
+    #: ``policy`` is an alias for one release): a deployment of the service's policy config
+    #: (pins it), a registry policy, or ``default`` (follow the service's default deployment;
+    #: in-process: ``slidingserve``).
     policy: str = "slidingserve"
     params: Mapping[str, str] = field(default_factory=dict)
     #: Time the engine waits for a remote plan before scheduling natively.
@@ -233,7 +245,7 @@ class VllmAdapterSettings:
                 try:
                     registry.create(self.policy, self.params)
                 except Exception as e:
-                    raise SettingsError(f"SLIDINGSERVE_POLICY/PARAMS: {e}") from None
+                    raise SettingsError(f"SLIDINGSERVE_DEPLOYMENT (alias SLIDINGSERVE_POLICY)/PARAMS: {e}") from None
 
     @property
     def tls(self) -> bool:
@@ -256,7 +268,11 @@ class VllmAdapterSettings:
         """Settings from ``env`` (default ``os.environ``), then (``apply_file``) the
         settings file on top; raises :class:`SettingsError` naming the bad setting."""
         env = os.environ if env is None else env
-        base = cls(**env_values(cls, env, ENV_PREFIX, _coerce))
+        renamed = {new: env.get(ENV_PREFIX + new.upper()) for new in RENAMED}
+        values = _unalias(env_values(cls, env, ENV_PREFIX, _coerce),
+                          {new: _coerce(RENAMED[new], v) for new, v in renamed.items() if v},
+                          lambda name: ENV_PREFIX + name.upper(), "")
+        base = cls(**values)
         if base.config and apply_file:
             return base.with_file(base.config)
         return base
@@ -264,12 +280,13 @@ class VllmAdapterSettings:
     def with_file(self, path: str) -> VllmAdapterSettings:
         """These settings with the file's keys on top; raises :class:`SettingsError`."""
         data = _read_file(path)
-        unknown, known = unknown_keys(type(self), data, exclude=("config",))
+        unknown, known = unknown_keys(type(self), [k for k in data if k not in RENAMED], exclude=("config",))
         unknown = sorted(unknown)
         if unknown:
-            raise SettingsError(f"{path}: unknown keys {unknown} (known: {sorted(known)})")
-        values = {k: _coerce(k, v) for k, v in data.items()}
-        return replace(self, **values)
+            raise SettingsError(f"{path}: unknown keys {unknown} (known: {sorted(known | set(RENAMED))})")
+        values = {k: _coerce(k, v) for k, v in data.items() if k not in RENAMED}
+        renamed = {new: _coerce(RENAMED[new], data[new]) for new in RENAMED if new in data}
+        return replace(self, **_unalias(values, renamed, str, f"{path}: "))
 
     def describe(self) -> dict[str, Any]:
         """All settings, for logs: the token itself is redacted."""
@@ -277,6 +294,26 @@ class VllmAdapterSettings:
         if out["token"]:
             out["token"] = "<redacted>"
         return out
+
+
+def _unalias(values: dict[str, Any], renamed: Mapping[str, Any], spell: Callable[[str], str],
+             where: str) -> dict[str, Any]:
+    """``values`` (field → value) with each setting given under its new name (``renamed``: new
+    name → value) moved onto its field.  The old name alone is accepted with a deprecation
+    warning; both names are accepted only when they agree, else a :class:`SettingsError`
+    names both (``spell``: name → as the operator writes it; ``where``: the message's prefix)."""
+    out = dict(values)
+    for new, old in RENAMED.items():
+        if new not in renamed:
+            if old in out:
+                log.warning("slidingserve: %s%s is deprecated (removed in the next release); use %s",
+                            where, spell(old), spell(new))
+            continue
+        if old in out and out[old] != renamed[new]:
+            raise SettingsError(f"{where}{spell(new)}={renamed[new]!r} and {spell(old)}={out[old]!r} (its old "
+                                f"name) differ; give {spell(new)} only")
+        out[old] = renamed[new]
+    return out
 
 
 def _coerce(name: str, raw: Any) -> Any:
@@ -366,6 +403,6 @@ class SettingsWatcher:
             return None
         self.current = new
         self.reloads += 1
-        log.info("slidingserve: settings reloaded from %s: policy=%s deadline_ms=%g params=%s",
+        log.info("slidingserve: settings reloaded from %s: deployment=%s deadline_ms=%g params=%s",
                  self.path, new.policy, new.deadline_ms, dict(new.params))
         return new
