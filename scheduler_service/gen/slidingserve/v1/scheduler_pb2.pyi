@@ -8,7 +8,7 @@ Every engine iteration, an LLM engine sends a Snapshot of its queues and gets ba
 reports the measured iteration latency, which refits the batch-latency predictor of its
 engine profile online.  Times are seconds on the engine's clock (the snapshot carries `now`),
 lengths are tokens; the service never reads its own clock to decide, so the same snapshot,
-policy version and predictor version always give the same plan.
+policy_version and predictor_version always give the same plan.
 
 Compatibility rules: field numbers are stable and never reused; new fields get new numbers;
 removed fields are `reserved`.  Breaking changes go to a new package (slidingserve.v2).
@@ -412,8 +412,9 @@ class ScheduleRequest(_message.Message):
     request_id: _builtins.str
     """Caller-chosen id, echoed in the response (lets a stream client match late replies)."""
     policy: _builtins.str
-    """A policy version of the server's policy config (pins it) or a registry policy name (see
-    ListPolicies); empty follows the server's default.
+    """A deployment of the server's policy config (pins it) or a registry policy name (see
+    ListPolicies); empty follows the server's default deployment.  (The field keeps its v1.0
+    name; engines set it from SLIDINGSERVE_DEPLOYMENT.)
     """
     explain: _builtins.bool
     """Ask for this decision's reasons (Plan.reasons; docs/reasons.md), besides the one decision
@@ -509,7 +510,7 @@ class Plan(_message.Message):
     decision_us: _builtins.int
     """Time the policy took to decide (microseconds; a measurement, not part of the decision)."""
     deployment: _builtins.str
-    """Name of the policy version (server policy config) that decided; empty when the request
+    """Name of the deployment (server policy config) that decided; empty when the request
     named a registry policy directly.  Added after v1.0: older services leave it empty.
     """
     reason_codes: _builtins.bytes
@@ -993,8 +994,9 @@ Global___PolicyInfo: _TypeAlias = PolicyInfo  # noqa: Y015
 
 @_typing.final
 class PolicyVersion(_message.Message):
-    """A named policy version of the server's policy config: engines pin it by name in
-    ScheduleRequest.policy or follow the default.
+    """A deployment of the server's policy config: a registry policy plus parameter overrides under
+    a name that engines pin in ScheduleRequest.policy, or the default they follow.  (The message
+    keeps its v1.0 name, PolicyVersion; it is not the policy's version: that is policy_version.)
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -1024,7 +1026,7 @@ class PolicyVersion(_message.Message):
     PARAMS_FIELD_NUMBER: _builtins.int
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
     name: _builtins.str
-    """Version name, e.g. "v2" (what ScheduleRequest.policy names)."""
+    """Deployment name, e.g. "v2" (what ScheduleRequest.policy names)."""
     policy: _builtins.str
     """Registry policy it runs, e.g. "slidingserve"."""
     policy_version: _builtins.str
@@ -1061,11 +1063,11 @@ class ListPoliciesResponse(_message.Message):
     SHADOW_FIELD_NUMBER: _builtins.int
     CONFIG_DIGEST_FIELD_NUMBER: _builtins.int
     default_policy: _builtins.str
-    """The policy used when ScheduleRequest.policy is empty: a version name when the server has
-    a policy config, else a registry name.
+    """The policy used when ScheduleRequest.policy is empty: a deployment name when the server
+    has a policy config, else a registry name.
     """
     shadow: _builtins.str
-    """Version that also decides on live snapshots for comparison, never served ("" = none)."""
+    """Deployment that also decides on live snapshots for comparison, never served ("" = none)."""
     config_digest: _builtins.str
     """Content digest of the policy config in force ("" = none)."""
     @_builtins.property
@@ -1074,7 +1076,9 @@ class ListPoliciesResponse(_message.Message):
 
     @_builtins.property
     def versions(self) -> _containers.RepeatedCompositeFieldContainer[Global___PolicyVersion]:
-        """Policy versions loaded side by side (empty without a policy config).  Added after v1.0."""
+        """Deployments loaded side by side (empty without a policy config); the field keeps its
+        v1.0 name.  Added after v1.0.
+        """
 
     def __init__(
         self,

@@ -95,7 +95,8 @@ class SchedulerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListPolicies(self, request, context):
-        """The registered policies, their versions and parameters, and the server's default.
+        """The registered policies, their versions and parameters, the server's default and its
+        deployments.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

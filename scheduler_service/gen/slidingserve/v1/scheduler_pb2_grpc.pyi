@@ -8,7 +8,7 @@ Every engine iteration, an LLM engine sends a Snapshot of its queues and gets ba
 reports the measured iteration latency, which refits the batch-latency predictor of its
 engine profile online.  Times are seconds on the engine's clock (the snapshot carries `now`),
 lengths are tokens; the service never reads its own clock to decide, so the same snapshot,
-policy version and predictor version always give the same plan.
+policy_version and predictor_version always give the same plan.
 
 Compatibility rules: field numbers are stable and never reused; new fields get new numbers;
 removed fields are `reserved`.  Breaking changes go to a new package (slidingserve.v2).
@@ -61,7 +61,9 @@ class SchedulerServiceStub:
     online refit of the predictor of each report's engine profile.
     """
     ListPolicies: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.ListPoliciesRequest, _scheduler_pb2.ListPoliciesResponse]
-    """The registered policies, their versions and parameters, and the server's default."""
+    """The registered policies, their versions and parameters, the server's default and its
+    deployments.
+    """
     GetPredictor: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.GetPredictorRequest, _scheduler_pb2.GetPredictorResponse]
     """The predictor currently used for an engine profile, as JSON (format: docs/usage.md)."""
 
@@ -87,7 +89,9 @@ class SchedulerServiceAsyncStub(SchedulerServiceStub):
     online refit of the predictor of each report's engine profile.
     """
     ListPolicies: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.ListPoliciesRequest, _scheduler_pb2.ListPoliciesResponse]  # type: ignore[assignment]
-    """The registered policies, their versions and parameters, and the server's default."""
+    """The registered policies, their versions and parameters, the server's default and its
+    deployments.
+    """
     GetPredictor: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.GetPredictorRequest, _scheduler_pb2.GetPredictorResponse]  # type: ignore[assignment]
     """The predictor currently used for an engine profile, as JSON (format: docs/usage.md)."""
 
@@ -134,7 +138,9 @@ class SchedulerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _scheduler_pb2.ListPoliciesRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_scheduler_pb2.ListPoliciesResponse, _abc.Awaitable[_scheduler_pb2.ListPoliciesResponse]]:
-        """The registered policies, their versions and parameters, and the server's default."""
+        """The registered policies, their versions and parameters, the server's default and its
+        deployments.
+        """
 
     @_abc_1.abstractmethod
     def GetPredictor(
