@@ -17,7 +17,7 @@ is a validation error naming the alias.  A deployment is not a *policy version*
 (``Plan.policy_version``, the policy's code and parameter hash): docs/architecture.md, "Words".
 
 An engine pins a deployment by naming it in ``ScheduleRequest.policy``
-(``SLIDINGSERVE_POLICY=v1`` on the vLLM adapter) or follows the default by leaving it empty;
+(``SLIDINGSERVE_DEPLOYMENT=v1`` on the vLLM adapter) or follows the default by leaving it empty;
 a registry name (``slidingserve``) still works as before.  The file is re-read when it changes
 (:class:`PolicyConfigWatcher`): a file that does not parse or validate is refused with a
 logged reason and the last good config keeps serving; both outcomes are counted
@@ -79,7 +79,7 @@ SHADOW_ALIAS = "version"
 @dataclass(frozen=True, slots=True)
 class Deployment:
     """A named entry of the policy config: a registry policy plus parameter overrides, under
-    the name engines pin (``SLIDINGSERVE_POLICY``) and plans report (``Plan.deployment``)."""
+    the name engines pin (``SLIDINGSERVE_DEPLOYMENT``) and plans report (``Plan.deployment``)."""
 
     name: str
     policy: str

@@ -115,7 +115,7 @@ class Metrics:
             ["result"], registry=r,
         )
         self.policy_config = Info(
-            "slidingserve_policy_config", "Policy config in force (digest, default, shadow)", registry=r
+            "slidingserve_policy_config", "Policy config in force (digest, default and shadow deployment, deployments)", registry=r
         )
         self.shadow_decisions = Counter(
             "slidingserve_shadow_decisions",
