@@ -6,7 +6,7 @@ Subcommands (their names, flags and output formats are the public interface):
 * ``health``    standard gRPC health check of a running service (container/K8s probes)
 * ``plan``      decide one iteration for a snapshot JSON file, offline or via a server
 * ``explain``   why each request of a snapshot waits: the plan's reason codes (:mod:`clients.explain`)
-* ``policies``  list policies, their versions and parameters, and the server's deployments
+* ``policies``  list policies, their versions and parameters, and a server's deployments
 * ``predictor`` ``fit`` a predictor from a CSV of batch features and latencies;
   ``show`` one (a file, the built-in default, or a server's)
 * ``token``     ``new`` bearer token + tokens-file entry, ``hash`` of a token (docs/security.md)
@@ -93,11 +93,15 @@ def _load_predictor(path: str | None) -> BatchLatencyPredictor:
 def cmd_plan(args: argparse.Namespace) -> int:
     snapshot = Snapshot.from_json(_read_json(args.snapshot, "snapshot"))
     params = _params(args.param)
+    if args.deployment and not args.server:
+        raise CliError("--deployment names a deployment of a server's policy config; it needs --server")
+    if args.deployment and args.policy:
+        raise CliError("give --deployment or --policy, not both")
     if args.server:
         if args.predictor:
             raise CliError("--predictor applies offline only; a server uses its own predictor")
         with SchedulerClient(args.server, timeout_s=args.timeout, security=ClientSecurity.from_env()) as client:
-            plan = client.schedule(snapshot, policy=args.policy, params=params)
+            plan = client.schedule(snapshot, policy=args.deployment or args.policy, params=params)
     else:
         policy = registry.create(args.policy or "slidingserve", params)
         plan = policy.plan(snapshot, _load_predictor(args.predictor))
@@ -316,6 +320,8 @@ def _add_plan(sub: Any) -> None:
     s = sub.add_parser("plan", help="decide one iteration for a snapshot JSON file")
     s.add_argument("--snapshot", required=True, help="snapshot JSON (docs/usage.md), '-' for stdin")
     s.add_argument("--policy", help="policy name (default slidingserve; see `slidingserve policies`)")
+    s.add_argument("--deployment", help="with --server: a deployment of its policy config (default: the "
+                                        "server's default deployment; see `slidingserve policies --server`)")
     s.add_argument("--predictor", help="predictor JSON (default: the built-in one)")
     s.add_argument("--param", action="append", metavar="KEY=VALUE", help="policy parameter override")
     s.add_argument("--server", metavar="HOST:PORT", help="ask a running service instead of deciding locally")
@@ -324,7 +330,7 @@ def _add_plan(sub: Any) -> None:
 
 
 def _add_policies(sub: Any) -> None:
-    s = sub.add_parser("policies", help="list policies and their parameters")
+    s = sub.add_parser("policies", help="list policies and their parameters (with --server, its deployments too)")
     s.add_argument("--server", metavar="HOST:PORT")
     s.add_argument("--timeout", type=float, default=5.0)
     s.add_argument("--json", action="store_true", help="print JSON")

@@ -184,3 +184,21 @@ def test_policies_lists_the_servers_deployments(capsys: pytest.CaptureFixture[st
         info = json.loads(out)
         assert [d["name"] for d in info["deployments"]] == ["v1", "v2"]
         assert info["versions"] == info["deployments"]  # the pre-rename key, kept for scripts
+        # plan --deployment pins one (the wire's ScheduleRequest.policy); the default otherwise
+        snap = tmp_path / "s.json"
+        snap.write_text(mixed_snapshot(seed=3).to_json())
+        for argv, want in ((["--deployment", "v1"], "v1"), ([], "v2"), (["--policy", "v1"], "v1")):
+            code, out, err = run(capsys, "plan", "--snapshot", str(snap), "--server", server.target, *argv)
+            assert code == 0, err
+            assert json.loads(out)["deployment"] == want
+        code, _, err = run(capsys, "plan", "--snapshot", str(snap), "--server", server.target,
+                           "--deployment", "v9")
+        assert code == 2 and "v9" in err and len(err.strip().splitlines()) == 1
+
+
+def test_plan_deployment_needs_a_server_and_excludes_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "plan", "--snapshot", str(EXAMPLE), "--deployment", "v1")
+    assert code == 2 and "needs --server" in err
+    code, _, err = run(capsys, "plan", "--snapshot", str(EXAMPLE), "--server", "localhost:1",
+                       "--deployment", "v1", "--policy", "sarathi")
+    assert code == 2 and "not both" in err
