@@ -360,8 +360,8 @@ def _print_in_process(snaps: list[Snapshot], plan: Plan, args: argparse.Namespac
     for enc, e50, e99, d50, d99, size in bench_codec(snaps, args.iters):
         print(f"  {enc:24s}  {e50:7.3f} / {e99:7.3f}       {d50:7.3f} / {d99:7.3f}          {size}")
     print("\nper field (seed 0)                 bytes   decode p50 µs   encode p50 µs")
-    for name, size, dec, enc in bench_fields(snaps, plan, args.iters):
-        print(f"  {name:32s} {size:7d}   {dec:13.1f}   {enc:13.1f}")
+    for name, size, dec, encode in bench_fields(snaps, plan, args.iters):
+        print(f"  {name:32s} {size:7d}   {dec:13.1f}   {encode:13.1f}")
     print("\nserver side, step by step (in this process)   p50 ms   p99 ms")
     for name, p50, p99 in bench_server_steps(snaps, args.policy, args.iters):
         print(f"  {name:44s} {p50:7.3f}  {p99:7.3f}")

@@ -124,7 +124,7 @@ def rolling_upgrade(workdir: Path, *, engines: int = 4, requests: int = 200, rat
     profile_predictor(DEFAULT_PROFILE)  # fit once, before any timing
     policy_file = workdir / "policies.json"
     _write_config(policy_file, "v1")
-    common = {"policy_config": str(policy_file), "policy_config_poll_s": 0.2, "grace_s": 1.0}
+    common: dict[str, Any] = {"policy_config": str(policy_file), "policy_config_poll_s": 0.2, "grace_s": 1.0}
     replicas = []
     for name in ("a", "b"):
         (workdir / name).mkdir(exist_ok=True)
