@@ -44,7 +44,7 @@ class ServeCommand:
         """The environment the command needs (on top of the caller's), in the documented order."""
         env = {
             "SLIDINGSERVE_ADDRESS": self.address,
-            "SLIDINGSERVE_POLICY": "default",
+            "SLIDINGSERVE_DEPLOYMENT": "default",
             "SLIDINGSERVE_METRICS_PORT": str(self.metrics_port),
             "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache
             "HF_HUB_OFFLINE": "1",  # never reach for a hub: the model is a local folder

@@ -70,7 +70,7 @@ class LlmdCommand(ServeCommand):
     recording policy (pinned; a long deadline so that no iteration goes native)."""
 
     def env(self) -> dict[str, str]:
-        return {**super().env(), "SLIDINGSERVE_POLICY": POLICY, "SLIDINGSERVE_DEADLINE_MS": "5000"}
+        return {**super().env(), "SLIDINGSERVE_DEPLOYMENT": POLICY, "SLIDINGSERVE_DEADLINE_MS": "5000"}
 
     def args(self) -> list[str]:
         return [*super().args(), "--middleware", MIDDLEWARE, "--enable-log-requests"]
