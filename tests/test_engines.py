@@ -43,7 +43,7 @@ def test_engines_are_counted_by_version_and_expire_over_grpc() -> None:
                 c.close()
 
 
-def test_engine_table_is_bounded_and_tracks_versions() -> None:
+def test_engine_table_is_bounded_and_tracks_deployments() -> None:
     m = Metrics()
     clock = Clock()
     t = EngineTable(m, ttl_s=10, max_engines=3, clock=clock)

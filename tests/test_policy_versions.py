@@ -1,5 +1,6 @@
-"""Policy versions side by side, the policy config file (validated, hot-reloaded), shadow mode:
-over real gRPC on loopback against an embedded server."""
+"""Deployments side by side (the file keeps its name from before the rename), the policy
+config file (validated, hot-reloaded), shadow mode: over real gRPC on loopback against an
+embedded server."""
 
 from __future__ import annotations
 
