@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler_service.core import BatchLatencyPredictor, Snapshot, batch_features
+from scheduler_service.core import BatchLatencyPredictor, Snapshot
 from scheduler_service.core.batch import BudgetCurve, CandidateQueue, select_decodes
 from scheduler_service.core.sorter import prefill_indices
 from tests.factories import (
@@ -45,15 +45,15 @@ def build(snap: Snapshot, pred: BatchLatencyPredictor, rng: np.random.Generator 
 
 
 def check_segments(cq: CandidateQueue, X: np.ndarray, Y: np.ndarray, step: int) -> None:
-    f, s = cq.segment_features(X, Y, step)
+    """The kernels' times of segments (and, from 0 at step 0, of prefixes) against the
+    batch built request by request and priced from its brute-force features."""
     t = cq.segment_time_ms(X, Y, step)
+    prefix = cq.prefix_time_ms(Y) if step == 0 and not X.any() else t
     for k, (x, y) in enumerate(zip(X.tolist(), Y.tolist(), strict=True)):
         cu = explicit_segment(cq.snap, cq.decodes, cq.queue, x, y, step)
-        np.testing.assert_allclose(f[k], brute_batch_features(cu), rtol=1e-12, err_msg=f"[{x},{y}) m={step}")
-        if cu:
-            _, code = batch_features(np.array([c for c, _ in cu]), np.array([u for _, u in cu]))
-            assert s[k] == code
-        assert t[k] == pytest.approx(predict(cq.predictor, cu), rel=1e-9, abs=1e-9)
+        want = predict(cq.predictor, cu)
+        assert t[k] == pytest.approx(want, rel=1e-9, abs=1e-9), f"[{x},{y}) m={step}"
+        assert prefix[k] == pytest.approx(want, rel=1e-9, abs=1e-9), f"[0,{y})"
 
 
 @pytest.mark.parametrize("seed", range(25))
@@ -88,14 +88,17 @@ def test_segment_features_hypothesis(snap: Snapshot, pred: BatchLatencyPredictor
 
 
 def test_one_token_pieces_of_a_prefill_count_as_decodes() -> None:
-    # a segment that takes one token of a prefill sees it as a decode (c == 1)
+    # a segment that takes one token of a prefill sees it as a decode (c == 1): the batch
+    # is decode-only, priced by the decode model on x4 = 3 requests, x5 = their context
     snap = make_snapshot([waiting("a", 5), prefilling("b", 10, 3), decoding("d", 20, 4)])
     dec = np.array([2])
-    cq = CandidateQueue.build(snap, make_predictor(), dec, np.array([0, 1]), n_all_decodes=1)
-    f, s = cq.segment_features(np.array([4]), np.array([6]), 1)
+    pred = make_predictor(decode=linear_model(1.0, x4=0.5, x5=0.25), prefill=linear_model(100.0),
+                          mixed=linear_model(200.0))
+    cq = CandidateQueue.build(snap, pred, dec, np.array([0, 1]), n_all_decodes=1)
     # a: c=1 at u=4; b: c=1 at u=3; decode: u = 20 + 4 - 1 + 1 = 24
-    assert f[0].tolist() == [0, 0, 4 + 3 + 24, 3, 4 + 3 + 24, 0, 0]
-    assert s.tolist() == [0]
+    cu = explicit_segment(snap, dec, np.array([0, 1]), 4, 6, 1)
+    assert brute_batch_features(cu).tolist() == [0, 0, 4 + 3 + 24, 3, 4 + 3 + 24, 0, 0]
+    assert cq.segment_time_ms(np.array([4]), np.array([6]), 1)[0] == 1.0 + 0.5 * 3 + 0.25 * 31
 
 
 def test_caps_hand_computed() -> None:

@@ -1,12 +1,18 @@
-"""The compiled kernels (numba) against the numpy reference: equal bit for bit.
+"""The compiled kernels (numba) against their own Python source (``py_func``, the numpy
+backend, what runs where numba is missing): equal bit for bit.
 
-Each test computes the same thing on both backends (``kernels.using``) and compares
-exactly: arrays byte for byte (a last-bit difference in a predicted time can flip a
-comparison against a slack, and plans carry their predicted time), plans by
-``decision_key``.  Inputs: Hypothesis snapshots (tight SLOs, partly prefilled requests,
-tiny KV and sequence limits, empty queues) and predictors (random, non-monotone, the
-bundled one), seeded snapshots from ``tests/factories.py``, and queues of one-token
-remainders, the case where the kernels hand minor batches back to numpy.
+numba compiles the source without fast-math, but Python and numba still differ in places
+(integer widths, ``max`` on signed zeros, unstable sorts), so each test computes the same
+thing on both backends (``kernels.using``) and compares exactly: arrays byte for byte (a
+last-bit difference in a predicted time can flip a comparison against a slack, and
+plans carry their predicted time), plans by ``decision_key``.  Inputs: Hypothesis
+snapshots (tight SLOs, partly prefilled requests, tiny KV and sequence limits, empty
+queues) and predictors (random, non-monotone, the bundled one), seeded snapshots from
+``tests/factories.py``, and queues of one-token remainders (minor batches).  What the
+kernels compute is checked against independent oracles elsewhere: explicit batches
+(tests/test_batch.py), brute-force TimeToBudget, knapsack and Moore–Hodgson
+(tests/test_batch.py, test_constructor.py, test_sorter.py), plan limits
+(tests/test_properties.py).
 """
 
 from __future__ import annotations
@@ -28,7 +34,14 @@ from scheduler_service.core import BatchLatencyPredictor, Snapshot, default_pred
 from scheduler_service.core.batch import CandidateQueue, select_decodes
 from scheduler_service.core.chunker import sliding_chunk
 from scheduler_service.core.constructor import construct_batch
-from scheduler_service.core.sorter import edf_order, late_set, mlps_order, ordered, prefill_indices
+from scheduler_service.core.sorter import (
+    class_late_set,
+    edf_order,
+    late_set,
+    mlps_order,
+    ordered,
+    prefill_indices,
+)
 from tests.factories import decoding, make_snapshot, prefilling, random_predictor, random_snapshot, waiting
 from tests.strategies import predictors, snapshots
 
@@ -40,7 +53,7 @@ any_predictor = st.one_of(st.just(default_predictor()), predictors(), predictors
 
 
 def both(fn: Callable[[], Any]) -> tuple[Any, Any]:
-    """``fn()`` on the numpy reference, then on the compiled kernels."""
+    """``fn()`` on the kernels' Python source, then compiled."""
     with kernels.using("numpy") as b:
         assert b == "numpy"
         ref = fn()
@@ -58,8 +71,8 @@ def same(a: Any, b: Any) -> bool:
 
 def queue_of(snap: Snapshot, pred: BatchLatencyPredictor, *, n_dec_cap: int | None = None,
              growth: int = 0) -> CandidateQueue:
-    """A CandidateQueue of the snapshot's decodes and MLPS-ordered prefills (the order
-    from the reference, so that both backends start from the same queue)."""
+    """A CandidateQueue of the snapshot's decodes and MLPS-ordered prefills (ordered on
+    the Python path, so that both backends start from the same queue)."""
     with kernels.using("numpy"):
         dec = select_decodes(snap, np.flatnonzero(snap.is_decoding))
         if n_dec_cap is not None:
@@ -76,8 +89,10 @@ def test_queue_arrays_fill_curve_and_prefix_times_agree(snap: Snapshot, pred: Ba
                                                          no_decodes: bool, growth: int,
                                                          data: st.DataObject) -> None:
     ref, got = both(lambda: queue_of(snap, pred, n_dec_cap=0 if no_decodes else None, growth=growth))
-    for name in ("r", "u0", "R", "_pf", "_rbig", "_pmax", "_pw"):
+    for name in ("r", "u0", "R"):
         assert same(getattr(ref, name), getattr(got, name)), name
+    for name in ("pf", "rbig", "pmax", "pw"):
+        assert same(getattr(ref.view, name), getattr(got.view, name)), name
     assert (ref.first_cap, ref.iter_cap, ref.kv_cap, ref.dec_u) == (got.first_cap, got.iter_cap, got.kv_cap,
                                                                     got.dec_u)
     c_ref, c_got = both(lambda: ref.budget_curve())
@@ -91,15 +106,14 @@ def test_queue_arrays_fill_curve_and_prefix_times_agree(snap: Snapshot, pred: Ba
 @given(snap=snapshots(max_n=16, max_prompt=120, max_bmax=96), pred=any_predictor, no_decodes=st.booleans())
 def test_the_fill_agrees_and_gives_what_the_explaining_chunker_counts_on(
         snap: Snapshot, pred: BatchLatencyPredictor, no_decodes: bool) -> None:
-    """The compiled fill is ``CandidateQueue.fill_arrays`` bit for bit, for every prompt
-    token count up to past the supply, and gives ``min(p1, supply)`` tokens: every one
-    of ``p1`` up to ``first_cap``, which the explaining chunker counts in its plan's
-    budget before it fills."""
+    """The fill agrees on both backends, for every prompt token count up to past the
+    supply, and gives ``min(p1, supply)`` tokens: every one of ``p1`` up to ``first_cap``,
+    which the explaining chunker counts in its plan's budget before it fills."""
     cq = queue_of(snap, pred, n_dec_cap=0 if no_decodes else None)
     assert cq.first_cap <= cq.supply
     for p1 in range(cq.supply + 3):
         ref, got = both(lambda p=p1: kernels.ops().fill_prefills(cq, p))  # type: ignore[misc]
-        assert same(ref[0], got[0]) and same(ref[1], got[1]) and same(ref[0], cq.fill_arrays(p1)[0])
+        assert same(ref[0], got[0]) and same(ref[1], got[1])
         assert int(ref[1].sum()) == min(p1, cq.supply) and (ref[1] >= 1).all()
 
 
@@ -154,6 +168,8 @@ def test_multi_class_orders_agree(snap: Snapshot, rho: float, alpha: float, expi
     for mask in (None, lost):
         ref, got = both(lambda m=mask: mlps_order(snap, pre, rho, alpha, 1e-3, expired_last, m))  # type: ignore[misc]
         assert same(ref, got)
+    ref, got = both(lambda: class_late_set(snap, pre, rho))
+    assert same(ref, got)
 
 
 @pytest.mark.parametrize("name", ["slidingserve", "sarathi-edf+sc+mlps"])
@@ -220,8 +236,8 @@ def test_constructor_agrees(snap: Snapshot, pred: BatchLatencyPredictor, margin:
 
 # ----------------------------------------------------------- one-token remainders
 def one_token_snapshot(n: int = 20, decodes: bool = True) -> Snapshot:
-    """Prefills one token short of done: every fill of them is a batch without a
-    prefill chunk, which the reference predicts with numpy past eight in a call."""
+    """Prefills one token short of done: every fill of them is a minor batch (no prefill
+    chunk over one token), priced by the scalar formula."""
     reqs = [prefilling(f"p{i}", 40, 39, arrival=1.0 + 0.01 * i, ttft=5.0) for i in range(n)]
     reqs += [waiting(f"w{i}", 30, arrival=2.0 + 0.01 * i, ttft=5.0) for i in range(4)]
     if decodes:
@@ -230,21 +246,13 @@ def one_token_snapshot(n: int = 20, decodes: bool = True) -> Snapshot:
 
 
 @pytest.mark.parametrize("decodes", [True, False])
-def test_one_token_remainders_go_back_to_numpy_and_agree(decodes: bool) -> None:
+def test_one_token_remainders_agree(decodes: bool) -> None:
     snap = one_token_snapshot(decodes=decodes)
     pred = random_predictor(3)
     cq = queue_of(snap, pred)
-    jit = kernels.jit()
-    assert jit is not None
-    *_, n_minor = jit.fill_curve(cq.view, min(cq.iter_cap, cq.supply))
-    assert n_minor > 8  # the case under test: the curve's minor entries come from numpy
     c_ref, c_got = both(lambda: cq.budget_curve())
     assert same(c_ref.times, c_got.times) and same(c_ref.suffix_min, c_got.suffix_min)
     W = np.array([40.0, 80.0, 120.0])
-    curve = cq.budget_curve()
-    p = jit.sliding_chunk(cq.view, cq.first_cap, cq.iter_cap, W, 1, 1 << 30, curve.times,
-                          curve.suffix_min, 0.0)
-    assert p == -1  # ... and the window search declines, so the reference decides
     ref, got = both(lambda: sliding_chunk(cq, W, 1, 1 << 30, None, 0.0))
     assert ref == got
     for name in registry.names():
@@ -334,13 +342,13 @@ def test_environment_selects_the_backend() -> None:
     assert bad.stdout.split()[0] == "numba" and "SLIDINGSERVE_KERNELS='cuda'" in bad.stderr
 
 
-def test_without_numba_the_core_runs_on_numpy_with_one_warning() -> None:
+def test_without_numba_the_kernels_run_as_plain_python_with_one_warning() -> None:
     code = ("import sys, logging\nsys.modules['numba'] = None\nlogging.basicConfig()\n" + PLAN_ONE
             + "registry.create('qoserve').plan(random_snapshot(2), default_predictor())\n"
               "print(kernels.warm_up())\n")
     out = _run(code, SLIDINGSERVE_KERNELS="numba")
     assert out.stdout.split()[0] == "numpy" and out.stdout.split()[-1] == "0.0"
-    assert out.stderr.count("numba kernels unavailable") == 1
+    assert out.stderr.count("numba is not importable") == 1
 
 
 def test_kernels_log_through_logging(caplog: pytest.LogCaptureFixture) -> None:

@@ -388,34 +388,36 @@ def test_no_import_upward(floor: str) -> None:
 
 #: The policy modules: they reach the hot path through ``kernels.ops()`` only.
 POLICY_MODULES = ("slidingserve", "batch", "chunker", "constructor", "sorter")
+#: What the kernels package shares with them besides: a layout, a constant, the id order.
+SHARED = ("QueueView", "MAX_BOUNDARIES", "id_rank")
 
 
 @pytest.mark.parametrize("module", POLICY_MODULES)
 def test_policy_modules_never_branch_on_the_kernel_backend(module: str) -> None:
     """One dispatch: a policy module calls ``kernels.ops().<operation>(...)`` and never asks
     which backend runs (no ``kernels.jit``, ``kernels.backend``, the facade's ``name``, the
-    compiled module or the facade classes); the escape rules live in ``kernels/_ops.py``."""
+    compiled module or the facade classes); the facade, ``kernels/_ops.py``, gathers their arguments."""
     path = Path(__file__).resolve().parents[1] / "scheduler_service" / "core" / f"{module}.py"
     text = path.read_text()
     bad = [word for word in ("jit(", "kernels.jit", "kernels.backend", "_compiled", "NumbaOps", "NumpyOps",
                              "MAX_LATE_SET", ".k.") if word in text]
     for node in ast.walk(ast.parse(text)):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "kernels":
-            if node.attr not in ("ops", "QueueView"):
+            if node.attr not in ("ops", *SHARED):
                 bad.append(f"kernels.{node.attr}")
         if (isinstance(node, ast.Attribute) and node.attr in ("name", "k") and isinstance(node.value, ast.Call)
                 and isinstance(node.value.func, ast.Attribute) and node.value.func.attr == "ops"):
             bad.append(f"kernels.ops().{node.attr}")
         if isinstance(node, ast.ImportFrom) and node.module and "kernels" in node.module:
-            bad += [f"from {node.module} import {a.name}" for a in node.names if a.name not in ("QueueView",)]
+            bad += [f"from {node.module} import {a.name}" for a in node.names if a.name not in SHARED]
     assert bad == [], f"{module}.py branches on the kernel backend: {bad}"
 
 
 def test_the_kernels_facade_imports_no_policy_module() -> None:
-    """The facade and the reference stand below the policies: at run time (deferred
-    imports too) they import none of them."""
+    """The facade, the kernels and the rule codes stand below the policies: at run time
+    (deferred imports too) they import none of them."""
     graph = _import_graph()
     policies = {f"scheduler_service.core.{m}" for m in POLICY_MODULES}
     for mod in ("scheduler_service.core.kernels", "scheduler_service.core.kernels._ops",
-                "scheduler_service.core.kernels._compiled", "scheduler_service.core.reference"):
+                "scheduler_service.core.kernels._compiled", "scheduler_service.core.rule_codes"):
         assert graph[mod] & policies == set(), mod

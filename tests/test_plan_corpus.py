@@ -5,6 +5,8 @@ and how to re-pin), on the compiled kernels and on the plain-Python path alike."
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -45,3 +47,21 @@ def test_plans_equal_the_pinned_ones(label: str, snaps: list) -> None:
 def test_the_plain_python_path_plans_the_same(label: str, snaps: list) -> None:
     with kernels.using("numpy"):
         assert pc.config_digest(label, snaps) == PINNED[label]
+
+
+def test_without_numba_the_kernels_run_as_plain_python_and_plan_the_same(snaps: list) -> None:
+    """Where numba cannot be imported, every kernel, helpers too, runs as plain Python."""
+    small = [s for s in snaps if len(s) <= 40][:60]
+    want = {label: pc.config_digest(label, small) for label in ("slidingserve", "sarathi-edf+sc+mlps")}
+    code = ("import sys, json\n"
+            "sys.modules['numba'] = None  # not importable\n"
+            "from scheduler_service.core import kernels\n"
+            "from tests import plan_corpus as pc\n"
+            "small = [s for s in pc.corpus() if len(s) <= 40][:60]\n"
+            f"got = {{k: pc.config_digest(k, small) for k in {sorted(want)!r}}}\n"
+            "print(json.dumps([kernels.backend(), got]))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         cwd=pc.DATA.parents[1], check=True)
+    backend, got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert backend == "numpy" and "numba is not importable" in out.stderr
+    assert got == want

@@ -1,6 +1,6 @@
-"""The policy core: numpy, no gRPC, no vLLM, no torch.  Its hot path also runs as numba
-kernels (``kernels/``: ``SLIDINGSERVE_KERNELS``, ``kernels.warm_up()``), numpy being the
-reference they are held equal to.
+"""The policy core: numpy, no gRPC, no vLLM, no torch.  Its hot path is written once, as
+kernels numba compiles (``kernels/``: ``SLIDINGSERVE_KERNELS``, ``kernels.warm_up()``) and
+that run as plain Python without it.
 
 Public surface (pinned by ``tests/test_public_api.py``)."""
 

@@ -200,7 +200,7 @@ class QoServePolicy:
             return int(space[-1])
         prefill = np.clip(space - n_dec, 0, cq.first_cap)
         min_slack_ms = float(snap.slack[cq.decodes].min()) * 1e3
-        t = cq.segment_time_ms(np.zeros(len(prefill), dtype=np.int64), prefill) * p.safety_factor
+        t = cq.prefix_time_ms(prefill) * p.safety_factor
         ok = np.flatnonzero(t <= min_slack_ms) if min_slack_ms > 0 else np.array([], dtype=np.int64)
         return int(space[ok[-1]]) if len(ok) else int(space[0])
 

@@ -22,27 +22,14 @@ partly prefilled are not held back by it: their KV is allocated and they only fi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 
 from . import kernels
-from .features import (
-    DECODE,
-    MIXED,
-    PREFILL,
-    X4,
-    X6,
-    X7,
-    add_decodes,
-    piece_features,
-    scenarios,
-    segment_ms_one,
-)
+from .features import DECODE, MIXED, PREFILL
 from .kernels import QueueView
-from .predictor import BatchLatencyPredictor, LinearModel
-from .reference import SCALAR_MINOR
+from .predictor import BatchLatencyPredictor
 from .snapshot import Snapshot
 from .sorter import ordered
 
@@ -117,7 +104,8 @@ class CandidateQueue:
 
     ``queue`` holds snapshot indices of prefill requests in priority order;
     ``r``/``u0`` their remaining and already-computed prompt tokens; ``R`` the
-    stream boundaries (R[0] = 0, R[j+1] = R[j] + r[j]).
+    stream boundaries (R[0] = 0, R[j+1] = R[j] + r[j]).  The predictions run in the
+    kernels (``kernels.ops()``), on :attr:`view`.
     """
 
     snap: Snapshot
@@ -135,21 +123,11 @@ class CandidateQueue:
     #: Prefill tokens the KV headroom allows this iteration when new requests
     #: are admitted (after the growth watermark).
     kv_cap: int
-    #: Prefix sums of the full requests' feature rows (row j covers queue[:j]).
-    _pf: np.ndarray
-    #: r where r > 1 (chunk sizes that count in x7), else 0.
-    _rbig: np.ndarray
-    _pmax: np.ndarray
-    # Fast path: the model almost every candidate batch uses (mixed with
-    # decodes, prefill-only without) and the prefix sums of each full
-    # request's terms under it.
-    _model: LinearModel
-    _pw: np.ndarray
-    #: The scenario row of that model in the predictor's coefficients (kernels).
-    _fast: int
-    #: The queue as the compiled kernels take it (its layout: ``kernels.QueueView``).
+    #: The queue as the kernels take it: the predictor's coefficients, the scenario row
+    #: of the model almost every candidate batch uses (mixed with decodes, prefill-only
+    #: without), the prefix sums of each full request's features and times under it
+    #: (``kernels.QueueView``).
     view: QueueView
-    _cache: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(
@@ -196,12 +174,6 @@ class CandidateQueue:
             first_cap=int(first_cap),
             iter_cap=int(iter_cap),
             kv_cap=int(kv_cap),
-            _pf=pf,
-            _rbig=rbig,
-            _pmax=pmax,
-            _model=predictor.model(fast),
-            _pw=pw,
-            _fast=fast,
             view=QueueView(coef=predictor.coef, fast=fast, R=R, u0=u0, pw=pw, pf=pf, rbig=rbig, pmax=pmax,
                            n_dec=n_dec, dec_u=dec_u),
         )
@@ -215,176 +187,24 @@ class CandidateQueue:
         """All prompt tokens the queue still needs."""
         return int(self.R[-1])
 
-    # ------------------------------------------------------------- features
-    def _sparse_table(self) -> list[np.ndarray]:
-        """Range-max table over ``_rbig``, built on first use: only the
-        reference path needs it, not a decision's fast path."""
-        table = self._cache.get("sparse")
-        if table is None:
-            table = [self._rbig]
-            k = 1
-            while 2 * k <= len(self._rbig):
-                prev = table[-1]
-                table.append(np.maximum(prev[:-k], prev[k:]))
-                k *= 2
-            self._cache["sparse"] = table
-        return table
-
-    def _range_max(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        """max(rbig[a:b]) per element (0 where the range is empty)."""
-        length = b - a
-        out = np.zeros(len(a))
-        ok = length > 0
-        if not ok.any():
-            return out
-        lvl = np.zeros(len(a), dtype=np.int64)
-        lvl[ok] = np.floor(np.log2(length[ok])).astype(np.int64)
-        sparse = self._sparse_table()
-        for k in np.unique(lvl[ok]):
-            m = ok & (lvl == k)
-            tab = sparse[k]
-            out[m] = np.maximum(tab[a[m]], tab[b[m] - (1 << k)])
-        return out
-
-    def segment_features(
-        self, X: np.ndarray, Y: np.ndarray, step: int = 0
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Features and scenario of the batch "decodes + stream segment [X, Y)".
-
-        ``step`` is the look-ahead iteration (0 = this one): decodes are
-        ``step`` tokens longer and the segment's first request has already
-        computed its tokens before X.
-        """
-        X = np.asarray(X, dtype=np.int64)
-        Y = np.asarray(Y, dtype=np.int64)
-        feats = np.zeros((len(X), 7))
-        R, r, u0 = self.R, self.r, self.u0
-        nq = len(r)
-        if nq:
-            nonempty = Y > X
-            jh = np.clip(np.searchsorted(R, X, side="right") - 1, 0, nq - 1)
-            jt = np.clip(np.searchsorted(R, Y - 1, side="right") - 1, 0, nq - 1)
-            multi = nonempty & (jh < jt)
-            # head piece [X, min(Y, R[jh+1])); tail piece [R[jt], Y) when the
-            # segment spans two or more requests; full requests in between
-            ch = np.where(nonempty, np.minimum(Y, R[jh + 1]) - X, 0)
-            ct = np.where(multi, Y - R[jt], 0)
-            head = piece_features(ch, u0[jh] + (X - R[jh]))
-            tail = piece_features(ct, u0[jt])
-            head[ch <= 0] = 0.0
-            tail[ct <= 0] = 0.0
-            a = np.where(multi, jh + 1, 0)
-            b = np.maximum(a, np.where(multi, jt, 0))
-            feats += self._pf[b] - self._pf[a] + head + tail
-            feats[:, X7] = np.maximum(self._range_max(a, b), np.maximum(head[:, X7], tail[:, X7]))
-        add_decodes(feats, self.n_dec, self.dec_u + step * self.n_dec)
-        return feats, scenarios(feats)
-
-    # ------------------------------------------------------------ fast path
     def decode_only_ms(self, step: int = 0) -> float:
         """Predicted time of the decodes alone (0 when there are none)."""
         if self.n_dec == 0:
             return 0.0
         return self.predictor.model(DECODE).base_ms(self.n_dec, self.dec_u + step * self.n_dec)
 
-    def fix_minor(self, t: np.ndarray, X: np.ndarray, Y: np.ndarray, minor: np.ndarray,
-                   step: int) -> None:
-        """Entries outside the main scenario (formula (5)) — no chunk of more
-        than one token (decode-only), or, without decodes, a one-token piece
-        that makes the batch mixed — are few: recompute them with the
-        reference path."""
-        if not minor.any():
-            return
-        xs, ys = np.broadcast_to(X, t.shape)[minor], np.broadcast_to(Y, t.shape)[minor]
-        t[minor] = [self._segment_ms_scalar(int(x), int(y), step) for x, y in zip(xs, ys, strict=True)]
-
-    def _segment_ms_scalar(self, x: int, y: int, step: int) -> float:
-        """One segment's predicted time in plain Python (reference semantics)."""
-        return segment_ms_one(self.predictor.coef, self.R, self.u0, self.n_dec, self.dec_u, x, y, step)
-
     def prefix_time_ms(self, P: np.ndarray) -> np.ndarray:
-        """Predicted time of decodes + the greedy fill of P tokens (fast path;
-        equal to ``segment_time_ms(0, P)``)."""
+        """Predicted time of decodes + the greedy fill of P tokens (the stream prefix
+        [0, P)), per entry of P."""
         return kernels.ops().prefix_times(self, np.asarray(P, dtype=np.int64))
 
-    def reference_prefix_time_ms(self, P: np.ndarray) -> np.ndarray:
-        """:meth:`prefix_time_ms` in numpy (the reference; P: int64)."""
-        nq = len(self.r)
-        if nq == 0:
-            return np.full(len(P), self.decode_only_ms(0))
-        j = np.minimum(np.searchsorted(self.R, P, side="right") - 1, nq)
-        jc = np.minimum(j, nq - 1)
-        c = np.where(j < nq, P - self.R[jc], 0).astype(np.float64)
-        m = self._model
-        t = (
-            m.base_ms(self.n_dec, self.dec_u)
-            + self._pw[j]
-            + m.piece_ms(c, self.u0[jc].astype(np.float64))
-            + m.x7_ms(np.maximum(self._pmax[j], np.where(c > 1, c, 0.0)))
-        )
-        pf = self._pf
-        minor = (pf[j, X6] == 0) & (c <= 1)  # no chunk: decode-only
-        if self.n_dec == 0:
-            minor |= (pf[j, X4] > 0) | (c == 1)  # a one-token piece: mixed
-        minor &= P > 0
-        self.fix_minor(t, np.zeros_like(P), P, minor, 0)
-        t[P == 0] = self.decode_only_ms(0)
-        return t
-
-    def pair_times_ms(self, X: np.ndarray, Y: np.ndarray, step: int) -> np.ndarray:
-        """Predicted times of segments [X_a, Y_b) for every pair, as an
-        (len(X), len(Y)) matrix (inf where Y_b < X_a); the window search's
-        inner loop.  A segment is a head piece (depends on X), the full
-        requests between (a difference of weighted prefix sums) and a tail
-        piece (depends on Y), so the matrix is a few broadcasts of vectors."""
-        X = np.asarray(X, dtype=np.int64)
-        Y = np.asarray(Y, dtype=np.int64)
-        nq = len(self.r)
-        if nq == 0:  # every segment is empty: a decode-only batch
-            return np.where(Y[None, :] >= X[:, None], self.decode_only_ms(step), np.inf)
-        R, u0, m, pf = self.R, self.u0, self._model, self._pf
-        jh = np.clip(np.searchsorted(R, X, side="right") - 1, 0, nq - 1)
-        jt = np.clip(np.searchsorted(R, Y - 1, side="right") - 1, 0, nq - 1)
-        Xc, Yr = X[:, None], Y[None, :]
-        empty = Yr <= Xc
-        multi = ~empty & (jt[None, :] > jh[:, None])
-        uh = (u0[jh] + (X - R[jh])).astype(np.float64)
-        ch_full = (R[jh + 1] - X).astype(np.float64)  # head piece when the segment spans on
-        ct = (Y - R[jt]).astype(np.float64)
-        ut = u0[jt].astype(np.float64)
-        head = m.piece_ms(ch_full, uh)[:, None]
-        tail = m.piece_ms(ct, ut)[None, :]
-        mid = self._pw[jt][None, :] - self._pw[jh + 1][:, None]
-        span = int(jt.max()) + 1
-        cols = np.arange(span)
-        run = np.maximum.accumulate(
-            np.where(cols[None, :] > jh[:, None], self._rbig[:span][None, :], 0.0), axis=1
-        )
-        inner = run[:, np.maximum(jt - 1, 0)]
-        big_h = np.where(ch_full > 1, ch_full, 0.0)[:, None]
-        big_t = np.where(ct > 1, ct, 0.0)[None, :]
-        t_multi = head + mid + tail + m.x7_ms(np.maximum(np.maximum(inner, big_h), big_t))
-        c1 = (Yr - Xc).astype(np.float64)  # the single piece when head and tail coincide
-        t_single = m.piece_ms(c1, uh[:, None]) + m.x7_ms(np.where(c1 > 1, c1, 0.0))
-        t = m.base_ms(self.n_dec, self.dec_u + step * self.n_dec) + np.where(multi, t_multi, t_single)
-        nbig = pf[jt, X6][None, :] - pf[jh + 1, X6][:, None]
-        minor = ~empty & np.where(multi, (nbig <= 0) & (big_h == 0) & (big_t == 0), c1 <= 1)
-        if self.n_dec == 0:
-            none = pf[jt, X4][None, :] - pf[jh + 1, X4][:, None]
-            minor |= multi & ((none > 0) | (ch_full == 1)[:, None] | (ct == 1)[None, :])
-        self.fix_minor(t, Xc, Yr, minor, step)
-        t[empty] = self.decode_only_ms(step)
-        t[Yr < Xc] = np.inf
-        return t
-
     def segment_time_ms(self, X: np.ndarray, Y: np.ndarray, step: int = 0) -> np.ndarray:
-        if step == 0 and not np.any(X):
-            return self.prefix_time_ms(np.asarray(Y, dtype=np.int64))
-        f, s = self.segment_features(X, Y, step)
-        t = self.predictor.predict_ms(f, s)
-        if self.n_dec == 0:
-            t = np.where(np.asarray(Y) > np.asarray(X), t, 0.0)
-        return t
+        """Predicted times of the batches "decodes + stream segment [X, Y)" (``step``: the
+        look-ahead iteration, 0 = this one: decodes are ``step`` tokens longer and the
+        segment's first request has computed its tokens before X), as the window search
+        prices them; 0 for an empty batch."""
+        X, Y = np.asarray(X, dtype=np.int64), np.asarray(Y, dtype=np.int64)
+        return kernels.ops().segment_times(self, X, Y, step)
 
     # --------------------------------------------------------- budget curve
     def fill_curve_ms(self, limit: int | None = None) -> np.ndarray:
@@ -411,8 +231,7 @@ class CandidateQueue:
 
     def fill_arrays(self, prefill_tokens: int) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`fill` as arrays: (snapshot indices, tokens)."""
-        n = min(len(self.queue), int(np.searchsorted(self.R, prefill_tokens, side="left")))
-        return self.queue[:n], np.minimum(self.r[:n], prefill_tokens - self.R[:n])
+        return kernels.ops().fill_prefills(self, prefill_tokens)
 
 
 class BudgetCurve:

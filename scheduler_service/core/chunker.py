@@ -28,9 +28,16 @@ import numpy as np
 
 from . import kernels
 from .batch import BudgetCurve, CandidateQueue
-from .reference import MAX_BOUNDARIES, grid_positions, window_limits_ms
+from .kernels import MAX_BOUNDARIES
+from .snapshot import Snapshot
 
-__all__ = ["MAX_BOUNDARIES", "grid_positions", "sliding_chunk", "window_limits_ms"]
+__all__ = ["MAX_BOUNDARIES", "sliding_chunk", "window_limits_ms"]
+
+
+def window_limits_ms(snap: Snapshot, decodes: np.ndarray, k: int) -> np.ndarray | None:
+    """W_1..W_k in ms over the safe decodes (formulas (7), (8)): W_m = min over decodes
+    with slack > 0 of (slack + (m − 1) · TBT); None when no decode is safe."""
+    return kernels.ops().window_limits(snap, decodes, k, 1.0)
 
 
 def sliding_chunk(
@@ -52,8 +59,8 @@ def sliding_chunk(
     scenario models pick the split; with it, more work now means earlier
     first tokens at the same predicted cost.
 
-    The search itself (the drain rule, the grid, the DP over windows) is
-    :func:`.reference.sliding_chunk` and its compiled twin, run by ``kernels.ops()``.
+    The search itself (the drain rule, the grid, the DP over windows) is the
+    ``sliding_chunk`` kernel, run by ``kernels.ops()``.
     """
     if cq.supply == 0 or cq.first_cap == 0:
         return 0

@@ -55,7 +55,6 @@ from . import kernels
 from .batch import BudgetCurve
 from .features import combine_sets, decode_features, piece_features
 from .predictor import BatchLatencyPredictor
-from .reference import Key
 from .snapshot import Snapshot
 from .sorter import ordered
 
@@ -146,7 +145,7 @@ def construct_batch(
 
 
 #: A knapsack key (21): (|Y|, Σv, Σr).
-_Key = Key
+_Key = tuple[int, float, int]
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -22,9 +22,8 @@ model weighs them lives in :mod:`.predictor`.
 
 The scalar formulas at the end (:func:`piece_ms_one`, :func:`base_ms_one`,
 :func:`segment_ms_one`) price one piece or one segment under a coefficient row of the
-predictor's ``coef`` in plain Python that numba also compiles: the reference's scalar
-path calls them as they are, the compiled kernels wrap them with ``numba.njit``, so
-each formula is written once (module-level constants are compile-time constants).
+predictor's ``coef`` in plain Python that the kernels wrap with ``numba.njit``, so each
+formula is written once (module-level constants are compile-time constants).
 """
 
 from __future__ import annotations

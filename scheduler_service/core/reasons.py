@@ -36,7 +36,7 @@ from .features import DECODE
 from .plan import CODES, REASON_CODES, Allocation, Plan, Reason, Reasons, Rejection
 from .policy import Policy
 from .predictor import BatchLatencyPredictor
-from .reference import RULE_SCALAR, RULE_SKIP, RULE_STARVE, RULES_LEN, reason_tokens, seqs_rules
+from .rule_codes import RULE_SCALAR, RULE_SKIP, RULE_STARVE, RULES_LEN, reason_tokens, seqs_rules
 from .snapshot import Snapshot
 from .sorter import prefill_indices
 
@@ -111,7 +111,7 @@ _NO_VERDICTS = np.zeros((3, 0), dtype=np.int64)
 (_TOKEN_BUDGET, _KV, _KV_WATERMARK, _CLASS_RESERVE, _CLASS_RESCUE, _NOT_CHOSEN, _TIME_BUDGET) = (
     _C[c] for c in ("token_budget", "kv", "kv_watermark", "class_reserve", "class_rescue", "not_chosen",
                     "time_budget"))
-#: The kernel's ``rules`` (``reference.RULE_SCALAR``): rule c on at ``rules[c]``, its number at
+#: The kernel's ``rules`` (``rule_codes.RULE_SCALAR``): rule c on at ``rules[c]``, its number at
 #: ``rules[_S + c]``.
 _S = RULE_SCALAR
 
@@ -148,7 +148,7 @@ def _classify(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor, 
     Here only the plan-wide facts are gathered (which rules apply, their numbers, the
     sets the decision held back); the per-request work, over the rows, which also counts
     each row's tokens, is the ``reason_codes`` operation of the kernels facade
-    (``reference.reason_codes``)."""
+    (the ``reason_codes`` kernel)."""
     got = None
     if facts is not None:  # what the decision assembled (the kernel finds whether anything waits)
         dec_rows, pre_rows, pre_toks = facts["decodes"], facts["pre_rows"], facts["pre_toks"]
@@ -183,7 +183,7 @@ def sliding_reasons(policy: Any, snap: Snapshot, decodes: np.ndarray, pre_rows: 
     """The reasons of the plan BatchConstructor chose (``decodes`` and the prefills it
     gives all they need), classified as a SlidingServe decision assembles it, from what
     :func:`sliding_rules` reads, with ``max_num_seqs`` where the plan reaches it
-    (``reference.seqs_rules``, as the kernel that fills and classifies the sliding
+    (``rule_codes.seqs_rules``, as the kernel that fills and classifies the sliding
     chunker's plans has it: ``SlidingServePolicy._fill``)."""
     lost, mask, marked, verdicts, rules, own_rule, own = sliding_rules(
         policy, snap, len(decodes) + int(pre_toks.sum()), len(pre_rows), None, lost_from, lost_mask, n_decoding,
@@ -198,7 +198,7 @@ def sliding_rules(policy: Any, snap: Snapshot, budget: int, chosen: int | None, 
                   held_back: dict[str, Any]) -> tuple[Any, ...]:
     """What the reasons kernel needs beside the plan's rows (``reason_codes`` from
     ``lost_from`` on) for a SlidingServe plan, but the ``max_num_seqs`` rule
-    (``reference.seqs_rules``, applied by the caller): its token ``budget``, ``chosen``
+    (``rule_codes.seqs_rules``, applied by the caller): its token ``budget``, ``chosen``
     the prefills BatchConstructor chose (None: not its plan), the decode windows ``W``, the prefills the decision
     considered (``lost_from``) and gave up on (``lost_mask``), the count of decoding
     requests and of requests holding KV, and in ``held_back`` the rows the class reserve

@@ -47,11 +47,14 @@ from .errors import FieldViolation, ValidationError
 
 __all__ = [
     "ALL_COLUMN_DTYPES", "CLASS_COLUMN_DTYPES", "COLUMN_DTYPES", "DEFAULT_MAX_REQUESTS", "MAX_BATCH_TOKENS", "MAX_PRIORITY",
-    "MAX_SECONDS", "Request", "Snapshot",
+    "MAX_REQUESTS", "MAX_SECONDS", "Request", "Snapshot",
 ]
 
 #: Upper bound on requests in one snapshot unless the caller sets another.
 DEFAULT_MAX_REQUESTS = 100_000
+#: The most requests any snapshot may hold, whatever the caller sets: a request's
+#: position must fit the bits the lost sets' heap key and MLPS's class rank keep for it.
+MAX_REQUESTS = (1 << 19) - 1
 #: Largest ``max_batch_tokens``.  Policies build per-token curves up to the iteration's
 #: budget (O(budget) memory and time: ~70 MB and 0.1-0.2 s at this bound, 8 GB at 10^8),
 #: so an unbounded budget would let one request exhaust the server's memory.  2^20 is
@@ -499,7 +502,9 @@ def _known_columns(columns: Mapping[str, Any], where: str) -> None:
 
 
 def _limit_requests(errs: list[FieldViolation], n: int, max_requests: int) -> None:
-    """Raise (with ``errs`` so far) when there are more than ``max_requests`` requests."""
+    """Raise (with ``errs`` so far) when there are more than ``max_requests`` requests
+    (never more than :data:`MAX_REQUESTS`)."""
+    max_requests = min(max_requests, MAX_REQUESTS)
     if n > max_requests:
         errs.append(
             FieldViolation("requests", f"has {n} requests, more than the limit {max_requests}")

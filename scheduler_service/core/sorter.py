@@ -9,13 +9,11 @@ from __future__ import annotations
 import numpy as np
 
 from . import kernels
-from .reference import class_late_set, id_rank, mlps_keys
+from .kernels import id_rank
 from .snapshot import Snapshot
 
-__all__ = [
-    "class_late_set", "edf_order", "fcfs_order", "id_rank", "late_set", "mlps_keys", "mlps_order", "ordered",
-    "prefill_indices",
-]
+__all__ = ["class_late_set", "edf_order", "fcfs_order", "id_rank", "late_set", "mlps_keys", "mlps_order", "ordered",
+           "prefill_indices"]
 
 
 def prefill_indices(snap: Snapshot) -> np.ndarray:
@@ -29,6 +27,16 @@ def ordered(snap: Snapshot, idx: np.ndarray, *keys: np.ndarray) -> np.ndarray:
     more than the sort itself, so it happens only when a tie exists.
     """
     return kernels.ops().ordered(snap, idx, keys)
+
+
+def mlps_keys(
+    snap: Snapshot, idx: np.ndarray, throughput: float, alpha: float, eps: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(1 − g_i, 1 − e_i, r_i) of formulas (10)–(15) for requests ``idx``: with the urgency
+    u_i = r_i / (throughput · max(s_i, eps)) (13), e_i = u_i > alpha (14), g_i protected;
+    the fields of the key :func:`mlps_order` sorts by."""
+    k = kernels.ops().mlps_key(snap, idx, throughput, alpha, eps)
+    return (k >> 42) & 1, (k >> 41) & 1, k & ((1 << 41) - 1)
 
 
 def mlps_order(
@@ -75,6 +83,21 @@ def late_set(snap: Snapshot, idx: np.ndarray, throughput: float) -> np.ndarray:
     one is left to drop.
     """
     return kernels.ops().late_set(snap, idx, throughput)
+
+
+def class_late_set(snap: Snapshot, idx: np.ndarray, throughput: float) -> np.ndarray:
+    """:func:`late_set` with request classes: a lower class never costs a higher one its
+    first token (docs/policies.md, Request classes).
+
+    Classes are taken from the highest (smallest ``priority``) down.  For each, the
+    requests kept so far plus the class's own are walked in deadline order at
+    ``throughput``; whenever one would finish late, the longest request *of this class*
+    taken so far is given up (unprotected first), until it is on time again.  The
+    higher classes' kept set is on time by itself, so this always ends, and which
+    requests of a class are lost depends on that class and the classes above it only.
+    With one class it is :func:`late_set` exactly.
+    """
+    return kernels.ops().class_late_set(snap, idx, throughput)
 
 
 def edf_order(snap: Snapshot, idx: np.ndarray, expired_last: bool = False) -> np.ndarray:

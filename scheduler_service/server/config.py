@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from scheduler_service.core import FieldViolation, ValidationError
+from scheduler_service.core.snapshot import MAX_REQUESTS
 from scheduler_service.settings import Checks, read_document, type_violations, unknown_keys
 
 __all__ = ["LOG_LEVELS", "REASONS_MODES", "ServerConfig", "read_document"]
@@ -136,7 +137,8 @@ class ServerConfig:
         check("port", 0 <= self.port <= 65535, "must be in [0, 65535]")
         check("default_policy", bool(self.default_policy), "must not be empty")
         check("max_message_bytes", 1024 <= self.max_message_bytes <= 2**31 - 1, "must be in [1024, 2^31-1]")
-        check("max_requests_per_snapshot", self.max_requests_per_snapshot >= 1, "must be >= 1")
+        check("max_requests_per_snapshot", 1 <= self.max_requests_per_snapshot <= MAX_REQUESTS,
+              f"must be in [1, {MAX_REQUESTS}]")
         check("metrics_port", -1 <= self.metrics_port <= 65535, "must be in [-1, 65535]")
         check("refit_every", self.refit_every >= 1, "must be >= 1")
         check("refit_window", self.refit_window >= 10, "must be >= 10")

@@ -1,19 +1,16 @@
-"""Which implementation of the policy hot path runs: compiled kernels or plain numpy.
+"""Which way the policy hot path runs: its kernels compiled by numba, or as plain Python.
 
-The policy modules reach the hot path through one facade, :func:`ops`: an object with
-the same methods on both backends (:mod:`._ops`).  On numpy each method runs the
-reference (:mod:`..reference`); on numba it calls a kernel of :mod:`._compiled`, which
-computes the same result bit for bit (same operations in the same order wherever a
-rounding could flip a comparison; ``tests/test_kernels.py`` holds the two equal) in a few
-calls per decision instead of a few hundred numpy calls.  A kernel can decline a rare
-input whose reference result it cannot reproduce exactly; the facade then runs the
-reference itself.  Every such escape rule lives in :mod:`._ops`, and the policy modules
-never ask which backend runs.
+The policy modules reach the hot path through one facade, :func:`ops`: an
+:class:`~._ops.Ops` over the kernels of :mod:`._compiled`, the one definition of each
+operation.  On the numba backend they run compiled, a few calls per decision; on the
+numpy backend the same functions run as their plain Python source (``py_func``), which
+gives the same plans, only slower: it is what runs where numba is missing, and what the
+tests hold the compiled code against.
 
 ``SLIDINGSERVE_KERNELS=numba|numpy`` selects one (default numba).  numba is imported
 on first use, not with the package: the client and the CLI stand on the core and
-must not pay its import.  If it cannot be imported the numpy path runs, with one
-logged warning.  :func:`warm_up` compiles (or loads from numba's on-disk cache,
+must not pay its import.  If it cannot be imported the kernels run as plain Python, with
+one logged warning.  :func:`warm_up` compiles (or loads from numba's on-disk cache,
 ``NUMBA_CACHE_DIR`` when set) every kernel, so that no request ever waits for the
 compiler: the service and the in-process engine backend call it at start-up.  What it
 runs (every registered policy on tiny snapshots, :mod:`._warm`) is handed to it by the
@@ -30,20 +27,18 @@ import time
 from collections.abc import Callable, Iterator
 from types import ModuleType
 
-from ._ops import NumbaOps, NumpyOps, QueueView
+from ._ops import MAX_BOUNDARIES, Ops, QueueView, id_rank, lexsort_order
 
-__all__ = ["BACKENDS", "ENV", "NumpyOps", "QueueView", "backend", "jit", "ops", "set_warm_up", "use", "using",
-           "warm_up"]
+__all__ = ["BACKENDS", "ENV", "MAX_BOUNDARIES", "Ops", "QueueView", "backend", "id_rank", "jit", "lexsort_order",
+           "ops", "set_warm_up", "use", "using", "warm_up"]
 
 ENV = "SLIDINGSERVE_KERNELS"
 BACKENDS = ("numba", "numpy")
 
 _log = logging.getLogger(__name__)
 _UNSET = object()
-#: The facade of the active backend (a NumbaOps or a NumpyOps), _UNSET until the first
-#: call decides.
+#: The facade of the active backend, _UNSET until the first call decides.
 _active: object = _UNSET
-_NUMPY = NumpyOps()
 _requested: str | None = None
 _warmed: dict[str, float] = {}
 #: What :func:`warm_up` runs; set by :mod:`..registry` when it is imported (with the core).
@@ -58,21 +53,18 @@ def _wanted() -> str:
     return name
 
 
-def _resolve() -> NumpyOps:
+def _resolve() -> Ops:
     global _active
-    facade = _NUMPY
-    if _wanted() == "numba":
-        try:
-            from . import _compiled
-        except ImportError as e:  # numba missing or broken: the reference path still works
-            _log.warning("numba kernels unavailable (%s); the policy core runs on numpy", e)
-        else:
-            facade = NumbaOps(_compiled)
+    from . import _compiled  # numba's import, when it is there
+
+    facade = Ops(_compiled, plain=_wanted() == "numpy")
+    if _wanted() == "numba" and not _compiled.COMPILED:
+        _log.warning("numba is not importable; the policy kernels run as plain Python (slower, same plans)")
     _active = facade
     return facade
 
 
-def ops() -> NumpyOps:
+def ops() -> Ops:
     """The hot path's operations on the active backend (the one dispatch).  Called on
     every hot-path step, so it is one global read once decided."""
     f = _active
@@ -85,7 +77,7 @@ def jit() -> ModuleType | None:
     """The compiled-kernel module when the numba backend is active, else None (tests
     and tools; the policy modules call :func:`ops`)."""
     f = ops()
-    return f.k if isinstance(f, NumbaOps) else None  # type: ignore[no-any-return]
+    return f.k if f.name == "numba" else None  # type: ignore[no-any-return]
 
 
 def backend() -> str:

@@ -1,39 +1,38 @@
-"""numba kernels of the policy hot path: the reference numpy code, one loop at a time.
+"""The policy hot path, written once: compiled by numba, or run as plain Python without it.
 
-Every kernel reproduces its numpy reference exactly, not approximately: a plan carries
-its predicted time, and a last-bit difference in a time compared against a slack could
-choose another batch.  So each floating-point expression here is the reference's, in
-the reference's order (``a + b + c`` is ``(a + b) + c``; prefix sums run left to right
-as ``np.cumsum`` does; sums of integer-valued features are exact in any order).  numba
-compiles without fast-math, so no reassociation or fused multiply-add changes them.
+Every kernel here is the one definition of its operation.  With numba importable each is
+compiled (``numba.njit``, no fast-math: no reassociation or fused multiply-add, so the
+compiled code computes what the Python source says, bit for bit); without it the same
+functions run as plain Python, and a function's ``py_func`` is its Python source either
+way (``kernels.use("numpy")`` runs those).  Property tests hold the compiled path
+against that source and against independent brute-force oracles (tests/test_kernels.py).
 
-One thing is out of reach: the reference predicts a few "minor" batches (no prefill
-chunk, or a one-token piece that changes the scenario) with ``np.einsum`` when more than
-eight of them occur in one call, and einsum's summation order is numpy's business.
-Kernels therefore count those entries and, past eight, either hand them back to the
-numpy code (the fill curve) or return -1 so that the caller runs the reference (the
-window search).  Both are rare: they need queues of one-token remainders.
+Floating-point expressions keep one order (``a + b + c`` is ``(a + b) + c``; prefix sums
+run left to right), so that a plan's predicted time, compared against a slack, is the
+same number on every path.  A "minor" batch (no chunk of more than one token, or a
+one-token piece that changes the scenario) is predicted by the scalar formula of
+:mod:`..features` wherever it occurs.
 
-Model coefficients come as the predictor's ``_coef`` (3, 8): per scenario (decode,
+Model coefficients come as the predictor's ``coef`` (3, 8): per scenario (decode,
 prefill, mixed) the intercept and the weights of x1..x7.  A candidate queue comes as one
-:class:`._ops.QueueView` (a NamedTuple of its arrays), read by field name.
-
-Nothing here is defined twice: the scalar formulas (a piece, the decode base, one
-segment) are :mod:`..features`' plain-Python definitions compiled with ``numba.njit``,
-and the constants (scenario rows, the scalar-minor limit, the grid's request boundaries,
-the heap key's bits) are imported; numba treats module-level ints as compile-time
-constants.  Which inputs a kernel declines, and what runs then, is :mod:`._ops`' business.
+:class:`._ops.QueueView` (a NamedTuple of its arrays), read by field name.  The scalar
+formulas (a piece, the decode base, one segment) are :mod:`..features`' plain-Python
+definitions, compiled here; the constants (scenario rows, the grid's request boundaries,
+the heap key's bits, the reason rules) are imported, and numba treats module-level ints as
+compile-time constants.  What the facade passes and how it reads the results is
+:mod:`._ops`' business.
 """
 
 from __future__ import annotations
 
-import numba as nb
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 
 from ..features import DECODE as _DECODE
 from ..features import base_ms_one, piece_ms_one, segment_ms_one
-from ..reference import (
-    MAX_BOUNDARIES,
+from ..rule_codes import (
     RC_AHEAD,
     RC_BEHIND,
     RC_CLASS_RESCUE,
@@ -53,12 +52,28 @@ from ..reference import (
     RULE_SCALAR,
     RULE_SKIP,
     RULE_STARVE,
-    SCALAR_MINOR,
     seqs_rules,
 )
-from ._ops import CLASS_BITS, POS_BITS
+from ._ops import CLASS_BITS, MAX_BOUNDARIES, POS_BITS
+
+try:
+    import numba
+except ImportError:  # the same functions, as plain Python
+    numba = None
+
+#: True when the kernels below are compiled.
+COMPILED = numba is not None
+
+
+def _plain(f: Callable[..., Any]) -> Callable[..., Any]:
+    f.py_func = f  # type: ignore[attr-defined]  # as a compiled kernel has it
+    return f
+
+
+_jit: Callable[[Callable[..., Any]], Any] = numba.njit(cache=True, nogil=True) if numba is not None else _plain
 
 __all__ = [
+    "class_late_set",
     "fill_curve",
     "fill_prefills",
     "fill_reason_codes",
@@ -66,17 +81,18 @@ __all__ = [
     "late_set",
     "lex_order",
     "lost_mask",
+    "mlps_key",
     "mlps_order",
     "prefix_times",
     "queue_arrays",
     "read_back",
     "reason_codes",
+    "segment_times",
     "sit_out",
     "sliding_chunk",
     "window_limits",
 ]
 
-_jit = nb.njit(cache=True, nogil=True)
 #: Targets of the last window tried one at a time from the top before the rest of a
 #: block is evaluated in one pass (the top one is usually feasible).
 _TOP_COLUMNS = 4
@@ -134,7 +150,7 @@ def _prefix_one(w: np.ndarray, R: np.ndarray, u0: np.ndarray, pw: np.ndarray, pf
                 pmax: np.ndarray, n_dec: int, base: float, P: int, j: int):  # type: ignore[no-untyped-def]
     """Time of decodes + the first P stream tokens (``prefix_time_ms``'s fast
     formula under the model row w; j = the request P falls in, nq when past the
-    end) and whether the reference treats it as a minor entry.  Takes the row, not
+    end) and whether it is a minor entry (predicted by the scalar formula instead).  Takes the row, not
     the matrix: slicing it here, once per token, cost more than the formula."""
     nq = len(R) - 1
     jc = min(j, nq - 1)
@@ -148,9 +164,7 @@ def _prefix_one(w: np.ndarray, R: np.ndarray, u0: np.ndarray, pw: np.ndarray, pf
 
 @_jit
 def prefix_times(q, P: np.ndarray):  # type: ignore[no-untyped-def]
-    """``CandidateQueue.prefix_time_ms`` of the budgets P on the queue q (a QueueView):
-    (times, minor mask, minor count).  Minor entries hold the scalar reference value;
-    past ``SCALAR_MINOR`` of them the caller recomputes them the reference's way."""
+    """``CandidateQueue.prefix_time_ms`` of the budgets P on the queue q (a QueueView)."""
     return _prefix_times(q.coef, q.fast, q.R, q.u0, q.pw, q.pf, q.pmax, q.n_dec, q.dec_u, P)
 
 
@@ -160,23 +174,20 @@ def _prefix_times(coef: np.ndarray, fast: int, R: np.ndarray, u0: np.ndarray, pw
     """:func:`prefix_times` on the queue's fields."""
     nq = len(R) - 1
     t = np.empty(len(P))
-    minor = np.zeros(len(P), dtype=np.bool_)
     d0 = _decode_only(coef, n_dec, dec_u, 0)
     if nq == 0:
         t[:] = d0
-        return t, minor, 0
+        return t
     w = coef[fast]
     base = _base(w, n_dec, dec_u)
-    n_minor = 0
     for i in range(len(P)):
         j = min(np.searchsorted(R, P[i], side="right") - 1, nq)
-        t[i], minor[i] = _prefix_one(w, R, u0, pw, pf, pmax, n_dec, base, P[i], j)
-        if minor[i]:
-            n_minor += 1
+        t[i], minor = _prefix_one(w, R, u0, pw, pf, pmax, n_dec, base, P[i], j)
+        if minor:
             t[i] = _scalar_segment(coef, R, u0, n_dec, dec_u, 0, P[i], 0)
         if P[i] == 0:
             t[i] = d0
-    return t, minor, n_minor
+    return t
 
 
 @_jit
@@ -185,7 +196,7 @@ def _fill_times(w: np.ndarray, R: np.ndarray, u0: np.ndarray, pw: np.ndarray, pf
     """``_prefix_one`` of P = 0..limit, one request at a time: inside a request the
     chunk c = P − R[j] only grows, so from c = 2 on the formula has no branch left
     and the loop vectorises (the same operations in the same order, so the same
-    bits: the ``+ 0.0`` is the reference's decode term, which is not a no-op on −0)."""
+    bits: the ``+ 0.0`` is the decode term of the formula, which is not a no-op on −0)."""
     nq = len(R) - 1
     w1, w2, w3, w6, w7 = w[1], w[2], w[3], w[6], w[7]
     t = np.empty(limit + 1)
@@ -217,13 +228,11 @@ def fill_curve(q, limit: int):  # type: ignore[no-untyped-def]
     ``BudgetCurve``."""
     coef, fast, R, u0, pw, pf, pmax, n_dec, dec_u = q.coef, q.fast, q.R, q.u0, q.pw, q.pf, q.pmax, q.n_dec, q.dec_u
     if len(R) == 1:
-        t, minor, n_minor = _prefix_times(coef, fast, R, u0, pw, pf, pmax, n_dec, dec_u, np.arange(limit + 1))
+        t = _prefix_times(coef, fast, R, u0, pw, pf, pmax, n_dec, dec_u, np.arange(limit + 1))
     else:
         w = coef[fast]
         t, minor = _fill_times(w, R, u0, pw, pf, pmax, n_dec, _base(w, n_dec, dec_u), limit)
-        n_minor = 0
         for p in np.flatnonzero(minor):
-            n_minor += 1
             t[p] = _scalar_segment(coef, R, u0, n_dec, dec_u, 0, int(p), 0)
         t[0] = _decode_only(coef, n_dec, dec_u, 0)
     smin = np.empty(limit + 1)
@@ -231,7 +240,7 @@ def fill_curve(q, limit: int):  # type: ignore[no-untyped-def]
     for i in range(limit, -1, -1):
         m = min(m, t[i])
         smin[i] = m
-    return t, smin, minor, n_minor
+    return t, smin
 
 
 # ---------------------------------------------------------------------- orders
@@ -297,16 +306,15 @@ def lex_order(idx: np.ndarray, k0: np.ndarray, k1: np.ndarray, arrival: np.ndarr
 
 
 @_jit
-def mlps_order(idx: np.ndarray, remaining: np.ndarray, slack: np.ndarray, protected: np.ndarray,  # type: ignore[no-untyped-def]
-               arrival: np.ndarray, throughput: float, alpha: float, eps: float,
-               expired_last: bool, lost: np.ndarray, cls: np.ndarray):
-    """``sorter.mlps_order``: the key (expired, class, 1 − g, 1 − e, r) packed in one
-    integer (r < 2^41, the class rank below 2^CLASS_BITS), then arrival; a late
-    (expired or lost) request's key is (1, class): the late ones go oldest first.  ``lost`` is a
-    mask over idx, ``cls`` the class rank of each (both empty = none, one class)."""
+def mlps_key(idx: np.ndarray, remaining: np.ndarray, slack: np.ndarray, protected: np.ndarray,  # type: ignore[no-untyped-def]
+             throughput: float, alpha: float, eps: float, expired_last: bool, lost: np.ndarray, cls: np.ndarray):
+    """``sorter.mlps_order``'s key over idx, formulas (13)–(16): (expired, class, 1 − g,
+    1 − e, r) packed in one integer, the urgency u = r / (throughput · max(slack, eps))
+    and e = u > alpha; r < 2^41, the class rank below 2^CLASS_BITS.  A late (expired or
+    lost) request's key is (1, class): the late ones go oldest first.  ``lost`` is a mask
+    over idx, ``cls`` the class rank of each (both empty = none, one class)."""
     n = len(idx)
     k0 = np.empty(n, dtype=np.int64)
-    k2 = np.empty(n)
     for i in range(n):
         q = idx[i]
         r = remaining[q]
@@ -314,12 +322,20 @@ def mlps_order(idx: np.ndarray, remaining: np.ndarray, slack: np.ndarray, protec
         u = r / (throughput * max(s, eps))
         late = (expired_last and s <= 0) or (len(lost) > 0 and lost[i])
         c = cls[i] if len(cls) else 0
-        if late:  # oldest first among the late ones (reference.mlps_order)
+        if late:  # oldest first among the late ones
             k0[i] = (1 << (43 + CLASS_BITS)) | (c << 43)
         else:
             k0[i] = (c << 43) | (int(not protected[q]) << 42) | (int(not u > alpha) << 41) | r
-        k2[i] = arrival[q]
-    return _ordered(idx, k0, np.zeros(n), k2)
+    return k0
+
+
+@_jit
+def mlps_order(idx: np.ndarray, remaining: np.ndarray, slack: np.ndarray, protected: np.ndarray,  # type: ignore[no-untyped-def]
+               arrival: np.ndarray, throughput: float, alpha: float, eps: float,
+               expired_last: bool, lost: np.ndarray, cls: np.ndarray):
+    """idx sorted by :func:`mlps_key`, then arrival, and whether two tie (ids break it)."""
+    return lex_order(idx, mlps_key(idx, remaining, slack, protected, throughput, alpha, eps, expired_last, lost, cls),
+                     np.zeros(len(idx)), arrival)
 
 
 @_jit
@@ -341,7 +357,7 @@ def _argsort_by_pos(key: np.ndarray) -> np.ndarray:
 
 # ------------------------------------------------------------------ lost set
 #: ``late_set``'s heap holds one int64 per request: protected << 61 | (2^40 − r) << 20
-#: | position, so that the smallest key is the reference's smallest tuple (unprotected
+#: | position, so that the smallest key is the one to give up first (unprotected
 #: first, then the most remaining tokens, then the first position).  Remaining tokens
 #: order as remaining / rate does (a division by one positive rate of integers below
 #: 2^41 keeps them apart); positions below 2^20 (the caller checks).
@@ -384,7 +400,8 @@ def _heap_pop(h: np.ndarray, n: int) -> int:
 @_jit
 def late_set(idx: np.ndarray, remaining: np.ndarray, slack: np.ndarray, protected: np.ndarray,
              throughput: float) -> np.ndarray:
-    """``sorter.late_set``."""
+    """``sorter.late_set``: Moore–Hodgson over idx in deadline (slack) order at
+    ``throughput``; a mask over idx."""
     rem = np.empty(len(idx), dtype=np.int64)
     for i in range(len(idx)):
         rem[i] = remaining[idx[i]]
@@ -393,8 +410,10 @@ def late_set(idx: np.ndarray, remaining: np.ndarray, slack: np.ndarray, protecte
 
 @_jit
 def _late_set(rem: np.ndarray, r: np.ndarray, s: np.ndarray, prot: np.ndarray) -> np.ndarray:
-    """``sorter.late_set`` on gathered columns (r = rem / rate): the same heap order,
-    so the same requests are dropped and the same running sums compared."""
+    """``late_set`` on gathered columns (r = rem / rate): walked in deadline order (ties
+    by position), each live request is taken; while the running sum of times is past the
+    slack of the last one taken, the one the heap holds first is given up (unprotected
+    first, then the most remaining tokens, then the first position)."""
     lost = s <= 0
     order = _argsort_by_pos(s)
     h = np.empty(len(r), dtype=np.int64)
@@ -416,23 +435,75 @@ def _late_set(rem: np.ndarray, r: np.ndarray, s: np.ndarray, prot: np.ndarray) -
 
 
 @_jit
-def lost_mask(pre: np.ndarray, remaining: np.ndarray, slack: np.ndarray, protected: np.ndarray,
-              rho: float, rho_max: float, hopeless_factor: float, moore: bool) -> np.ndarray:
-    """``SlidingServePolicy._lost``: hopeless prefills, then the Moore–Hodgson lost
-    set, live ones only."""
+def class_late_set(idx: np.ndarray, remaining: np.ndarray, slack: np.ndarray, protected: np.ndarray,
+                   prio: np.ndarray, throughput: float) -> np.ndarray:
+    """``sorter.class_late_set``: :func:`late_set` with request classes."""
+    n = len(idx)
+    rem = np.empty(n, dtype=np.int64)
+    p = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        rem[i] = remaining[idx[i]]
+        p[i] = prio[idx[i]]
+    return _class_late_set(rem, rem / throughput, slack[idx], protected[idx], p)
+
+
+@_jit
+def _class_late_set(rem: np.ndarray, r: np.ndarray, s: np.ndarray, prot: np.ndarray, prio: np.ndarray) -> np.ndarray:
+    """Classes from the highest (smallest priority) down: the requests kept so far plus
+    the class's own live ones are walked in deadline order; whenever the running sum is
+    past the slack of the one just walked, the request of *this* class that the heap
+    holds first is given up (as in :func:`_late_set`).  The higher classes' kept set is
+    on time by itself, so each class ends on time.  With one class: :func:`_late_set`."""
+    levels = np.unique(prio)
+    if len(levels) <= 1:
+        return _late_set(rem, r, s, prot)
+    n = len(r)
+    lost = s <= 0
+    by_deadline = _argsort_by_pos(s)
+    kept = np.zeros(n, dtype=np.bool_)
+    h = np.empty(n, dtype=np.int64)
+    mask = (1 << _POS_BITS) - 1
+    for level in levels:
+        for i in range(n):
+            kept[i] = kept[i] or (prio[i] == level and not lost[i])
+        size = 0
+        t = 0.0
+        for j in by_deadline:
+            if not kept[j]:  # (only a request already walked leaves the kept set)
+                continue
+            t += r[j]
+            if prio[j] == level:
+                size = _heap_push(h, size, (int(prot[j]) << 61) | (((1 << 40) - rem[j]) << _POS_BITS) | j)
+            while t > s[j] and size:
+                k = h[0] & mask
+                t += -r[k]
+                lost[k] = True
+                kept[k] = False
+                size = _heap_pop(h, size)
+    return lost
+
+
+@_jit
+def lost_mask(pre: np.ndarray, remaining: np.ndarray, slack: np.ndarray, protected: np.ndarray, prio: np.ndarray,
+              rho: float, rho_max: float, hopeless_factor: float, moore: bool, classes: bool) -> np.ndarray:
+    """``SlidingServePolicy._lost``: hopeless prefills (optimistic: the request alone with
+    the whole budget, at ``rho_max``), then the (class) Moore–Hodgson lost set at ``rho``,
+    live ones only."""
     n = len(pre)
     rem = np.empty(n, dtype=np.int64)
     s = np.empty(n)
     prot = np.empty(n, dtype=np.bool_)
+    p = np.empty(n, dtype=np.int64)
     lost = np.zeros(n, dtype=np.bool_)
     for i in range(n):
         rem[i] = remaining[pre[i]]
         s[i] = slack[pre[i]]
         prot[i] = protected[pre[i]]
+        p[i] = prio[pre[i]]
         if hopeless_factor > 0:
             lost[i] = remaining[pre[i]] > rho_max * s[i] * hopeless_factor
     if moore and n:
-        lost |= _late_set(rem, rem / rho, s, prot)
+        lost |= _class_late_set(rem, rem / rho, s, prot, p) if classes else _late_set(rem, rem / rho, s, prot)
     return lost & (s > 0)
 
 
@@ -546,10 +617,9 @@ def _ends(grid: np.ndarray, R: np.ndarray, u0: np.ndarray, pw: np.ndarray, pf: n
 @_jit
 def _pair_row(a: int, cols: np.ndarray, out: np.ndarray, grid: np.ndarray, R: np.ndarray,  # type: ignore[no-untyped-def]
               u0: np.ndarray, rbig: np.ndarray, coef: np.ndarray, fast: int, n_dec: int, dec_u: float,
-              step: int, ends, count_only: bool = False) -> int:  # type: ignore[no-untyped-def]
-    """``pair_times_ms`` of the segments [grid[a], grid[c]) for the ascending ``cols``
-    into ``out``; returns how many of them are minor (scalar values written).  With
-    ``count_only`` only the count (``out`` untouched)."""
+              step: int, ends) -> None:  # type: ignore[no-untyped-def]
+    """The predicted times of the segments [grid[a], grid[c]) for the ascending ``cols``
+    into ``out`` (a minor one by the scalar formula; inf where grid[c] < grid[a])."""
     jh, jt, hv, tv, h4, h6, t4, t6 = ends
     w = coef[fast]
     base = _base(w, n_dec, dec_u + step * n_dec)
@@ -557,13 +627,11 @@ def _pair_row(a: int, cols: np.ndarray, out: np.ndarray, grid: np.ndarray, R: np
     X = grid[a]
     uh, chf, head, bigh, pwh = hv[a, 0], hv[a, 1], hv[a, 2], hv[a, 3], hv[a, 4]
     inner, nxt = 0.0, jh[a] + 1  # running max of rbig over (jh, jt)
-    n_minor = 0
     for o in range(len(cols)):
         c = cols[o]
         Y = grid[c]
         if Y <= X:
-            if not count_only:
-                out[o] = np.inf if Y < X else d_only
+            out[o] = np.inf if Y < X else d_only
             continue
         while nxt < jt[c]:
             inner = max(inner, rbig[nxt])
@@ -573,39 +641,52 @@ def _pair_row(a: int, cols: np.ndarray, out: np.ndarray, grid: np.ndarray, R: np
             minor = t6[c] - h6[a] <= 0 and bigh == 0 and bigt == 0
             if n_dec == 0:
                 minor = minor or t4[c] - h4[a] > 0 or chf == 1 or ct == 1
-            if not count_only:
-                out[o] = base + (head + (pwt - pwh) + tail + w[7] * max(max(inner, bigh), bigt))
+            out[o] = base + (head + (pwt - pwh) + tail + w[7] * max(max(inner, bigh), bigt))
         else:
             c1 = float(Y - X)
             minor = c1 <= 1
-            if not count_only:
-                out[o] = base + (_piece(w, c1, uh) + w[7] * (c1 if c1 > 1 else 0.0))
+            out[o] = base + (_piece(w, c1, uh) + w[7] * (c1 if c1 > 1 else 0.0))
         if minor:
-            n_minor += 1
-            if not count_only:
-                out[o] = _scalar_segment(coef, R, u0, n_dec, dec_u, X, Y, step)
-    return n_minor
+            out[o] = _scalar_segment(coef, R, u0, n_dec, dec_u, X, Y, step)
+
+
+@_jit
+def segment_times(q, X: np.ndarray, Y: np.ndarray, step: int) -> np.ndarray:  # type: ignore[no-untyped-def]
+    """The predicted times of the batches "decodes (``step`` tokens longer) + stream
+    segment [X[i], Y[i])" on the queue q, each the way the window search prices it."""
+    out = np.empty(len(X))
+    cols = np.ones(1, dtype=np.int64)
+    for i in range(len(X)):
+        if len(q.R) == 1 or Y[i] <= X[i]:  # an empty segment: the decodes alone
+            out[i] = np.inf if Y[i] < X[i] else _decode_only(q.coef, q.n_dec, q.dec_u, step)
+            continue
+        grid = np.array([X[i], Y[i]], dtype=np.int64)
+        ends = _ends(grid, q.R, q.u0, q.pw, q.pf, q.coef[q.fast])
+        _pair_row(0, cols, out[i:i + 1], grid, q.R, q.u0, q.rbig, q.coef, q.fast, q.n_dec, q.dec_u, step, ends)
+    return out
 
 
 @_jit
 def _step(best: np.ndarray, first: np.ndarray, cols: np.ndarray, w_m: float, tol: float, step: int,  # type: ignore[no-untyped-def]
           grid: np.ndarray, R: np.ndarray, u0: np.ndarray, rbig: np.ndarray, coef: np.ndarray, fast: int,
           n_dec: int, dec_u: float, iter_cap: int, ends):  # type: ignore[no-untyped-def]
-    """``chunker._step``: per target in ``cols`` the cumulative time and the chosen
-    source, and the number of minor pair entries the reference would have fixed."""
+    """One transition of the window search's DP to the targets ``grid[cols]``: per target
+    the cumulative time and the source chosen.  Among sources within ``tol`` of the least
+    time the one whose path has the larger b_1 wins (then the larger source); the
+    intermediate windows use tol = 0, which keeps the DP exact.  A target no source
+    reaches gets an infinite time."""
     src = np.flatnonzero(np.isfinite(best))
     nc = len(cols)
     out_t = np.full(nc, np.inf)
     out_p = np.zeros(nc, dtype=np.int64)
     if len(src) == 0:
-        return out_t, out_p, 0
+        return out_t, out_p
     G = len(grid)
     tot = np.empty((len(src), nc))
-    n_minor = 0
     for i in range(len(src)):
         a = src[i]
         row = tot[i]
-        n_minor += _pair_row(a, cols, row, grid, R, u0, rbig, coef, fast, n_dec, dec_u, step, ends)
+        _pair_row(a, cols, row, grid, R, u0, rbig, coef, fast, n_dec, dec_u, step, ends)
         for o in range(nc):
             row[o] = best[a] + row[o]
             if grid[cols[o]] - grid[a] > iter_cap or row[o] > w_m:
@@ -622,7 +703,7 @@ def _step(best: np.ndarray, first: np.ndarray, cols: np.ndarray, w_m: float, tol
                 if rank > top:
                     arg, top = i, rank
         out_t[o], out_p[o] = tot[arg, o], src[arg]
-    return out_t, out_p, n_minor
+    return out_t, out_p
 
 
 @_jit
@@ -632,8 +713,7 @@ def _drain(coef: np.ndarray, fast: int, R: np.ndarray, u0: np.ndarray, pw: np.nd
     supply = R[-1]
     if supply == 0 or supply > first_cap:
         return False
-    t, _, _ = _prefix_times(coef, fast, R, u0, pw, pf, pmax, n_dec, dec_u, np.array([supply]))
-    total = t[0]
+    total = _prefix_times(coef, fast, R, u0, pw, pf, pmax, n_dec, dec_u, np.array([supply]))[0]
     if total > W[0]:
         return False
     for m in range(1, len(W)):
@@ -644,50 +724,26 @@ def _drain(coef: np.ndarray, fast: int, R: np.ndarray, u0: np.ndarray, pw: np.nd
 
 
 @_jit
-def _no_minor(src: np.ndarray, grid: np.ndarray, n_dec: int, ends) -> bool:  # type: ignore[no-untyped-def]
-    """True when no pair from ``src`` can be minor, read off the grid alone: with
-    decodes, a minor pair needs a head piece of at most one token or two grid points
-    one token apart.  (Without decodes: False, count them.)"""
-    if n_dec == 0:
-        return False
-    hv = ends[2]
-    for a in src:
-        if hv[a, 1] <= 1:
-            return False
-    for i in range(1, len(grid)):
-        if grid[i] - grid[i - 1] <= 1:
-            return False
-    return True
-
-
-@_jit
 def _last_window(best: np.ndarray, first: np.ndarray, W: np.ndarray, tol: float, grid: np.ndarray,  # type: ignore[no-untyped-def]
                  R: np.ndarray, u0: np.ndarray, rbig: np.ndarray, coef: np.ndarray, fast: int, n_dec: int,
                  dec_u: float, iter_cap: int, ends) -> int:
-    """``chunker._last_window``: b_1 of the largest feasible total.  The reference
-    evaluates blocks of targets from the top and its blocks decide which minor entries
-    it fixes the einsum way (-1 then), so each block's minor count comes first (none
-    possible, usually, as the grid shows); then the top few targets, usually feasible,
-    and only if none is, the rest of the block."""
+    """The DP's last step: b_1 of the largest feasible total, 0 when no split fits the
+    last window.  Only the largest feasible total matters, so the targets are scanned
+    from the top in blocks: the top few targets first (usually feasible), and only if
+    none is, the rest of the block."""
     k = len(W)
     src = np.flatnonzero(np.isfinite(best))
     if len(src) == 0:
         return 0
     block = max(8, 8192 // len(src))
-    clean = _no_minor(src, grid, n_dec, ends)
     hi = len(grid)
     while hi > 0:
         cols = np.arange(max(0, hi - block), hi)
-        n_minor = 0
-        if not clean:
-            for a in src:
-                n_minor += _pair_row(int(a), cols, cols, grid, R, u0, rbig, coef, fast, n_dec, dec_u, k - 1, ends,
-                                     True)
         rest = max(0, len(cols) - _TOP_COLUMNS)
         for part in (cols[rest:], cols[:rest]):
             if len(part) == 0:
                 continue
-            b, pars, _ = _step(best, first, part, W[k - 1], tol, k - 1, grid, R, u0, rbig, coef, fast,
+            b, pars = _step(best, first, part, W[k - 1], tol, k - 1, grid, R, u0, rbig, coef, fast,
                                n_dec, dec_u, iter_cap, ends)
             for o in range(len(part) - 1, -1, -1):
                 if np.isfinite(b[o]):
@@ -699,8 +755,14 @@ def _last_window(best: np.ndarray, first: np.ndarray, W: np.ndarray, tol: float,
 @_jit
 def sliding_chunk(q, first_cap: int, iter_cap: int, W: np.ndarray, granularity: int,  # type: ignore[no-untyped-def]
                   max_points: int, times: np.ndarray, smin: np.ndarray, tol: float) -> int:
-    """``chunker.sliding_chunk`` from the queue q (a QueueView) and its fill curve; -1
-    when the reference must decide (more than eight minor entries in one of its calls)."""
+    """``chunker.sliding_chunk`` from the queue q (a QueueView) and its fill curve (times
+    and suffix minimum): b_1, the first iteration's prefill tokens.
+
+    The windows' DP runs over a grid of stream positions (every ``granularity`` tokens,
+    widened so that the first iteration's range holds at most ``max_points`` of them, plus
+    the first request boundaries and the caps): b_1 is the position of the first
+    iteration, then one transition per window; ties between equally fast paths go to the
+    larger b_1 (``first[j]``: the grid index of b_1 on the path chosen into j)."""
     coef, fast, R, u0, pw, pf, pmax, n_dec, dec_u = q.coef, q.fast, q.R, q.u0, q.pw, q.pf, q.pmax, q.n_dec, q.dec_u
     rbig = q.rbig
     n_bounds = MAX_BOUNDARIES + 1
@@ -717,7 +779,7 @@ def sliding_chunk(q, first_cap: int, iter_cap: int, W: np.ndarray, granularity: 
     n_in = 0
     while n_in < len(grid) and grid[n_in] <= first_cap:
         n_in += 1
-    t1, _, _ = _prefix_times(coef, fast, R, u0, pw, pf, pmax, n_dec, dec_u, grid[:n_in])
+    t1 = _prefix_times(coef, fast, R, u0, pw, pf, pmax, n_dec, dec_u, grid[:n_in])
     best = np.full(len(grid), np.inf)
     for i in range(n_in):
         if t1[i] <= W[0]:
@@ -727,8 +789,8 @@ def sliding_chunk(q, first_cap: int, iter_cap: int, W: np.ndarray, granularity: 
     first = np.arange(len(grid))
     every = np.arange(len(grid))
     for m in range(1, k - 1):
-        best, par, _ = _step(best, first, every, W[m], 0.0, m, grid, R, u0, rbig, coef, fast,
-                             n_dec, dec_u, iter_cap, ends)
+        best, par = _step(best, first, every, W[m], 0.0, m, grid, R, u0, rbig, coef, fast, n_dec, dec_u,
+                          iter_cap, ends)
         first = first[par]
         if not np.isfinite(best).any():
             return 0
@@ -743,7 +805,7 @@ def knapsack_pass(w: np.ndarray, v: np.ndarray, cap: np.ndarray, cmax: int):  # 
     """``constructor._knapsack_pass``: the choice bits, and per pool position with an
     anchor capacity (cap ≥ 0) the dp value and packed (count, weight) cell the pass
     read when it reached it.  Cells are updated from the top down, so each item
-    reads the values before it (the reference's copy)."""
+    reads the values before it."""
     n = len(w)
     dp = np.zeros(cmax + 1)
     cw = np.zeros(cmax + 1, dtype=np.int64)
@@ -859,12 +921,26 @@ def _scalar(rules, c, behind, own_rule, own_value):  # type: ignore[no-untyped-d
 @_jit
 def reason_codes(dec_rows, pre_rows, pre_toks, lost_from, lost_mask, marked, verdicts, rules, own_rule,  # type: ignore[no-untyped-def]
                  own_value, remaining, slack, tbt, step, prio):
-    """``reference.reason_codes`` in two passes over the snapshot's rows, without a
-    branch on their data: each row's rules that hold as bits, the first that is on by its
-    lowest set bit; then every row is written and only a waiting one advances the output
-    (the verdicts, few, looked up afterwards; a plan that fills its token budget or KV
-    takes :func:`_limited_codes`).  The rows and the values share one allocation: what a
-    plan keeps are views of the two."""
+    """(waiting rows, their code indices, their values) of a plan that gives one token to
+    each of ``dec_rows`` and ``pre_toks[j]`` to row ``pre_rows[j]``: the rows that get
+    fewer tokens than they need (a decode, ``remaining`` 0, one; a prefill what remains),
+    each given the first rule of ``REASON_RULES`` that is on (``rules``, laid out as
+    ``rule_codes.RULE_SCALAR`` says) and holds for it, a verdict (``verdicts``: rows, their
+    codes, their KV tokens) overriding it.  The rules' predicates: ``max_num_seqs`` no
+    token; ``token_budget``, ``kv`` every row; ``kv_watermark`` a prefill;
+    ``class_reserve`` a prefill in ``marked`` (held back); ``given_up`` in
+    ``lost_from[lost_mask]``; ``expired`` a prefill with slack <= 0; ``class_rescue`` a
+    decode in ``marked`` (sat out); ``late`` a decode with slack <= 0 (and, the starvation
+    bound > 0, above minus that many TBTs); ``ahead`` a decode with slack > the decode
+    skip's steps; ``class_sit_out`` a decode; ``not_chosen``, ``time_budget`` a prefill.
+    Values per ``REASON_VALUE``; a rule's own number from ``rules`` (``own_rule``'s
+    ``own_value``, −1 for none; ``behind``'s the count served).
+
+    Two passes over the snapshot's rows, without a branch on their data: each row's rules
+    that hold as bits, the first that is on by its lowest set bit; then every row is
+    written and only a waiting one advances the output (the verdicts, few, looked up
+    afterwards; a plan that fills its token budget or KV takes :func:`_limited_codes`).
+    The rows and the values share one allocation: what a plan keeps are views of the two."""
     n = remaining.shape[0]
     flags = np.zeros(n, dtype=np.uint8)
     _row_flags(flags, dec_rows, pre_rows, pre_toks, lost_from, lost_mask, marked, remaining)
@@ -898,7 +974,7 @@ def fill_prefills(queue, R, r, p1):  # type: ignore[no-untyped-def]
     return queue[:n], toks
 
 
-#: ``reference.seqs_rules``: the ``max_num_seqs`` rule on where a plan reaches it.
+#: ``rule_codes.seqs_rules``: the ``max_num_seqs`` rule on where a plan reaches it.
 _seqs_rules = _jit(seqs_rules)
 
 
@@ -952,7 +1028,7 @@ def _waiting_codes(flags, codes, rows, values, rules, behind, own_rule, own_valu
         as_prefill = _PREFILL_RULES | (gone << _EXPIRED_AT)
         holds = ((m ^ _GETS) & _FLAG_RULES) | _ALWAYS | (as_prefill + d * (as_decode - as_prefill))
         x = np.uint32(holds & on32)
-        first[i] = ((np.int64(x & (np.uint32(0) - x)) * _DE_BRUIJN) & 0xFFFFFFFF) >> 27
+        first[i] = ((np.int64(x & (x ^ (x - np.uint32(1)))) * _DE_BRUIJN) & 0xFFFFFFFF) >> 27  # x > 0: behind
     # 2. the waiting rows' codes and values, packed: every row is written, only a waiting
     # one advances (a row's index is read before a code is written over it: k <= i)
     # (a value picked by an index, not a branch: the compiler turned a select into one,

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..snapshot import Request, Snapshot
-from ..sorter import late_set, prefill_indices
+from ..sorter import class_late_set, late_set, mlps_keys, prefill_indices
 
 if TYPE_CHECKING:
     from ..policy import Policy
@@ -66,7 +66,8 @@ def exercise(create: Callable[..., Policy], names: Iterable[str], pred: BatchLat
     """Plan every snapshot with every policy of ``names`` (built by ``create(name)``, the
     registry's), SlidingServe with windows 1 to 4, predicting with ``pred``, and explain
     each plan (the reasons' kernel)."""
-    from ..reasons import plan_explained  # deferred: reasons imports the kernels
+    from ..batch import CandidateQueue  # deferred: these import the kernels
+    from ..reasons import plan_explained
 
     policies = [create(name) for name in names]
     policies += [create("slidingserve", {"window": k}) for k in (1, 3, 4)]
@@ -74,7 +75,12 @@ def exercise(create: Callable[..., Policy], names: Iterable[str], pred: BatchLat
         for pol in policies:
             pol.plan(snap, pred)
             len(plan_explained(pol, snap, pred).reasons)  # classified: the reasons kernel
-        late_set(snap, prefill_indices(snap), 1000.0)  # the policy fuses it into lost_mask
+        pre = prefill_indices(snap)  # what the policies fuse into other kernels, and the tools' own
+        late_set(snap, pre, 1000.0)
+        class_late_set(snap, pre, 1000.0)
+        mlps_keys(snap, pre, 1000.0, 1.0, 1e-3)
+        cq = CandidateQueue.build(snap, pred, np.flatnonzero(snap.is_decoding), pre, n_all_decodes=0)
+        cq.segment_time_ms(np.zeros(1, dtype=np.int64), np.full(1, cq.supply), 1)
 
 
 def missing() -> list[str]:
