@@ -67,7 +67,7 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import vllm
 
@@ -155,26 +155,21 @@ def _unsupported(policy: Any, waiting: Any) -> str:
     return ""
 
 
-class SlidingServeMixin:
+if TYPE_CHECKING:
+    #: What the mixin is mixed into: its ``super()`` calls and the vLLM attributes it reads
+    #: (``running``, ``waiting``, ``kv_holding_waiting``, ``requests``, ``kv_cache_manager``,
+    #: the batch limits, ``finished_req_ids``, ``policy``, ``vllm_config``) are type-checked
+    #: against vLLM's ``Scheduler``.
+    _VllmScheduler = Scheduler
+else:
+    _VllmScheduler = object
+
+
+class SlidingServeMixin(_VllmScheduler):
     """vLLM's hooks, mixed into vLLM's ``Scheduler``/``AsyncScheduler``; the decisions are
     the plain objects' it holds: ``_ss_live`` (:class:`.live.LiveCore`), ``_ss_pipe``
-    (:class:`.pipeline.Pipeline`), ``_ss_stats`` (:class:`.stats.AdapterStats`)."""
-
-    # vLLM attributes this mixin uses (set by Scheduler.__init__)
-    running: list[Any]
-    waiting: Any
-    kv_holding_waiting: Any
-    requests: dict[str, Any]
-    kv_cache_manager: Any
-    block_size: int
-    max_num_scheduled_tokens: int
-    max_num_running_reqs: int
-    max_num_active_reqs: int
-    num_lookahead_tokens: int
-    #: requests freed since the last schedule() (vLLM resets it at the end of schedule())
-    finished_req_ids: set[str]
-    policy: Any
-    vllm_config: Any
+    (:class:`.pipeline.Pipeline`), ``_ss_stats`` (:class:`.stats.AdapterStats`), and the
+    functions of :mod:`.decision` and :mod:`.fit`."""
 
     #: Test hooks: settings from this mapping instead of ``os.environ``, and the
     #: clock that times iterations (a simulated clock makes reports deterministic).
@@ -389,10 +384,10 @@ class SlidingServeMixin:
         now = time.monotonic()
         done = 0
         for req in preemptible(ids, self.requests, self.running, RequestStatus.RUNNING):
-            if not self._request_blocks_can_be_freed(req):  # type: ignore[attr-defined]
+            if not self._request_blocks_can_be_freed(req):
                 continue  # a KV connector still reads them
             self.running.remove(req)
-            self._preempt_request(req, now)  # type: ignore[attr-defined]
+            self._preempt_request(req, now)
             done += 1
         self._ss_counts["plan_preemptions"] += done
         return done
@@ -429,7 +424,7 @@ class SlidingServeMixin:
     # ------------------------------------------------------------ vLLM's hooks
     def add_request(self, request: Any) -> None:
         self._ss_pipe.quiesce()
-        super().add_request(request)  # type: ignore[misc]
+        super().add_request(request)
         self._ss_pipe.arrived(request)
 
     def _cap(self, request: Any, n: int, computed: int) -> int:
@@ -448,20 +443,20 @@ class SlidingServeMixin:
                                    num_new_local_computed_tokens: int = 0,
                                    num_external_computed_tokens: int = 0) -> int:
         computed = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
-        return super()._mamba_block_aligned_split(  # type: ignore[misc]
+        return super()._mamba_block_aligned_split(
             request, self._cap(request, num_new_tokens, computed),
             num_new_local_computed_tokens, num_external_computed_tokens)
 
     def _try_schedule_encoder_inputs(self, request: Any, num_computed_tokens: int, num_new_tokens: int,
                                      *args: Any, **kwargs: Any) -> Any:
-        return super()._try_schedule_encoder_inputs(  # type: ignore[misc]
+        return super()._try_schedule_encoder_inputs(
             request, num_computed_tokens, self._cap(request, num_new_tokens, num_computed_tokens),
             *args, **kwargs)
 
     def _reserve_prefill_lookahead(self, request: Any, num_computed_tokens: int, num_new_tokens: int) -> int:
         if self._plan is not None:  # called for every request vLLM schedules: keep it lean
             num_new_tokens = self._cap(request, num_new_tokens, num_computed_tokens)
-        return super()._reserve_prefill_lookahead(  # type: ignore[misc]
+        return super()._reserve_prefill_lookahead(
             request, num_computed_tokens, num_new_tokens)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
@@ -477,7 +472,7 @@ class SlidingServeMixin:
         if fit is None:
             c["native"] += 1
             self._ss_pipe.ahead_s = 0.0
-            out = super().schedule(*args, **kwargs)  # type: ignore[misc]
+            out = super().schedule(*args, **kwargs)
             self._ss_inner = time.perf_counter() - t1
         else:
             out = self._execute(fit, args, kwargs)
@@ -496,20 +491,20 @@ class SlidingServeMixin:
         running0 = list(self.running)
         waiting0 = list(self.waiting)
         order, shown = execution_order(
-            running0, fit, holding=self.kv_holding_waiting,
+            running0, fit, holding=list(self.kv_holding_waiting),
             blocked=[r for r in waiting0 if r.status not in _SCHEDULABLE] if self._ss_blocked else ())
         self._set_queues(order, shown)
         self._ss_hidden = len(waiting0) - len(shown)
         self._plan = plan
         t = time.perf_counter()
         try:
-            out = super().schedule(*args, **kwargs)  # type: ignore[misc]
+            out = super().schedule(*args, **kwargs)
         finally:
             self._ss_inner = time.perf_counter() - t
             self._plan = None
             self._ss_hidden = 0
-            self._set_queues(*restored_order(running0, waiting0, self.running, self.waiting,
-                                             self.kv_holding_waiting, shown))
+            self._set_queues(*restored_order(running0, waiting0, self.running, list(self.waiting),
+                                             list(self.kv_holding_waiting), shown))
             if fit.admit:
                 # admitted (their hits are vLLM's now) or refused (the hit planned with may be stale)
                 self._ss_hits.forget([r.request_id for r in fit.admit])
@@ -518,21 +513,24 @@ class SlidingServeMixin:
         return out
 
     def _set_queues(self, running: list[Any], waiting: list[Any]) -> None:
-        """vLLM's running and waiting queues, in place (vLLM holds references to both)."""
+        """vLLM's running and waiting queues, in place (vLLM holds references to both).  Plans
+        run only on vLLM's FCFS waiting queue (:func:`_unsupported`), a deque."""
         self.running[:] = running
-        self.waiting.clear()
-        self.waiting.extend(waiting)
+        fcfs = self.waiting
+        assert isinstance(fcfs, FCFSRequestQueue)
+        fcfs.clear()
+        fcfs.extend(waiting)
 
     def get_request_counts(self) -> tuple[int, int]:
         """vLLM's counts, including the waiting requests hidden during a planned
         ``schedule()`` (vLLM's long-prefill threshold and prefill-capacity logic
         read them)."""
-        n_run, n_wait = super().get_request_counts()  # type: ignore[misc]
+        n_run, n_wait = super().get_request_counts()
         return n_run, n_wait + self._ss_hidden
 
     def finish_requests(self, *args: Any, **kwargs: Any) -> Any:
         self._ss_pipe.quiesce()
-        return super().finish_requests(*args, **kwargs)  # type: ignore[misc]
+        return super().finish_requests(*args, **kwargs)
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         t_in = time.perf_counter()
@@ -548,7 +546,7 @@ class SlidingServeMixin:
             except Exception as e:  # reporting must never break the engine loop
                 self._ss_stats.report_failed(e)
         t_v = time.perf_counter()
-        result = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        result = super().update_from_output(scheduler_output, model_runner_output)
         if self._ss_rejected_out:
             self._rejected_outputs(result)
         t_v2 = time.perf_counter()
@@ -576,7 +574,7 @@ class SlidingServeMixin:
         try:
             self.slidingserve_close()
         finally:
-            super().shutdown()  # type: ignore[misc]
+            super().shutdown()
 
 
 class RemoteScheduler(SlidingServeMixin, AsyncScheduler):

@@ -138,7 +138,8 @@ def test_engines_follow_the_default_version_or_pin_one(mdir: str, tmp_path: Any)
         s._ss_live.watcher.period_s = 0
 
         def by_version(v: str) -> float:
-            return srv.metrics.registry.get_sample_value("slidingserve_version_decisions_total", {"version": v}) or 0
+            return srv.metrics.registry.get_sample_value("slidingserve_deployment_decisions_total",
+                                                         {"deployment": v}) or 0
 
         marks: dict[str, float] = {}
 
