@@ -53,8 +53,10 @@ decision off that call.  When there is no plan in flight (first iteration,
 after idling, pipelining off) the decision is taken synchronously.
 
 The class keeps vLLM's hooks and the glue to vLLM's objects; what it decides lives in
-modules that import nothing of vLLM (tested without it): :mod:`.fit` (the plan vLLM can
-execute, queue order), :mod:`.pipeline` (the decision in flight, staleness),
+modules that import nothing of vLLM (tested without it): :mod:`.decision` (the view and the
+core's answer → the plan to execute or the fallback reason, a typed :class:`.decision.Outcome`),
+:mod:`.fit` (the plan vLLM can execute, queue order), :mod:`.pipeline` (the decision in
+flight, staleness),
 :mod:`.stats` (counters, deviations, iteration samples), :mod:`.effects` (rejections and
 preemptions that still apply), :mod:`.live` (the core and its hot reload), and
 :mod:`.observe` (logs, the metrics endpoint).
