@@ -350,8 +350,7 @@ def mark_overdue(snapshot: Snapshot, factor: float) -> tuple[Snapshot, frozenset
     if not late.any():
         return snapshot, frozenset()
     marked = frozenset(snapshot.ids[i] for i in np.flatnonzero(late).tolist())
-    cols = {"sheddable": snapshot.sheddable | late}  # a schema column: not in the class body mypy reads
-    return replace(snapshot, _cache={}, **cols), marked
+    return replace(snapshot, sheddable=snapshot.sheddable | late), marked
 
 
 def _wait_bound(plan: Plan, overdue: frozenset[str]) -> Plan:

@@ -55,7 +55,7 @@ def views(draw: st.DrawFn) -> View:
             out = 0
             comp = snap_comp = draw(st.integers(0, prompt - 1)) if (running or draw(st.booleans())) else 0
         rid = f"{'r' if running else 'w'}{i}"
-        reqs.append(Request(rid, 0.0, prompt, snap_comp, out))
+        reqs.append(Request(rid, 0.0, prompt, computed_tokens=snap_comp, output_tokens=out, ttft_slo=1.0, tbt_slo=0.1))
         rows.append(Req(rid, comp, prompt + out))
         computed.append(comp)
     snap = Snapshot.from_requests(reqs, now=0.0, max_batch_tokens=4096, max_num_seqs=64)
@@ -173,7 +173,7 @@ def _view(rows: list[tuple[str, int, int, int]], running_rows: int) -> View:
     reqs, objs, comp = [], [], []
     for rid, prompt, computed, output in rows:
         decode = output > 0
-        reqs.append(Request(rid, 0.0, prompt, prompt if decode else computed, output))
+        reqs.append(Request(rid, 0.0, prompt, computed_tokens=prompt if decode else computed, output_tokens=output, ttft_slo=1.0, tbt_slo=0.1))
         c = prompt + output - 1 if decode else computed
         objs.append(Req(rid, c, prompt + output))
         comp.append(c)

@@ -38,17 +38,17 @@ def _fcfs_case(max_batch_tokens: int) -> Snapshot:
     """``hit``: waiting, its first 64 tokens prefix-cache hits, arrived first; ``own``:
     partly prefilled (50 tokens of its own), arrived later."""
     return Snapshot.from_requests(
-        [Request("hit", 0.0, 200, computed_tokens=64, cached_tokens=64, ttft_slo=100.0),
-         Request("own", 1.0, 200, computed_tokens=50, ttft_slo=100.0)],
+        [Request("hit", 0.0, 200, computed_tokens=64, cached_tokens=64, ttft_slo=100.0, tbt_slo=0.1),
+         Request("own", 1.0, 200, computed_tokens=50, ttft_slo=100.0, tbt_slo=0.1)],
         now=NOW, max_batch_tokens=max_batch_tokens)
 
 
 # ------------------------------------------------------------------- the mask
 def test_started_mask() -> None:
     s = Snapshot.from_requests(
-        [Request("new", 0.0, 100), Request("hit", 0.0, 100, computed_tokens=40, cached_tokens=40),
-         Request("hit+own", 0.0, 100, computed_tokens=60, cached_tokens=40),
-         Request("own", 0.0, 100, computed_tokens=60), Request("dec", 0.0, 10, computed_tokens=10, output_tokens=2)],
+        [Request("new", 0.0, 100, ttft_slo=1.0, tbt_slo=0.1), Request("hit", 0.0, 100, computed_tokens=40, cached_tokens=40, ttft_slo=1.0, tbt_slo=0.1),
+         Request("hit+own", 0.0, 100, computed_tokens=60, cached_tokens=40, ttft_slo=1.0, tbt_slo=0.1),
+         Request("own", 0.0, 100, computed_tokens=60, ttft_slo=1.0, tbt_slo=0.1), Request("dec", 0.0, 10, computed_tokens=10, output_tokens=2, ttft_slo=1.0, tbt_slo=0.1)],
         now=NOW)
     assert s.started.tolist() == [False, False, True, True, True]
     assert not s.started.flags.writeable
@@ -72,8 +72,8 @@ def test_a_hit_is_not_a_started_prefill(name: str) -> None:
 
 def test_qoserve_relegates_a_hit_that_cannot_make_its_deadline() -> None:
     s = Snapshot.from_requests(
-        [Request("hit", NOW - 0.9, 1000, computed_tokens=100, cached_tokens=100, ttft_slo=1.0),
-         Request("own", NOW - 0.9, 1000, computed_tokens=100, ttft_slo=1.0)],
+        [Request("hit", NOW - 0.9, 1000, computed_tokens=100, cached_tokens=100, ttft_slo=1.0, tbt_slo=0.1),
+         Request("own", NOW - 0.9, 1000, computed_tokens=100, ttft_slo=1.0, tbt_slo=0.1)],
         now=NOW, prefill_throughput=1000.0)
     pol = registry.create("qoserve")
     # 900 tokens at 1000 tokens/s pass the deadline 0.1 s away: only a request that has not
@@ -85,8 +85,8 @@ def _watermark_case(computed: int, cached: int, prompt: int = 100) -> Snapshot:
     """A request (``computed`` tokens, ``cached`` of them prefix-cache hits) and a new one
     behind it; 400 KV tokens free."""
     return Snapshot.from_requests(
-        [Request("hit", 0.0, prompt, computed_tokens=computed, cached_tokens=cached, ttft_slo=100.0),
-         Request("new", 1.0, 1000, ttft_slo=100.0)],
+        [Request("hit", 0.0, prompt, computed_tokens=computed, cached_tokens=cached, ttft_slo=100.0, tbt_slo=0.1),
+         Request("new", 1.0, 1000, ttft_slo=100.0, tbt_slo=0.1)],
         now=NOW, max_batch_tokens=2048, free_kv_tokens=400)
 
 

@@ -30,12 +30,12 @@ def _decodes(n: int, prio: int, *, ctx: int = 1500, now: float = 100.0, tbt: flo
     out = 20
     ttft = 0.5
     arrival = now + behind - ttft - out * tbt
-    return [Request(f"{tag}{prio}.{i}", arrival, ctx, ctx, out, ttft, tbt, priority=prio) for i in range(n)]
+    return [Request(f"{tag}{prio}.{i}", arrival, ctx, computed_tokens=ctx, output_tokens=out, ttft_slo=ttft, tbt_slo=tbt, priority=prio) for i in range(n)]
 
 
 def _new(rid: str, prompt: int, prio: int, *, now: float = 100.0, slack: float = 1.0,
          sheddable: bool = False) -> Request:
-    return Request(rid, now - 0.01, prompt, 0, 0, slack + 0.01, TBT, priority=prio, sheddable=sheddable)
+    return Request(rid, now - 0.01, prompt, computed_tokens=0, output_tokens=0, ttft_slo=slack + 0.01, tbt_slo=TBT, priority=prio, sheddable=sheddable)
 
 
 def _t_dec_ms(s: Snapshot, pred: BatchLatencyPredictor) -> float:
@@ -87,7 +87,7 @@ def test_a_lower_class_waits_while_the_decodes_fill_the_reserve() -> None:
 def test_the_top_class_and_partial_prefills_never_wait() -> None:
     pred = default_predictor()
     full = _fill_to(pred, 2 * TBT * 1e3, prio=1)  # far past any reserve
-    part = Request("part", 99.9, 400, 100, 0, 2.0, TBT, priority=1)
+    part = Request("part", 99.9, 400, computed_tokens=100, output_tokens=0, ttft_slo=2.0, tbt_slo=TBT, priority=1)
     s = make_snapshot([*full, _new("crit", 300, 0), part, _new("std", 300, 1)], now=100.0,
                       max_batch_tokens=4096)
     pre = prefill_indices(s)
@@ -111,13 +111,13 @@ def _classed_load(seed: int) -> Snapshot:
         out = int(rng.integers(1, 50))
         tbt = float(rng.choice([0.03, 0.05, 0.1]))
         slack = float(rng.uniform(-0.1, 0.4))
-        reqs.append(Request(f"d{i}", 100.0 + slack - 0.5 - out * tbt, ctx, ctx, out, 0.5, tbt,
+        reqs.append(Request(f"d{i}", 100.0 + slack - 0.5 - out * tbt, ctx, computed_tokens=ctx, output_tokens=out, ttft_slo=0.5, tbt_slo=tbt,
                             priority=int(rng.integers(-1, 3))))
     for i in range(int(rng.integers(1, 12))):
         p = int(rng.integers(2, 3000))
         comp = int(rng.integers(1, p)) if rng.random() < 0.25 else 0
-        reqs.append(Request(f"p{i}", 100.0 - float(rng.uniform(0, 0.5)), p, comp, 0, float(rng.uniform(0.1, 2.0)),
-                            float(rng.choice([0.03, 0.05, 0.1])), priority=int(rng.integers(-1, 3)),
+        reqs.append(Request(f"p{i}", 100.0 - float(rng.uniform(0, 0.5)), p, computed_tokens=comp, output_tokens=0, ttft_slo=float(rng.uniform(0.1, 2.0)),
+                            tbt_slo=float(rng.choice([0.03, 0.05, 0.1])), priority=int(rng.integers(-1, 3)),
                             sheddable=bool(rng.random() < 0.3)))
     return make_snapshot(reqs, now=100.0, free_kv_tokens=int(rng.integers(10_000, 500_000)),
                          prefill_throughput=float(rng.uniform(2000, 20000)))
@@ -267,7 +267,7 @@ def test_every_plan_under_class_overload_is_valid(seed: int, default_pred: bool)
 
 def test_pace_grows_as_decodes_leave() -> None:
     pred = default_predictor()
-    s = replace(make_snapshot(_burst(), now=100.0), _cache={})
+    s = replace(make_snapshot(_burst(), now=100.0))
     paces = [_pace(s, pred, n, 1520.0 * n, 50.0, 1.1) for n in range(80, -1, -5)]
     assert all(b >= a for a, b in itertools.pairwise(paces))
     assert paces[0] < paces[-1]

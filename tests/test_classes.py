@@ -51,7 +51,7 @@ def classed(seed: int, n: int = 12) -> Snapshot:
 
 # ------------------------------------------------------------------ snapshot
 def test_default_class_is_priority_zero_not_sheddable() -> None:
-    s = Snapshot.from_requests([Request("a", 0.0, 10), Request("b", 0.0, 5)], now=1.0)
+    s = Snapshot.from_requests([Request("a", 0.0, 10, ttft_slo=1.0, tbt_slo=0.1), Request("b", 0.0, 5, ttft_slo=1.0, tbt_slo=0.1)], now=1.0)
     assert s.priority.tolist() == [0, 0] and s.sheddable.tolist() == [False, False]
     assert not s.priority.flags.writeable
     # the v1 JSON form is unchanged when every request is of the default class
@@ -73,7 +73,7 @@ def test_json_round_trip_keeps_classes(seed: int) -> None:
     ("sheddable", "yes", "requests[0].sheddable"),
 ])
 def test_bad_class_values_name_the_field(field: str, value: object, expect: str) -> None:
-    d = Snapshot.from_requests([Request("a", 0.0, 10)], now=1.0).to_dict()
+    d = Snapshot.from_requests([Request("a", 0.0, 10, ttft_slo=1.0, tbt_slo=0.1)], now=1.0).to_dict()
     d["requests"][0][field] = value
     with pytest.raises(ValidationError) as e:
         Snapshot.from_json(d)
@@ -121,8 +121,8 @@ def server() -> Iterator[SchedulerServer]:
 
 
 def test_priority_travels_over_grpc(server: SchedulerServer) -> None:
-    reqs = [Request("late-low", 0.0, 1500, priority=5), Request("early-high", 1.0, 1500, priority=-1),
-            Request("mid", 0.5, 1500)]
+    reqs = [Request("late-low", 0.0, 1500, priority=5, ttft_slo=1.0, tbt_slo=0.1), Request("early-high", 1.0, 1500, priority=-1, ttft_slo=1.0, tbt_slo=0.1),
+            Request("mid", 0.5, 1500, ttft_slo=1.0, tbt_slo=0.1)]
     s = Snapshot.from_requests(reqs, now=2.0, max_batch_tokens=2048)
     with SchedulerClient(server.target, timeout_s=10.0) as c:
         plan = c.schedule(s, policy="vllm-priority")
@@ -146,7 +146,7 @@ PRIORITY_REACHED = Reached()
 def _vllm_priority_serves_each_group_in_priority_order(seed: int, budget: int | None) -> None:
     s = classed(seed)
     if budget is not None:  # a budget that serves several waiting prompts in full
-        s = replace(s, max_batch_tokens=budget, _cache={})
+        s = replace(s, max_batch_tokens=budget)
     plan = registry.create("vllm-priority").plan(s, default_predictor())
     got = plan.tokens_by_id()
     for group, name in ((s.started, "running"), (~s.started, "waiting")):
@@ -248,7 +248,7 @@ def _loaded(seed: int, n: int = 16) -> Snapshot:
     every live prefill in time: the lost rule gives some up."""
     s = classed(seed, n)
     rho = float(np.random.default_rng(seed + 5).uniform(200, 3000))
-    return replace(s, prefill_throughput=rho, _cache={})
+    return replace(s, prefill_throughput=rho)
 
 
 @settings(max_examples=200, deadline=None)
@@ -311,9 +311,9 @@ def test_every_policy_plans_validly_with_classes(seed: int, loaded: bool) -> Non
 
 
 def test_shedding_can_be_switched_off_and_is_explained() -> None:
-    reqs = [Request("gone", 0.0, 400, ttft_slo=0.1, sheddable=True),
-            Request("kept", 0.0, 400, ttft_slo=0.1),
-            Request("fine", 1.9, 40, ttft_slo=5.0, sheddable=True)]
+    reqs = [Request("gone", 0.0, 400, ttft_slo=0.1, sheddable=True, tbt_slo=0.1),
+            Request("kept", 0.0, 400, ttft_slo=0.1, tbt_slo=0.1),
+            Request("fine", 1.9, 40, ttft_slo=5.0, sheddable=True, tbt_slo=0.1)]
     s = Snapshot.from_requests(reqs, now=2.0)
     plan = registry.create("slidingserve").plan(s, default_predictor())
     assert plan.rejections == (Rejection("gone", "ttft_expired"),)
@@ -324,7 +324,7 @@ def test_shedding_can_be_switched_off_and_is_explained() -> None:
 
 
 def test_rejections_travel_over_grpc_and_bad_ones_are_refused_by_the_engine(server: SchedulerServer) -> None:
-    reqs = [Request("gone", 0.0, 400, ttft_slo=0.1, sheddable=True), Request("kept", 0.0, 400, ttft_slo=0.1)]
+    reqs = [Request("gone", 0.0, 400, ttft_slo=0.1, sheddable=True, tbt_slo=0.1), Request("kept", 0.0, 400, ttft_slo=0.1, tbt_slo=0.1)]
     s = Snapshot.from_requests(reqs, now=2.0)
     with SchedulerClient(server.target, timeout_s=10.0) as c:
         plan = c.schedule(s, policy="slidingserve")
@@ -512,13 +512,13 @@ def _formula_1(s: Snapshot) -> np.ndarray:
 
 
 def test_e2e_default_is_none_and_the_v1_json_form_is_unchanged() -> None:
-    s = Snapshot.from_requests([Request("a", 0.0, 10), Request("b", 0.0, 5, e2e_slo=2.5)], now=1.0)
+    s = Snapshot.from_requests([Request("a", 0.0, 10, ttft_slo=1.0, tbt_slo=0.1), Request("b", 0.0, 5, e2e_slo=2.5, ttft_slo=1.0, tbt_slo=0.1)], now=1.0)
     assert s.e2e_slo.tolist() == [0.0, 2.5] and not s.e2e_slo.flags.writeable
     assert s.e2e_deadline.tolist() == [np.inf, 2.5]
     reqs = s.to_dict()["requests"]
     assert "e2e_slo" not in reqs[0] and reqs[1]["e2e_slo"] == 2.5
     assert s.requests()[1].e2e_slo == 2.5
-    plain = Snapshot.from_requests([Request("a", 0.0, 10)], now=1.0)
+    plain = Snapshot.from_requests([Request("a", 0.0, 10, ttft_slo=1.0, tbt_slo=0.1)], now=1.0)
     assert plain.e2e_slo.tolist() == [0.0] and not plain.any_e2e
 
 
@@ -533,7 +533,7 @@ def test_e2e_json_round_trip(seed: int) -> None:
 
 @pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf"), 2e12, "soon", True, None])
 def test_bad_e2e_values_name_the_field(value: object) -> None:
-    d = Snapshot.from_requests([Request("a", 0.0, 10), Request("b", 0.0, 10)], now=1.0).to_dict()
+    d = Snapshot.from_requests([Request("a", 0.0, 10, ttft_slo=1.0, tbt_slo=0.1), Request("b", 0.0, 10, ttft_slo=1.0, tbt_slo=0.1)], now=1.0).to_dict()
     d["requests"][1]["e2e_slo"] = value
     with pytest.raises(ValidationError) as e:
         Snapshot.from_json(d)
@@ -542,7 +542,7 @@ def test_bad_e2e_values_name_the_field(value: object) -> None:
 
 @pytest.mark.parametrize("value", [0.0, -0.0, 1e-9, 1e12])
 def test_e2e_bounds_accepted(value: float) -> None:
-    d = Snapshot.from_requests([Request("a", 0.0, 10)], now=1.0).to_dict()
+    d = Snapshot.from_requests([Request("a", 0.0, 10, ttft_slo=1.0, tbt_slo=0.1)], now=1.0).to_dict()
     d["requests"][0]["e2e_slo"] = value
     assert Snapshot.from_json(d).e2e_slo.tolist() == [value]
 
@@ -671,7 +671,7 @@ def test_zero_e2e_everywhere_is_the_snapshot_without_it(seed: int, loaded: bool)
 def test_every_policy_plans_validly_with_e2e_and_rejections_say_why(seed: int, loaded: bool) -> None:
     s = _e2e(seed)
     if loaded:
-        s = replace(s, prefill_throughput=float(np.random.default_rng(seed).uniform(200, 3000)), _cache={})
+        s = replace(s, prefill_throughput=float(np.random.default_rng(seed).uniform(200, 3000)))
     for pred in (default_predictor(), random_predictor(seed)):
         for name in registry.names():
             plan = registry.create(name).plan(s, pred)
@@ -686,11 +686,11 @@ def test_every_policy_plans_validly_with_e2e_and_rejections_say_why(seed: int, l
 
 def test_shedding_past_the_e2e_deadline_says_e2e_expired() -> None:
     # arrived 2 s ago: TTFT 5 s not passed, end to end 1.5 s passed
-    reqs = [Request("e2e-gone", 0.0, 400, ttft_slo=5.0, e2e_slo=1.5, sheddable=True),
-            Request("e2e-kept", 0.0, 400, ttft_slo=5.0, e2e_slo=1.5),  # not sheddable: served
-            Request("ttft-gone", 0.0, 400, ttft_slo=0.5, e2e_slo=1.5, sheddable=True),  # TTFT first
-            Request("on-time", 0.0, 40, ttft_slo=5.0, e2e_slo=9.0, sheddable=True),
-            Request("none", 0.0, 40, ttft_slo=5.0, sheddable=True)]
+    reqs = [Request("e2e-gone", 0.0, 400, ttft_slo=5.0, e2e_slo=1.5, sheddable=True, tbt_slo=0.1),
+            Request("e2e-kept", 0.0, 400, ttft_slo=5.0, e2e_slo=1.5, tbt_slo=0.1),  # not sheddable: served
+            Request("ttft-gone", 0.0, 400, ttft_slo=0.5, e2e_slo=1.5, sheddable=True, tbt_slo=0.1),  # TTFT first
+            Request("on-time", 0.0, 40, ttft_slo=5.0, e2e_slo=9.0, sheddable=True, tbt_slo=0.1),
+            Request("none", 0.0, 40, ttft_slo=5.0, sheddable=True, tbt_slo=0.1)]
     s = Snapshot.from_requests(reqs, now=2.0)
     plan = registry.create("slidingserve").plan(s, default_predictor())
     assert plan.rejections == (Rejection("e2e-gone", "e2e_expired"), Rejection("ttft-gone", "ttft_expired"))
@@ -708,11 +708,11 @@ def test_shedding_an_unreachable_e2e_deadline_says_e2e_unreachable() -> None:
     one) the prediction cannot meet is rejected as ``e2e_unreachable``, not as a TTFT miss;
     without the objective it is served."""
     # 8k prompts arrived just now, behind running decodes: 0.3 s end to end cannot be met
-    reqs = [Request(f"d{j}", -5.0, 200, computed_tokens=200, output_tokens=10, ttft_slo=5.0)
+    reqs = [Request(f"d{j}", -5.0, 200, computed_tokens=200, output_tokens=10, ttft_slo=5.0, tbt_slo=0.1)
             for j in range(8)]
-    reqs += [Request("e2e-far", 0.0, 8000, ttft_slo=30.0, e2e_slo=0.3, sheddable=True),
-             Request("ttft-far", 0.0, 8000, ttft_slo=0.3, e2e_slo=30.0, sheddable=True),
-             Request("kept", 0.0, 8000, ttft_slo=30.0, e2e_slo=0.3)]  # not sheddable: never rejected
+    reqs += [Request("e2e-far", 0.0, 8000, ttft_slo=30.0, e2e_slo=0.3, sheddable=True, tbt_slo=0.1),
+             Request("ttft-far", 0.0, 8000, ttft_slo=0.3, e2e_slo=30.0, sheddable=True, tbt_slo=0.1),
+             Request("kept", 0.0, 8000, ttft_slo=30.0, e2e_slo=0.3, tbt_slo=0.1)]  # not sheddable: never rejected
     s = Snapshot.from_requests(reqs, now=0.01)
     assert (s.slack[s.index_of["e2e-far"]] > 0) and (s.slack[s.index_of["ttft-far"]] > 0)
     plan = registry.create("slidingserve").plan(s, default_predictor())

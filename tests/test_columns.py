@@ -290,3 +290,23 @@ def test_vllm_builder_snapshot_has_every_column_and_is_validated() -> None:
     assert [v.field for v in ei.value.violations] == ["requests[2].arrival"]
     with pytest.raises(ValidationError, match="duplicates"):
         b.build(run, [run[0]], max_batch_tokens=4096, max_num_seqs=8, free_kv_tokens=1000, now=200.0)
+
+
+def test_snapshot_and_request_declare_the_schema_columns() -> None:
+    """Each request column of the schema is a declared field of both classes, in the
+    schema's order; a request's default is the schema's, and a column every request
+    must set has none."""
+    from dataclasses import MISSING, fields
+
+    from scheduler_service.core import Request, Snapshot
+
+    names = [c.name for c in COLUMNS]
+    snap_fields = [f.name for f in fields(Snapshot) if f.init]
+    assert snap_fields[snap_fields.index(names[0]):] == names
+    req = {f.name: f for f in fields(Request)}
+    assert [n for n in req if n != "id"] == names
+    for c in COLUMNS:
+        f = req[c.name]
+        assert (f.default is MISSING) == c.required, c.name
+        if not c.required:
+            assert f.default == c.default and type(f.default) is type(np.zeros(1, c.dtype)[0].item()), c.name

@@ -111,7 +111,7 @@ def test_an_in_process_engine_deciding_loads_no_grpc() -> None:
         import numpy as np
         live = LiveCore(SettingsWatcher(VllmAdapterSettings(policy="slidingserve")), "m|h|tp1",
                         SnapshotBuilder(SloDefaults(), "m|h|tp1"))
-        snap = Snapshot.from_requests([Request("a", 0.0, 40), Request("d", 0.0, 8, 8, 3)], now=1.0,
+        snap = Snapshot.from_requests([Request("a", 0.0, 40, ttft_slo=1.0, tbt_slo=0.1), Request("d", 0.0, 8, computed_tokens=8, output_tokens=3, ttft_slo=1.0, tbt_slo=0.1)], now=1.0,
                                       max_batch_tokens=512, max_num_seqs=8)
         core = live.get()
         assert core.decide(snap).plan is not None

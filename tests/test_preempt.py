@@ -24,8 +24,8 @@ def kv_bound(now: float = 10.0, free_kv: int = 192) -> Snapshot:
     """A standard request given up 1,400 tokens into its 1,500-token prefill holds the KV a
     critical one needs."""
     return Snapshot.from_requests([
-        Request("low", now - 5.0, 1500, computed_tokens=1400, ttft_slo=0.1, priority=1),
-        Request("crit", now, 800, ttft_slo=3.0, priority=0),
+        Request("low", now - 5.0, 1500, computed_tokens=1400, ttft_slo=0.1, priority=1, tbt_slo=0.1),
+        Request("crit", now, 800, ttft_slo=3.0, priority=0, tbt_slo=0.1),
     ], now=now, max_batch_tokens=200, free_kv_tokens=free_kv)
 
 

@@ -506,9 +506,9 @@ def test_a_shedding_decision_explains_itself_without_a_replay(monkeypatch: pytes
     from scheduler_service.core import slidingserve
     from scheduler_service.core.snapshot import Request
 
-    reqs = [Request("gone", 0.0, 400, ttft_slo=0.1, sheddable=True),
-            Request("kept", 0.0, 400, ttft_slo=0.1),
-            Request("fine", 1.9, 40, ttft_slo=5.0, sheddable=True)]
+    reqs = [Request("gone", 0.0, 400, ttft_slo=0.1, sheddable=True, tbt_slo=0.1),
+            Request("kept", 0.0, 400, ttft_slo=0.1, tbt_slo=0.1),
+            Request("fine", 1.9, 40, ttft_slo=5.0, sheddable=True, tbt_slo=0.1)]
     snap, pred = Snapshot.from_requests(reqs, now=2.0), default_predictor()
     policy = registry.create("slidingserve")
     told = explain(policy, snap, pred, policy.plan(snap, pred))

@@ -58,25 +58,25 @@ def req_violations(req: Request, **snap_kw: Any) -> dict[str, str]:
 @pytest.mark.parametrize(
     ("req", "field", "needle"),
     [
-        (Request("a", 0.0, prompt_tokens=0), "requests[0].prompt_tokens", ">= 1"),
-        (Request("a", 0.0, prompt_tokens=-5), "requests[0].prompt_tokens", ">= 1"),
-        (Request("a", 0.0, prompt_tokens=10, computed_tokens=-1), "requests[0].computed_tokens", ">= 0"),
-        (Request("a", 0.0, prompt_tokens=10, computed_tokens=11), "requests[0].computed_tokens", "exceeds"),
-        (Request("a", 0.0, prompt_tokens=10, computed_tokens=5, output_tokens=1),
+        (Request("a", 0.0, prompt_tokens=0, ttft_slo=1.0, tbt_slo=0.1), "requests[0].prompt_tokens", ">= 1"),
+        (Request("a", 0.0, prompt_tokens=-5, ttft_slo=1.0, tbt_slo=0.1), "requests[0].prompt_tokens", ">= 1"),
+        (Request("a", 0.0, prompt_tokens=10, computed_tokens=-1, ttft_slo=1.0, tbt_slo=0.1), "requests[0].computed_tokens", ">= 0"),
+        (Request("a", 0.0, prompt_tokens=10, computed_tokens=11, ttft_slo=1.0, tbt_slo=0.1), "requests[0].computed_tokens", "exceeds"),
+        (Request("a", 0.0, prompt_tokens=10, computed_tokens=5, output_tokens=1, ttft_slo=1.0, tbt_slo=0.1),
          "requests[0].output_tokens", "must be 0 while"),
-        (Request("a", 0.0, prompt_tokens=10, computed_tokens=0, output_tokens=3),
+        (Request("a", 0.0, prompt_tokens=10, computed_tokens=0, output_tokens=3, ttft_slo=1.0, tbt_slo=0.1),
          "requests[0].output_tokens", "must be 0 while"),
-        (Request("a", 0.0, prompt_tokens=10, computed_tokens=10, output_tokens=0),
+        (Request("a", 0.0, prompt_tokens=10, computed_tokens=10, output_tokens=0, ttft_slo=1.0, tbt_slo=0.1),
          "requests[0].output_tokens", "once the prompt is fully computed"),
-        (Request("a", float("nan"), prompt_tokens=10), "requests[0].arrival", "finite"),
-        (Request("a", float("inf"), prompt_tokens=10), "requests[0].arrival", "finite"),
-        (Request("a", 0.0, prompt_tokens=10, ttft_slo=float("nan")), "requests[0].ttft_slo", "finite"),
-        (Request("a", 0.0, prompt_tokens=10, ttft_slo=float("inf")), "requests[0].ttft_slo", "finite"),
-        (Request("a", 0.0, prompt_tokens=10, tbt_slo=float("-inf")), "requests[0].tbt_slo", "finite"),
-        (Request("a", 0.0, prompt_tokens=10, ttft_slo=0.0), "requests[0].ttft_slo", "> 0"),
-        (Request("a", 0.0, prompt_tokens=10, ttft_slo=-1.0), "requests[0].ttft_slo", "> 0"),
-        (Request("a", 0.0, prompt_tokens=10, tbt_slo=0.0), "requests[0].tbt_slo", "> 0"),
-        (Request("", 0.0, prompt_tokens=10), "requests[0].id", "non-empty"),
+        (Request("a", float("nan"), prompt_tokens=10, ttft_slo=1.0, tbt_slo=0.1), "requests[0].arrival", "finite"),
+        (Request("a", float("inf"), prompt_tokens=10, ttft_slo=1.0, tbt_slo=0.1), "requests[0].arrival", "finite"),
+        (Request("a", 0.0, prompt_tokens=10, ttft_slo=float("nan"), tbt_slo=0.1), "requests[0].ttft_slo", "finite"),
+        (Request("a", 0.0, prompt_tokens=10, ttft_slo=float("inf"), tbt_slo=0.1), "requests[0].ttft_slo", "finite"),
+        (Request("a", 0.0, prompt_tokens=10, tbt_slo=float("-inf"), ttft_slo=1.0), "requests[0].tbt_slo", "finite"),
+        (Request("a", 0.0, prompt_tokens=10, ttft_slo=0.0, tbt_slo=0.1), "requests[0].ttft_slo", "> 0"),
+        (Request("a", 0.0, prompt_tokens=10, ttft_slo=-1.0, tbt_slo=0.1), "requests[0].ttft_slo", "> 0"),
+        (Request("a", 0.0, prompt_tokens=10, tbt_slo=0.0, ttft_slo=1.0), "requests[0].tbt_slo", "> 0"),
+        (Request("", 0.0, prompt_tokens=10, ttft_slo=1.0, tbt_slo=0.1), "requests[0].id", "non-empty"),
     ],
 )
 def test_row_violation(req: Request, field: str, needle: str) -> None:
@@ -86,18 +86,18 @@ def test_row_violation(req: Request, field: str, needle: str) -> None:
 
 
 def test_negative_output_tokens_reported() -> None:
-    v = req_violations(Request("a", 0.0, prompt_tokens=10, computed_tokens=10, output_tokens=-2))
+    v = req_violations(Request("a", 0.0, prompt_tokens=10, computed_tokens=10, output_tokens=-2, ttft_slo=1.0, tbt_slo=0.1))
     assert "requests[0].output_tokens" in v
 
 
 def test_violation_index_points_at_the_bad_row() -> None:
-    reqs = [waiting("a", 5), waiting("b", 5), prefilling("c", 5, 2), Request("d", 0.0, 5, 6)]
+    reqs = [waiting("a", 5), waiting("b", 5), prefilling("c", 5, 2), Request("d", 0.0, 5, computed_tokens=6, ttft_slo=1.0, tbt_slo=0.1)]
     v = violations_of(make_snapshot, reqs)
     assert set(v) == {"requests[3].computed_tokens"}
 
 
 def test_every_bad_row_is_reported_at_once() -> None:
-    reqs = [Request("a", 0.0, 5, -1), Request("b", float("nan"), 5), Request("c", 0.0, 5, tbt_slo=-1.0)]
+    reqs = [Request("a", 0.0, 5, computed_tokens=-1, ttft_slo=1.0, tbt_slo=0.1), Request("b", float("nan"), 5, ttft_slo=1.0, tbt_slo=0.1), Request("c", 0.0, 5, tbt_slo=-1.0, ttft_slo=1.0)]
     v = violations_of(make_snapshot, reqs)
     assert set(v) == {"requests[0].computed_tokens", "requests[1].arrival", "requests[2].tbt_slo"}
 
@@ -227,7 +227,7 @@ def test_json_nan_in_text_is_a_row_violation() -> None:
 
 
 def test_validation_error_str_is_one_line_with_count() -> None:
-    reqs = [Request(f"r{i}", 0.0, 5, -1) for i in range(5)]
+    reqs = [Request(f"r{i}", 0.0, 5, computed_tokens=-1, ttft_slo=1.0, tbt_slo=0.1) for i in range(5)]
     with pytest.raises(ValidationError) as ei:
         make_snapshot(reqs)
     s = str(ei.value)

@@ -302,13 +302,13 @@ def test_a_given_up_prompt_that_waited_starve_after_ttfts_goes_first_with_the_fu
 def test_starving_with_request_classes_is_the_top_class_only() -> None:
     """A lower class keeps waiting behind the higher ones (the class rules hold); a starving
     prompt of the highest class present goes first."""
-    low = Request("low", 5.0, 1024, ttft_slo=0.45, priority=1)
+    low = Request("low", 5.0, 1024, ttft_slo=0.45, priority=1, tbt_slo=0.1)
     snap = _crowded([low])
     plan = registry.create("slidingserve").plan(snap, PRED)
     assert "low" not in alloc(plan)
     assert plan.decision_key()[3:] == registry.create("slidingserve", {"starve_after": 0}).plan(
         snap, PRED).decision_key()[3:]
-    top = Request("top", 5.0, 1024, ttft_slo=0.45, priority=-1)
+    top = Request("top", 5.0, 1024, ttft_slo=0.45, priority=-1, tbt_slo=0.1)
     plan = registry.create("slidingserve").plan(_crowded([low, top]), PRED)
     assert [a.id for a in plan.allocations if a.id in ("top", "low")] == ["top"]
     assert alloc(plan)["top"] == 1024

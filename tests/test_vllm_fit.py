@@ -58,7 +58,7 @@ def cases(draw: st.DrawFn) -> tuple[View, dict[str, int], KvRules]:
             out = 0
             comp = snap_comp = draw(st.integers(0, prompt - 1)) if (running or draw(st.booleans())) else 0
         rid = f"{'r' if running else 'w'}{i}"
-        reqs.append(Request(rid, 0.0, prompt, snap_comp, out))
+        reqs.append(Request(rid, 0.0, prompt, computed_tokens=snap_comp, output_tokens=out, ttft_slo=1.0, tbt_slo=0.1))
         rows.append(Req(rid, comp, prompt + out))
         computed.append(comp)
     snap = Snapshot.from_requests(reqs, now=0.0, max_batch_tokens=4096, max_num_seqs=64)
@@ -129,7 +129,7 @@ def test_fitted_plans_keep_to_vllm_kv_and_admission_rules() -> None:
 
 
 def test_a_running_prefill_chunk_shrinks_to_the_free_blocks() -> None:
-    snap = Snapshot.from_requests([Request("a", 0.0, 64, 0), Request("d", 0.0, 8, 8, 3)], now=0.0,
+    snap = Snapshot.from_requests([Request("a", 0.0, 64, computed_tokens=0, ttft_slo=1.0, tbt_slo=0.1), Request("d", 0.0, 8, computed_tokens=8, output_tokens=3, ttft_slo=1.0, tbt_slo=0.1)], now=0.0,
                                   max_batch_tokens=512, max_num_seqs=8)
     rows = [Req("a", 0, 64), Req("d", 10, 11)]
     view = View(snap, rows, np.array([0, 10]), 2, set())
@@ -143,14 +143,14 @@ def test_a_running_prefill_chunk_shrinks_to_the_free_blocks() -> None:
 
 
 def test_running_decodes_that_need_more_blocks_than_free_cannot_run() -> None:
-    snap = Snapshot.from_requests([Request("d", 0.0, 16, 16, 1)], now=0.0, max_batch_tokens=512, max_num_seqs=8)
+    snap = Snapshot.from_requests([Request("d", 0.0, 16, computed_tokens=16, output_tokens=1, ttft_slo=1.0, tbt_slo=0.1)], now=0.0, max_batch_tokens=512, max_num_seqs=8)
     view = View(snap, [Req("d", 16, 17)], np.array([16]), 1, set())
     fit = fit_plan(view, {"d": 1}, KvRules(block_size=16, lookahead=0, free_blocks=0, slots=4))
     assert fit.why == "running requests need 1 KV blocks, 0 free"
 
 
 def test_refused_admissions_give_way_to_the_decodes_they_displaced() -> None:
-    snap = Snapshot.from_requests([Request("d", 0.0, 8, 8, 2), Request("w", 0.0, 100)], now=0.0,
+    snap = Snapshot.from_requests([Request("d", 0.0, 8, computed_tokens=8, output_tokens=2, ttft_slo=1.0, tbt_slo=0.1), Request("w", 0.0, 100, ttft_slo=1.0, tbt_slo=0.1)], now=0.0,
                                   max_batch_tokens=512, max_num_seqs=8)
     rows = [Req("d", 9, 10), Req("w", 0, 100)]
     view = View(snap, rows, np.array([9, 0]), 1, set())
@@ -159,8 +159,8 @@ def test_refused_admissions_give_way_to_the_decodes_they_displaced() -> None:
 
 
 def test_decodes_needing_a_block_are_those_at_a_block_boundary() -> None:
-    snap = Snapshot.from_requests([Request("d16", 0.0, 8, 8, 9), Request("d5", 0.0, 4, 4, 2),
-                                   Request("p", 0.0, 33, 32), Request("w", 0.0, 16)], now=0.0,
+    snap = Snapshot.from_requests([Request("d16", 0.0, 8, computed_tokens=8, output_tokens=9, ttft_slo=1.0, tbt_slo=0.1), Request("d5", 0.0, 4, computed_tokens=4, output_tokens=2, ttft_slo=1.0, tbt_slo=0.1),
+                                   Request("p", 0.0, 33, computed_tokens=32, ttft_slo=1.0, tbt_slo=0.1), Request("w", 0.0, 16, ttft_slo=1.0, tbt_slo=0.1)], now=0.0,
                                   max_batch_tokens=512, max_num_seqs=8)
     computed = np.array([16, 5, 32, 0])
     assert decodes_needing_block(snap, computed, 3, 16) == 2  # d16 and the last prompt token of p
@@ -191,7 +191,7 @@ def test_fit_imports_no_vllm() -> None:
 
 @pytest.mark.parametrize("free", [0, 1, 5])
 def test_finished_requests_are_dropped_first(free: int) -> None:
-    snap = Snapshot.from_requests([Request("a", 0.0, 8, 8, 1), Request("b", 0.0, 8, 8, 1)], now=0.0,
+    snap = Snapshot.from_requests([Request("a", 0.0, 8, computed_tokens=8, output_tokens=1, ttft_slo=1.0, tbt_slo=0.1), Request("b", 0.0, 8, computed_tokens=8, output_tokens=1, ttft_slo=1.0, tbt_slo=0.1)], now=0.0,
                                   max_batch_tokens=512, max_num_seqs=8)
     view = View(snap, [Req("a", 8, 9), Req("b", 8, 9)], np.array([8, 8]), 2, set())
     fit = fit_plan(view, {"a": 1, "b": 1}, KvRules(block_size=8, lookahead=0, free_blocks=free, slots=0), {"a"})
@@ -214,7 +214,7 @@ def test_admission_blocks_count_a_hit_as_vllms_allocate_slots_does() -> None:
 
 
 def _waiting_view(hit: int, evictable: int, prompt: int = 104) -> View:
-    snap = Snapshot.from_requests([Request("d", 0.0, 8, 8, 3), Request("w", 0.0, prompt, hit)], now=0.0,
+    snap = Snapshot.from_requests([Request("d", 0.0, 8, computed_tokens=8, output_tokens=3, ttft_slo=1.0, tbt_slo=0.1), Request("w", 0.0, prompt, computed_tokens=hit, ttft_slo=1.0, tbt_slo=0.1)], now=0.0,
                                   max_batch_tokens=512, max_num_seqs=8)
     return View(snap, [Req("d", 10, 11), Req("w", 0, prompt)], np.array([10, 0]), 1, set(),
                 hits=np.array([0, hit]), evictable=np.array([0, evictable]))

@@ -72,8 +72,8 @@ class Req:
 
 
 def view_of(running: list[Req], waiting: list[Req], free_kv_tokens: int | None = 10_000) -> View:
-    reqs = [Request(r.request_id, 0.0, r.num_tokens, min(r.num_computed_tokens, r.num_tokens)) for r in running]
-    reqs += [Request(r.request_id, 0.0, r.num_tokens) for r in waiting]
+    reqs = [Request(r.request_id, 0.0, r.num_tokens, computed_tokens=min(r.num_computed_tokens, r.num_tokens), ttft_slo=1.0, tbt_slo=0.1) for r in running]
+    reqs += [Request(r.request_id, 0.0, r.num_tokens, ttft_slo=1.0, tbt_slo=0.1) for r in waiting]
     snap = Snapshot.from_requests(reqs, now=0.0, max_batch_tokens=MAX_TOKENS, max_num_seqs=MAX_SEQS,
                                   free_kv_tokens=free_kv_tokens)
     rows = [*running, *waiting]

@@ -47,7 +47,7 @@ def _queue() -> Snapshot:
             decoding("dec", 100, 3, arrival=0.0, ttft=1.0, tbt=5.0)]
     snap = make_snapshot(reqs, now=10.0)
     shed = np.array([r == "old-shed" for r in snap.ids])
-    return dataclasses.replace(snap, sheddable=shed, _cache={})
+    return dataclasses.replace(snap, sheddable=shed)
 
 
 def test_marks_only_requests_without_a_first_token_past_the_bound() -> None:
@@ -83,7 +83,7 @@ def test_rejections_stay_within_what_the_client_and_the_bound_allow(seed: int, f
     base = random_snapshot(seed, n=n, now=10.0)
     arrival = base.now - rng.uniform(0.0, 8.0, len(base))
     shed = rng.random(len(base)) < 0.3
-    snap = dataclasses.replace(base, arrival=arrival, sheddable=shed, _cache={})
+    snap = dataclasses.replace(base, arrival=arrival, sheddable=shed)
     d = _decide(snap, factor)
     assert d.plan is not None and d.source == "remote"
     marked, overdue = mark_overdue(snap, factor)

@@ -26,7 +26,7 @@ The ablations switch parts off: ``sarathi-edf+sc`` (EDF order, chunker only),
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -35,6 +35,7 @@ from . import kernels
 from .assemble import assemble_plan, in_queue_order
 from .batch import CandidateQueue, fit_class_decodes, select_decodes
 from .chunker import sliding_chunk
+from .columns import COLUMNS
 from .constructor import construct_batch
 from .features import DECODE
 from .params import param
@@ -675,8 +676,6 @@ def _kv_victims(snap: Snapshot, pre: np.ndarray, lost: np.ndarray, n_dec: int, g
 def _without(snap: Snapshot, keep: np.ndarray, free_kv_tokens: int) -> Snapshot:
     """``snap``'s rows ``keep`` (a mask), with ``free_kv_tokens`` free: every per-request
     column is cut the same way, whichever columns the snapshot has."""
-    n = len(snap)
-    cols = {f.name: getattr(snap, f.name)[keep] for f in fields(snap)
-            if isinstance(getattr(snap, f.name), np.ndarray) and len(getattr(snap, f.name)) == n}
+    cols = {c.name: getattr(snap, c.name)[keep] for c in COLUMNS}
     ids = tuple(r for r, k in zip(snap.ids, keep.tolist(), strict=True) if k)
-    return replace(snap, ids=ids, free_kv_tokens=free_kv_tokens, _cache={}, **cols)
+    return replace(snap, ids=ids, free_kv_tokens=free_kv_tokens, **cols)

@@ -23,12 +23,11 @@ cached_tokens``, or decoding) is the mask of the requests that have, and hold KV
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import KW_ONLY, dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -75,62 +74,45 @@ CLASS_COLUMN_DTYPES: dict[str, Any] = {c.name: c.dtype for c in COLUMNS if c.opt
 ALL_COLUMN_DTYPES: dict[str, Any] = {c.name: c.dtype for c in COLUMNS}
 
 
-def _schema_fields(*, kw_only: bool) -> Any:
-    """Class decorator (below ``@dataclass``): a field for every schema column the class
-    does not declare itself.  ``kw_only``: the snapshot's columns (required ones without a
-    default, optional ones ``None`` until ``__post_init__``); else a :class:`Request`'s
-    (the column's default)."""
-
-    def add(cls: type) -> type:
-        ann = inspect.get_annotations(cls)  # a copy, assigned back below
-        for c in COLUMNS:
-            if c.name in ann:
-                continue
-            ann[c.name] = "np.ndarray" if kw_only else "Any"
-            if kw_only:
-                f = field(default=None, kw_only=True) if c.optional else field(kw_only=True)
-            else:
-                f = field(default=c.default)
-            setattr(cls, c.name, f)
-        cls.__annotations__ = ann
-        return cls
-
-    return add
-
-
 @dataclass(frozen=True, slots=True)
-@_schema_fields(kw_only=False)
 class Request:
-    """One request as the engine sees it; a row of a :class:`Snapshot`."""
+    """One request as the engine sees it; a row of a :class:`Snapshot`.  Its fields are
+    the request columns of the schema (:data:`~scheduler_service.core.columns.COLUMNS`,
+    ``tests/test_snapshot.py`` holds them equal), with the schema's defaults; the columns
+    every request must set (``required``) have none."""
 
     id: str
     arrival: float
     prompt_tokens: int
+    _: KW_ONLY
     computed_tokens: int = 0
     output_tokens: int = 0
-    ttft_slo: float = 1.0
-    tbt_slo: float = 0.1
+    ttft_slo: float
+    tbt_slo: float
     protected: bool = False
-    # The optional columns (priority, sheddable, e2e_slo, ...) follow, from the schema
-    # (:data:`~scheduler_service.core.columns.COLUMNS`), each defaulting to its default.
-
-    if TYPE_CHECKING:
-        def __getattr__(self, name: str) -> Any: ...
+    priority: int = 0
+    sheddable: bool = False
+    e2e_slo: float = 0.0
+    tpot_slo: float = 0.0
+    first_token_time: float = 0.0
+    cached_tokens: int = 0
 
 
 class _fact:  # (lower case: a decorator, like property)
     """A memoised yes/no fact about a snapshot: a read-only property computed once into
-    the snapshot's cache (a policy asks some of them several times a decision)."""
+    the snapshot's memo field of the same name, underscored (a policy asks some of them
+    several times a decision)."""
 
     def __init__(self, fn: Callable[[Any], bool]) -> None:
-        self.fn, self.key, self.__doc__ = fn, fn.__name__, fn.__doc__
+        self.fn, self.slot, self.__doc__ = fn, "_" + fn.__name__, fn.__doc__
 
     def __get__(self, snap: Any, owner: type | None = None) -> bool:
         if snap is None:
             return self  # type: ignore[return-value]
-        v = snap._cache.get(self.key)
+        v = getattr(snap, self.slot)
         if v is None:
-            v = snap._cache[self.key] = self.fn(snap)
+            v = self.fn(snap)
+            object.__setattr__(snap, self.slot, v)
         return v  # type: ignore[no-any-return]
 
 
@@ -139,17 +121,24 @@ def _readonly(a: np.ndarray) -> np.ndarray:
     return a
 
 
+#: An optional request column left out of the constructor (filled with its default).
+_ABSENT = _readonly(np.zeros(0))
+
+
+def _absent() -> np.ndarray:
+    return _ABSENT
+
+
 @dataclass(frozen=True, slots=True, eq=False)
-@_schema_fields(kw_only=True)
 class Snapshot:
     """A validated, immutable snapshot.  Build it with :meth:`from_requests`,
     :meth:`from_columns` or :meth:`from_json`; the constructor itself does not
     validate.
 
-    Besides the fields below it has one read-only numpy array per request column of the
-    schema (:data:`~scheduler_service.core.columns.COLUMNS`, ``arrival`` to ``e2e_slo``
-    and any added since), keyword-only in the constructor; an optional column left out
-    (None or empty) is filled with its default.
+    Besides its scalars it has one read-only numpy array per request column of the schema
+    (:data:`~scheduler_service.core.columns.COLUMNS`, in its order; ``tests/test_snapshot.py``
+    holds them equal), keyword-only in the constructor; an optional column left out (None
+    or empty) is filled with its default.
 
     Invariants (checked by :meth:`validate`): all columns have ``len(ids)``
     rows; ids are unique non-empty strings; ``0 <= computed_tokens <=
@@ -168,17 +157,43 @@ class Snapshot:
     prefill_throughput: float | None = None
     #: Engine profile key (model/hardware/TP); informational for policies.
     profile: str = ""
-    _cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
-
-    if TYPE_CHECKING:
-        # the request columns, added from the schema
-        def __getattr__(self, name: str) -> np.ndarray: ...
+    # the request columns (the schema's, in its order); an optional one left out: _ABSENT
+    arrival: np.ndarray = field(kw_only=True)
+    prompt_tokens: np.ndarray = field(kw_only=True)
+    computed_tokens: np.ndarray = field(kw_only=True)
+    output_tokens: np.ndarray = field(kw_only=True)
+    ttft_slo: np.ndarray = field(kw_only=True)
+    tbt_slo: np.ndarray = field(kw_only=True)
+    protected: np.ndarray = field(kw_only=True)
+    priority: np.ndarray = field(default_factory=_absent, kw_only=True)
+    sheddable: np.ndarray = field(default_factory=_absent, kw_only=True)
+    e2e_slo: np.ndarray = field(default_factory=_absent, kw_only=True)
+    tpot_slo: np.ndarray = field(default_factory=_absent, kw_only=True)
+    first_token_time: np.ndarray = field(default_factory=_absent, kw_only=True)
+    cached_tokens: np.ndarray = field(default_factory=_absent, kw_only=True)
+    # What is derived from the columns, computed on first use (``_memo``, ``_fact``): not
+    # constructor arguments, so a snapshot made by ``dataclasses.replace`` starts without.
+    _index_of: dict[str, int] | None = field(default=None, init=False, repr=False, compare=False)
+    _is_decoding: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
+    _started: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
+    _remaining: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
+    _ttft_deadline: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
+    _e2e_deadline: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
+    _paced: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
+    _step: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
+    _slack: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
+    _kv: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
+    _reason_columns: tuple[np.ndarray, ...] | None = field(default=None, init=False, repr=False, compare=False)
+    _any_e2e: bool | None = field(default=None, init=False, repr=False, compare=False)
+    _any_tpot: bool | None = field(default=None, init=False, repr=False, compare=False)
+    _one_class: bool | None = field(default=None, init=False, repr=False, compare=False)
+    _any_sheddable: bool | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         n = len(self.ids)
         for c in _OPTIONAL:
             col = getattr(self, c.name)
-            if col is None or (n and len(col) == 0):
+            if col is None or len(col) == 0:
                 object.__setattr__(self, c.name, _readonly(np.full(n, c.default, c.dtype)))
 
     # ------------------------------------------------------------------ build
@@ -363,36 +378,36 @@ class Snapshot:
     @property
     def index_of(self) -> dict[str, int]:
         """Row of each request id."""
-        d = self._cache.get("index_of")
+        d = self._index_of
         if d is None:
             d = {rid: i for i, rid in enumerate(self.ids)}
-            self._cache["index_of"] = d
+            object.__setattr__(self, "_index_of", d)
         return d
 
     @property
     def is_decoding(self) -> np.ndarray:
-        return self._memo("is_decoding", lambda: self.computed_tokens == self.prompt_tokens)
+        return self._memo("_is_decoding", lambda: self.computed_tokens == self.prompt_tokens)
 
     @property
     def started(self) -> np.ndarray:
         """Requests that have started and hold KV of their own: decoding, or more tokens
         computed than the prefix-cache hits of a request not admitted (``cached_tokens``);
         ``computed_tokens > 0`` when no request has cached tokens."""
-        return self._memo("started", lambda: (self.computed_tokens > self.cached_tokens) | self.is_decoding)
+        return self._memo("_started", lambda: (self.computed_tokens > self.cached_tokens) | self.is_decoding)
 
     @property
     def remaining_prefill(self) -> np.ndarray:
         """r_i = p_i − c_i (formula 10); 0 for decodes."""
-        return self._memo("remaining", lambda: self.prompt_tokens - self.computed_tokens)
+        return self._memo("_remaining", lambda: self.prompt_tokens - self.computed_tokens)
 
     @property
     def ttft_deadline(self) -> np.ndarray:
-        return self._memo("ttft_deadline", lambda: self.arrival + self.ttft_slo)
+        return self._memo("_ttft_deadline", lambda: self.arrival + self.ttft_slo)
 
     @property
     def e2e_deadline(self) -> np.ndarray:
         """a_i + e2e_slo_i, by when the last token must be out; +inf without an objective."""
-        return self._memo("e2e_deadline", lambda: np.where(self.e2e_slo > 0, self.arrival + self.e2e_slo, np.inf))
+        return self._memo("_e2e_deadline", lambda: np.where(self.e2e_slo > 0, self.arrival + self.e2e_slo, np.inf))
 
     @_fact
     def any_e2e(self) -> bool:
@@ -407,7 +422,7 @@ class Snapshot:
     @property
     def paced(self) -> np.ndarray:
         """Decodes whose next token is due by their TPOT objective, not formula (1)."""
-        return self._memo("paced", lambda: self.is_decoding & (self.tpot_slo > 0))
+        return self._memo("_paced", lambda: self.is_decoding & (self.tpot_slo > 0))
 
     @property
     def step(self) -> np.ndarray:
@@ -416,7 +431,7 @@ class Snapshot:
         has a TPOT objective)."""
         if not self.any_tpot:
             return self.tbt_slo
-        return self._memo("step", lambda: np.where(self.paced, self.tpot_slo, self.tbt_slo))
+        return self._memo("_step", lambda: np.where(self.paced, self.tpot_slo, self.tbt_slo))
 
     @property
     def slack(self) -> np.ndarray:
@@ -435,7 +450,7 @@ class Snapshot:
                 s = np.minimum(s, self.e2e_deadline - self.now)
             return s
 
-        return self._memo("slack", compute)
+        return self._memo("_slack", compute)
 
     @_fact
     def one_class(self) -> bool:
@@ -459,25 +474,26 @@ class Snapshot:
                 self.computed_tokens,
             )
 
-        return self._memo("kv", compute)
+        return self._memo("_kv", compute)
 
     @property
     def reason_columns(self) -> tuple[np.ndarray, ...]:
         """(``remaining_prefill``, ``slack``, ``tbt_slo``, ``step``, ``priority``): the
         columns the reasons' kernel reads (a decode is a row with nothing left to prefill),
         memoised together (one look-up where each is a property of its own)."""
-        cols = self._cache.get("reason_columns")
+        cols = self._reason_columns
         if cols is None:
-            cols = self._cache["reason_columns"] = (self.remaining_prefill, self.slack, self.tbt_slo, self.step,
-                                                    self.priority)
-        return cols  # type: ignore[no-any-return]
+            cols = (self.remaining_prefill, self.slack, self.tbt_slo, self.step, self.priority)
+            object.__setattr__(self, "_reason_columns", cols)
+        return cols
 
-    def _memo(self, key: str, fn: Any) -> np.ndarray:
-        v = self._cache.get(key)
+    def _memo(self, slot: str, fn: Any) -> np.ndarray:
+        """Memo field ``slot``, computed by ``fn`` (read-only) on first use."""
+        v = getattr(self, slot)
         if v is None:
             v = _readonly(np.asarray(fn()))
-            self._cache[key] = v
-        return v
+            object.__setattr__(self, slot, v)
+        return v  # type: ignore[no-any-return]
 
 
 #: The schema's columns: those every snapshot has, and the optional ones.

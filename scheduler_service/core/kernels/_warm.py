@@ -57,8 +57,8 @@ def _risky() -> Snapshot:
     """A short prompt at risk behind a long protected one, nothing starving: SlidingServe
     takes the BatchConstructor path (its knapsack kernels), which the random snapshots above
     seldom reach (a request that waited 3 TTFTs keeps it out)."""
-    reqs = [Request("d", 9.0, 10, 10, 1, 1.0, 0.1), Request("L", 9.0, 2000, ttft_slo=2.0, protected=True),
-            Request("S", 9.9, 20, ttft_slo=0.15)]
+    reqs = [Request("d", 9.0, 10, computed_tokens=10, output_tokens=1, ttft_slo=1.0, tbt_slo=0.1), Request("L", 9.0, 2000, ttft_slo=2.0, protected=True, tbt_slo=0.1),
+            Request("S", 9.9, 20, ttft_slo=0.15, tbt_slo=0.1)]
     return Snapshot.from_requests(reqs, now=10.0, max_batch_tokens=2048, prefill_throughput=10000.0)
 
 
