@@ -213,9 +213,9 @@ class SlidingServePolicy:
             pre, lost, rejections = _shed(snap, pre, lost)
             if trace is not None and rejections:
                 trace["rejections"] = rejections  # verdicts: they come before every rule
-            plan = self._choose(snap, predictor, t0, dec_all, pre, lost, rho, trace)
+            plan = self._choose(_Decision(snap, predictor, t0, dec_all, pre, lost, rho, trace))
             return replace(plan, rejections=rejections) if rejections else plan
-        return self._choose(snap, predictor, t0, dec_all, pre, lost, rho, trace)
+        return self._choose(_Decision(snap, predictor, t0, dec_all, pre, lost, rho, trace))
 
     def held_back(self, snapshot: Snapshot, predictor: BatchLatencyPredictor, preempted: np.ndarray
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -259,11 +259,11 @@ class SlidingServePolicy:
         lost_rows[pre[lost]] = True
         return lost_rows, held, rescued
 
-    def _choose(self, snap: Snapshot, predictor: BatchLatencyPredictor, t0: int, dec_all: np.ndarray,
-                pre: np.ndarray, lost: np.ndarray, rho: float, trace: dict[str, Any] | None = None) -> Plan:
+    def _choose(self, d: _Decision) -> Plan:
         """The plan with decodes that need no token now sitting out, when a prefill can use
         their room; else with every decode."""
         p = self.params
+        snap, predictor, dec_all, pre, lost, trace = d.snap, d.predictor, d.dec_all, d.pre, d.lost, d.trace
         rescued = None
         if not snap.one_class and len(pre):
             if p.class_reserve > 0:
@@ -276,19 +276,20 @@ class SlidingServePolicy:
                 lost, rescued = _rescue(snap, predictor, dec_all, pre, lost, p.margin)
                 if trace is not None and rescued is not None:
                     trace["rescued"] = dec_all[rescued]
-        live, out = self._sit_out(snap, dec_all, pre, lost)
-        if out.any() and p.sit_out_when == "needed" and not _room_needed(snap, predictor, dec_all, live, p.margin):
+        d = replace(d, pre=pre, lost=lost)
+        d.live, out = self._sit_out(snap, dec_all, pre, lost)
+        if out.any() and p.sit_out_when == "needed" and not _room_needed(snap, predictor, dec_all, d.live, p.margin):
             out[:] = False  # every live prefill makes its TTFT beside every decode: no decode waits
         if rescued is not None:
             out |= rescued
         if out.any():
-            plan = self._plan(snap, predictor, t0, dec_all, dec_all[~out], pre, lost, live, rho, trace)
+            plan = self._plan(d, dec_all[~out])
             if plan.path in _PREFILL_PATHS:  # a prefill got the room
                 return plan
             if rescued is not None:  # the higher-class decodes catch up without them
-                return self._plan(snap, predictor, t0, dec_all, dec_all[~rescued], pre, lost, live, rho, trace)
+                return self._plan(d, dec_all[~rescued])
             # No prefill could use the room (KV, limits): sitting out would only idle decodes.
-        return self._plan(snap, predictor, t0, dec_all, dec_all, pre, lost, live, rho, trace)
+        return self._plan(d, dec_all)
 
     def _sit_out(self, snap: Snapshot, dec_all: np.ndarray, pre: np.ndarray,
                  lost: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -385,66 +386,74 @@ class SlidingServePolicy:
         done = np.cumsum(snap.remaining_prefill[queue]) * (self.params.margin / rho)
         return queue if bool(((done <= slack) | (slack <= 0)).all()) else None  # expired ones: nothing to keep
 
-    def _plan(self, snap: Snapshot, predictor: BatchLatencyPredictor, t0: int, dec_all: np.ndarray,
-              runnable: np.ndarray, pre: np.ndarray, lost: np.ndarray, live: np.ndarray, rho: float,
-              trace: dict[str, Any] | None = None) -> Plan:
+    def _plan(self, d: _Decision, runnable: np.ndarray) -> Plan:
+        """The plan of decision ``d`` with the decodes ``runnable`` (those not sitting out):
+        the decodes that fit, the prefill queue, then BatchConstructor's batch when the
+        queue is at risk, else the sliding chunker's (or the queue's first-come fill when
+        there is nothing to trade)."""
         p = self.params
-        decodes = select_decodes(snap, runnable, starve_tbts=p.starve_after)
-        if p.class_sit_out and not snap.one_class:
-            decodes = fit_class_decodes(snap, predictor, decodes, p.margin)
-        n_dec = len(decodes)
-        starving = self._starving(snap, pre)
-        fcfs = None if starving.any() else self._nothing_to_trade(snap, pre, lost, rho)
-        queue = self._queue(snap, pre, lost, rho, starving) if fcfs is None else fcfs
-        t1 = time.perf_counter_ns()
-        holders = int(np.count_nonzero(snap.started))
-        W = self._windows(snap, decodes)
-        cq, curve = self._candidates(snap, predictor, decodes, queue, len(dec_all), holders)
-        if fcfs is not None and not _keeps_decodes(curve, cq.first_cap, W):
-            fcfs = None  # vLLM's choice would cost a decode its token: back to the trade-offs
-            queue = self._queue(snap, pre, lost, rho, starving)
-            cq, curve = self._candidates(snap, predictor, decodes, queue, len(dec_all), holders)
-        t2 = time.perf_counter_ns()
-        chosen, t3 = None, t2
-        if p.batch_constructor and cq.first_cap > 0 and not starving.any() and fcfs is None:
-            cand = cq.first_cap if W is None else max(curve.prefill_tokens_within(W[0], cq.first_cap), 0)
-            t_full = float(curve.times[cand])
-            chosen = construct_batch(
-                snap, live, curve, n_dec, t_full,
-                token_cap=min(cq.iter_cap, cq.kv_cap),
-                seq_cap=max(0, snap.max_num_seqs - n_dec),
-                max_candidates=p.max_candidates,
-                margin=p.margin,
-                predictor=predictor,
-                decodes=decodes,
-            )
-            t3 = time.perf_counter_ns()
-        predicted: float | None = None
-        filled = None
-        if chosen is not None:
-            pre_rows = in_queue_order(chosen.chosen, queue)
-            pre_toks = snap.remaining_prefill[pre_rows]
-            path = "batch_constructor"
-            if trace is not None and len(snap):
-                filled = sliding_reasons(self, snap, decodes, pre_rows, pre_toks, pre, lost, len(dec_all), holders,
-                                         trace)
-            t4 = t3
-        else:
-            if W is None or fcfs is not None:
-                p1 = cq.first_cap
-            elif p.window == 1:
-                p1 = max(curve.prefill_tokens_within(W[0], cq.first_cap), 0)
+        snap, predictor, pre, lost, rho, trace = d.snap, d.predictor, d.pre, d.lost, d.rho, d.trace
+        watch = _Stopwatch(d.t0)
+        with watch.lap("sorter"):
+            decodes = select_decodes(snap, runnable, starve_tbts=p.starve_after)
+            if p.class_sit_out and not snap.one_class:
+                decodes = fit_class_decodes(snap, predictor, decodes, p.margin)
+            starving = self._starving(snap, pre)
+            fcfs = None if starving.any() else self._nothing_to_trade(snap, pre, lost, rho)
+            queue = self._queue(snap, pre, lost, rho, starving) if fcfs is None else fcfs
+        with watch.lap("predictor"):
+            holders = int(np.count_nonzero(snap.started))
+            W = self._windows(snap, decodes)
+            cq, curve = self._candidates(snap, predictor, decodes, queue, len(d.dec_all), holders)
+            if fcfs is not None and not _keeps_decodes(curve, cq.first_cap, W):
+                fcfs = None  # vLLM's choice would cost a decode its token: back to the trade-offs
+                queue = self._queue(snap, pre, lost, rho, starving)
+                cq, curve = self._candidates(snap, predictor, decodes, queue, len(d.dec_all), holders)
+        with watch.lap("constructor"):
+            chosen = None
+            if p.batch_constructor and cq.first_cap > 0 and not starving.any() and fcfs is None:
+                cand = cq.first_cap if W is None else max(curve.prefill_tokens_within(W[0], cq.first_cap), 0)
+                chosen = construct_batch(
+                    snap, d.live, curve, len(decodes), float(curve.times[cand]),
+                    token_cap=min(cq.iter_cap, cq.kv_cap),
+                    seq_cap=max(0, snap.max_num_seqs - len(decodes)),
+                    max_candidates=p.max_candidates,
+                    margin=p.margin,
+                    predictor=predictor,
+                    decodes=decodes,
+                )
+        with watch.lap("chunker"):
+            predicted: float | None = None
+            filled = None
+            if chosen is not None:
+                pre_rows = in_queue_order(chosen.chosen, queue)
+                pre_toks = snap.remaining_prefill[pre_rows]
+                path = "batch_constructor"
+                if trace is not None and len(snap):
+                    filled = sliding_reasons(self, snap, decodes, pre_rows, pre_toks, pre, lost, len(d.dec_all),
+                                             holders, trace)
             else:
-                p1 = sliding_chunk(cq, W, p.granularity, p.max_grid, curve, p.tie_tolerance_ms)
-            if starving.any():  # the oldest starving prefill (the queue's head) gets its room
-                p1 = max(p1, min(int(cq.r[0]), cq.first_cap))
-            pre_rows, pre_toks, filled = self._fill(snap, cq, p1, W, pre, lost, len(dec_all), holders, trace)
-            predicted = float(curve.times[p1])  # the curve holds exactly this batch
-            path = "sliding_chunker" if len(pre_rows) else ("decode_only" if n_dec else "idle")
-            t4 = time.perf_counter_ns()
-        breakdown = {"sorter": t1 - t0, "predictor": t2 - t1, "constructor": t3 - t2, "chunker": t4 - t3}
-        return assemble_plan(self, snap, predictor, decodes, pre_rows, pre_toks, path, t0, breakdown, predicted,
+                p1 = self._chunk(cq, curve, W, fcfs is not None, bool(starving.any()))
+                pre_rows, pre_toks, filled = self._fill(snap, cq, p1, W, pre, lost, len(d.dec_all), holders, trace)
+                predicted = float(curve.times[p1])  # the curve holds exactly this batch
+                path = "sliding_chunker" if len(pre_rows) else ("decode_only" if len(decodes) else "idle")
+        return assemble_plan(self, snap, predictor, decodes, pre_rows, pre_toks, path, d.t0, watch.laps, predicted,
                              reasons=filled)
+
+    def _chunk(self, cq: CandidateQueue, curve: Any, W: np.ndarray | None, fcfs: bool, starving: bool) -> int:
+        """The first iteration's prompt tokens: all the first iteration may take (no decode
+        window, or the first-come queue keeps everyone), TimeToBudget(W_1) (window 1), else
+        the sliding chunker's b_1; the starving head of the queue gets its room."""
+        p = self.params
+        if W is None or fcfs:
+            p1 = cq.first_cap
+        elif p.window == 1:
+            p1 = max(curve.prefill_tokens_within(W[0], cq.first_cap), 0)
+        else:
+            p1 = sliding_chunk(cq, W, p.granularity, p.max_grid, curve, p.tie_tolerance_ms)
+        if starving:  # the oldest starving prefill (the queue's head) gets its room
+            p1 = max(p1, min(int(cq.r[0]), cq.first_cap))
+        return p1
 
     def _candidates(self, snap: Snapshot, predictor: BatchLatencyPredictor, decodes: np.ndarray, queue: np.ndarray,
                     n_decoding: int, holders: int) -> tuple[CandidateQueue, Any]:
@@ -472,6 +481,49 @@ class SlidingServePolicy:
             snap, cq, p1, cq.decodes, *sliding_rules(self, snap, len(cq.decodes) + p1, None, W, pre, lost,
                                                      n_decoding, holders, trace))
         return pre_rows, pre_toks, Reasons(snap.ids, *arrays)
+
+
+@dataclass(slots=True)
+class _Decision:
+    """What one decision knows before it plans: the snapshot and predictor, when it began
+    (``t0``, ns), every decode, the prefills it considers and those it gave up on (a mask
+    over them), the prefill rate, the trace it explains into (None: not explaining) and,
+    once the sit-out rules ran, the live prefills."""
+
+    snap: Snapshot
+    predictor: BatchLatencyPredictor
+    t0: int
+    dec_all: np.ndarray
+    pre: np.ndarray
+    lost: np.ndarray
+    rho: float
+    trace: dict[str, Any] | None
+    live: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+
+class _Stopwatch:
+    """A plan's time by stage (``laps``, ns, the plan's breakdown): each ``with
+    watch.lap(name):`` block counts from the end of the one before (the first from the
+    decision's start)."""
+
+    __slots__ = ("_last", "_name", "laps")
+
+    def __init__(self, t0: int) -> None:
+        self.laps: dict[str, int] = {}
+        self._last = t0
+        self._name = ""
+
+    def lap(self, name: str) -> _Stopwatch:
+        self._name = name
+        return self
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        now = time.perf_counter_ns()
+        self.laps[self._name] = now - self._last
+        self._last = now
 
 
 def _spare_holds(snap: Snapshot, pre: np.ndarray, starving: np.ndarray, lost: np.ndarray, rho: float) -> bool:
