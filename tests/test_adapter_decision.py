@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -238,13 +238,14 @@ def test_fallback_reasons_are_the_ones_the_adapter_counts() -> None:
 
 # ---------------------------------------------- the core's answer, then the decision
 class _Backend:
-    def __init__(self, answer: Any) -> None:
+    """A planner that answers with ``answer`` (a plan, or a function of the snapshot that
+    returns or raises)."""
+
+    def __init__(self, answer: Plan | Callable[[Snapshot, float], Plan]) -> None:
         self.answer = answer
 
     def schedule(self, snapshot: Snapshot, timeout_s: float) -> Plan:
-        if callable(self.answer):
-            return self.answer(snapshot, timeout_s)  # type: ignore[no-any-return]
-        return self.answer  # type: ignore[no-any-return]
+        return self.answer if isinstance(self.answer, Plan) else self.answer(snapshot, timeout_s)
 
     def report(self, samples: Any) -> None:
         pass
@@ -254,8 +255,7 @@ class _Backend:
 
 
 def _late(snapshot: Snapshot, timeout_s: float) -> Plan:
-    time.sleep(0)  # what a client does past its deadline: raise
-    raise TimeoutError(f"no answer in {timeout_s:g} s")
+    raise TimeoutError(f"no answer in {timeout_s:g} s")  # what a client does past its deadline
 
 
 def _fails(snapshot: Snapshot, timeout_s: float) -> Plan:
