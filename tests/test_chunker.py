@@ -166,12 +166,14 @@ def test_drain_rule_takes_the_whole_queue() -> None:
 def best_total_k2(cq: CandidateQueue, W: np.ndarray, b1: int) -> int:
     """The largest X_2 any second iteration reaches after b_1 (exact, every integer end),
     or −1 when b_1 itself does not fit W_1."""
-    t1 = float(cq.segment_time_ms(np.array([0]), np.array([b1]))[0])
+    def t(x: int, y: int, step: int) -> float:  # the batch built request by request
+        return predict_cu(cq.predictor, explicit_segment(cq.snap, cq.decodes, cq.queue, x, y, step))
+
+    t1 = t(0, b1, 0)
     if t1 > W[0]:
         return -1
-    Y = np.arange(b1, min(cq.supply, b1 + cq.iter_cap) + 1)
-    ok = t1 + cq.segment_time_ms(np.full(len(Y), b1), Y, 1) <= W[1]
-    return int(Y[ok].max()) if ok.any() else -1
+    ok = [y for y in range(b1, min(cq.supply, b1 + cq.iter_cap) + 1) if t1 + t(b1, y, 1) <= W[1]]
+    return max(ok) if ok else -1
 
 
 GRID_SEEDS = [s for s in range(18) if s % 3]  # monotone predictors (setup)
