@@ -21,16 +21,9 @@ from engine_adapter.sim.engine import SimulatedEngine, Workload
 from engine_adapter.sim.groundtruth import DEFAULT_PROFILE, PROFILES, load_ground_truth
 from engine_adapter.vllm.snapshot import SloDefaults, SnapshotBuilder
 from scheduler_service.core import Request, Snapshot, ValidationError
-from scheduler_service.core.columns import (
-    CHECKS,
-    COLUMNS,
-    COUNTER_COLUMNS,
-    ROW_RULES,
-    Column,
-    checks_pass,
-    find_violations,
-)
+from scheduler_service.core.columns import COLUMNS, COUNTER_COLUMNS, ROW_RULES, Column
 from scheduler_service.core.snapshot import ALL_COLUMN_DTYPES, CLASS_COLUMN_DTYPES, COLUMN_DTYPES
+from scheduler_service.core.validate import CHECKS, checks_pass, find_violations
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
 from scheduler_service.wire.convert import snapshot_from_pb, snapshot_to_pb
 

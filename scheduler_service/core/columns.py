@@ -3,12 +3,10 @@
 Every per-request column of a :class:`~scheduler_service.core.Snapshot` is one
 :class:`Column` row of :data:`COLUMNS`: its name (the snapshot attribute, the
 ``from_columns`` keyword), numpy dtype, default, bounds, JSON key and protobuf field.
-Everything else is derived from that table: the snapshot's fields, ``COLUMN_DTYPES``,
-the JSON reader and writer, protobuf conversion (``scheduler_service.wire.convert``), the
-simulator's and the vLLM adapter's snapshot builders, and the validation checks
-(:data:`CHECKS`), which the generic path (:meth:`Snapshot.from_columns`, per-row
-violations) and the fast path (:meth:`Snapshot.from_arrays`, a few reductions) both run,
-so that they agree check for check.
+Everything else is derived from that table or checked against it: the snapshot's and
+``Request``'s declared fields (a test holds them equal), ``COLUMN_DTYPES``, the JSON reader
+and writer, protobuf conversion (``scheduler_service.wire.convert``), the simulator's and
+the vLLM adapter's snapshot builders, and the validation checks (``validate.CHECKS``).
 
 Adding a request field = a row here (``optional=True``: old clients and engines leave it
 out and get the default), its field in ``RequestColumns`` and ``Request`` of the .proto
@@ -27,19 +25,17 @@ from typing import Any
 import numpy as np
 
 __all__ = [
-    "CHECKS",
     "COLUMNS",
     "COLUMNS_BY_NAME",
     "COUNTER_COLUMNS",
     "MAX_PRIORITY",
     "MAX_SECONDS",
     "MAX_TOKENS",
+    "OPTIONAL_COLUMNS",
     "ROW_RULES",
-    "Check",
+    "V1_COLUMNS",
     "Column",
     "Rule",
-    "checks_pass",
-    "find_violations",
 ]
 
 #: Largest token count accepted anywhere (guards int64 arithmetic downstream).
@@ -106,17 +102,6 @@ class Column:
             ok &= x <= self.hi
         return ~ok
 
-    def within_bounds(self, x: np.ndarray) -> bool:
-        """``not out_of_bounds(x).any()`` in one or two reductions (NaN fails every
-        comparison, so a NaN minimum or maximum fails too)."""
-        if not len(x):
-            return True
-        if self.lo is not None:
-            m = x.min()
-            if not ((m > self.lo) if self.lo_open else (m >= self.lo)):
-                return False
-        return self.hi is None or bool(x.max() <= self.hi)
-
     def clip(self, v: Any) -> Any:
         """``v`` moved into the bounds, as the bound's own value when it is moved (an open
         lower bound is not reachable by clipping: the caller keeps such values above it)."""
@@ -165,6 +150,9 @@ COLUMNS: tuple[Column, ...] = (
            "(``Snapshot.started``).", optional=True, lo=0, hi=MAX_TOKENS, bounds_message="must be >= 0"),
 )
 COLUMNS_BY_NAME: dict[str, Column] = {c.name: c for c in COLUMNS}
+#: The v1 columns, which every snapshot carries, and the optional ones, in wire order.
+V1_COLUMNS: tuple[Column, ...] = tuple(c for c in COLUMNS if not c.optional)
+OPTIONAL_COLUMNS: tuple[Column, ...] = tuple(c for c in COLUMNS if c.optional)
 #: The columns an engine derives from its token counters each iteration (the rest are
 #: per-request constants, set once when the request arrives).
 COUNTER_COLUMNS = ("prompt_tokens", "computed_tokens", "output_tokens", "cached_tokens")
@@ -204,95 +192,4 @@ ROW_RULES: tuple[Rule, ...] = (
          reads=("tpot_slo", "first_token_time")),
     Rule("cached_tokens", "exceeds computed_tokens (cached tokens are a part of the computed ones)",
          lambda a: (a["cached_tokens"] > 0) & (a["cached_tokens"] > a["computed_tokens"]), reads=("cached_tokens",)),
-)
-
-
-@dataclass(frozen=True, slots=True)
-class Check:
-    """One value check: a column's bounds, or a row rule.  ``bad`` finds the failing
-    rows (the generic path names them); ``passes`` is the same verdict for the whole
-    snapshot, cheaper (the fast path)."""
-
-    column: str
-    message: str
-    bounds: Column | None = None
-    rule: Rule | None = None
-
-    def bad(self, a: Mapping[str, np.ndarray]) -> np.ndarray:
-        if self.bounds is not None:
-            return self.bounds.out_of_bounds(a[self.column])
-        assert self.rule is not None
-        return self.rule.bad(a)
-
-    def passes(self, a: Mapping[str, np.ndarray]) -> bool:
-        if self.bounds is not None:
-            return self.bounds.within_bounds(a[self.column])
-        return not self.bad(a).any()
-
-    def applies(self, a: Mapping[str, np.ndarray]) -> bool:
-        """The columns it reads are there (an optional column left out has only defaults,
-        all within bounds)."""
-        if self.rule is not None and self.rule.reads:
-            return any(k in a for k in self.rule.reads)
-        return self.column in a
-
-
-def _checks() -> tuple[Check, ...]:
-    """Each column's bounds, then the rules reported under it, in column order."""
-    out: list[Check] = []
-    for c in COLUMNS:
-        if c.bounded:
-            out.append(Check(c.name, c.bounds_message, bounds=c))
-        out.extend(Check(r.column, r.message, rule=r) for r in ROW_RULES if r.column == c.name)
-    return tuple(out)
-
-
-#: Every value check of a snapshot's columns, in reporting order.
-CHECKS: tuple[Check, ...] = _checks()
-#: Failing rows named per check (the rest are counted only by the first violations).
-MAX_ROWS_PER_CHECK = 5
-
-
-def find_violations(a: Mapping[str, np.ndarray]) -> list[tuple[str, str]]:
-    """(field path, description) of every failing check, up to
-    :data:`MAX_ROWS_PER_CHECK` rows each, in :data:`CHECKS` order."""
-    out: list[tuple[str, str]] = []
-    for chk in CHECKS:
-        if not chk.applies(a):
-            continue
-        bad = chk.bad(a)
-        if bad.any():
-            out.extend((f"requests[{int(i)}].{chk.column}", chk.message)
-                       for i in np.flatnonzero(bad)[:MAX_ROWS_PER_CHECK])
-    return out
-
-
-def checks_pass(a: Mapping[str, np.ndarray]) -> bool:
-    """True exactly when :func:`find_violations` finds nothing, in a few reductions: each
-    column's bounds as its minimum and maximum (NaN fails every comparison), each rule as
-    one ``any``.  (:meth:`Check.passes`, unrolled: this runs on every decision.)"""
-    if not len(a["prompt_tokens"]):
-        return True
-    for column, lo, lo_open, hi, rule in _FAST:
-        if rule is not None:
-            if (any(k in a for k in rule.reads) if rule.reads else column in a) and rule.bad(a).any():
-                return False
-            continue
-        x = a.get(column)
-        if x is None:
-            continue
-        if lo is not None:
-            m = x.min()
-            if not ((m > lo) if lo_open else (m >= lo)):
-                return False
-        if hi is not None and not x.max() <= hi:
-            return False
-    return True
-
-
-#: :data:`CHECKS` for :func:`checks_pass`: (column, lo, lo_open, hi, rule) each.
-_FAST: tuple[tuple[str, float | None, bool, float | None, Rule | None], ...] = tuple(
-    (chk.column, chk.bounds.lo, chk.bounds.lo_open, chk.bounds.hi, None) if chk.bounds is not None
-    else (chk.column, None, False, None, chk.rule)
-    for chk in CHECKS
 )
