@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import numpy as np
 
-from .plan import Allocation, Plan, Reason
+from .plan import Allocation, Plan, Reason, Reasons
 from .policy import Policy
 from .predictor import BatchLatencyPredictor, batch_features
-from .reasons import Decided, assembled_reasons
+from .reasons import Facts, classify
 from .snapshot import Snapshot
 
 __all__ = ["assemble_plan", "in_queue_order"]
@@ -58,14 +57,14 @@ def assemble_plan(
     t0: int,
     breakdown_ns: dict[str, int],
     predicted_ms: float | None = None,
-    facts: dict[str, Any] | None = None,
+    facts: Facts | None = None,
     reasons: Sequence[Reason] | None = None,
 ) -> Plan:
     """Build the plan and predict the latency of exactly the batch it names
     (``predicted_ms`` when the caller already knows it).  Its reasons, when the decision
-    explains itself: ``reasons``, classified already (SlidingServe); or ``facts`` (a dict,
-    possibly empty): they are classified from them and from the rows the plan serves
-    (``reasons.assembled_reasons``).
+    explains itself: ``reasons``, classified already (SlidingServe); or ``facts``, what the
+    decision knew: they are classified from them and from the rows the plan serves
+    (``reasons.classify``).
     The plan gives one token to each of ``decodes`` and ``pre_toks[j]`` to row ``pre_rows[j]``."""
     ids = snap.ids
     dec = decodes.tolist()
@@ -85,9 +84,9 @@ def assemble_plan(
     allocations = tuple(allocs)
     budget = len(dec) + int(sum(toks))
     if reasons is None and facts is not None and len(snap):
-        facts.update(decodes=np.asarray(decodes, dtype=np.int64), pre_rows=np.asarray(pre_rows, dtype=np.int64),
-                     pre_toks=np.asarray(pre_toks, dtype=np.int64))
-        reasons = assembled_reasons(policy, snap, predictor, Decided(allocations, budget, path, (), ()), facts)
+        reasons = Reasons(snap.ids, *classify(snap, facts, np.asarray(decodes, dtype=np.int64),
+                                              np.asarray(pre_rows, dtype=np.int64),
+                                              np.asarray(pre_toks, dtype=np.int64)))
     return Plan(
         policy=policy.name,
         policy_version=policy.version,

@@ -41,6 +41,7 @@ from .batch import CandidateQueue, kv_prefill_cap, select_decodes
 from .params import param
 from .plan import Plan
 from .predictor import BatchLatencyPredictor
+from .reasons import Facts
 from .snapshot import Snapshot
 from .sorter import edf_order, fcfs_order, ordered, prefill_indices
 
@@ -111,8 +112,13 @@ class VllmFcfsPolicy:
         return assemble_plan(
             self, snap, predictor, np.array(decodes, dtype=np.int64), np.array(pre_rows, dtype=np.int64),
             np.array(pre_toks, dtype=np.int64), self.name, t0,
-            {"sorter": t1 - t0}, facts={} if explain else None,
+            {"sorter": t1 - t0}, facts=self.facts(snap, predictor) if explain else None,
         )
+
+    def facts(self, snapshot: Snapshot, predictor: BatchLatencyPredictor, plan: Plan | None = None) -> Facts:
+        """What a decision knows, for its plan's reasons: the engine's budget and the KV
+        kept per decode (the same replayed for ``plan``)."""
+        return Facts(snapshot.max_batch_tokens, self.params.kv_decode_reserve)
 
 
 # ------------------------------------------------------------ sarathi (+EDF)
@@ -131,9 +137,10 @@ class SarathiPolicy:
     params: SarathiParams
     edf: bool
 
-    def iteration_budget(self, snap: Snapshot, predictor: BatchLatencyPredictor) -> int:
-        """The iteration's total token budget (for explaining a plan)."""
-        return min(self.params.chunk_size, snap.max_batch_tokens)
+    def facts(self, snapshot: Snapshot, predictor: BatchLatencyPredictor, plan: Plan | None = None) -> Facts:
+        """What a decision knows, for its plan's reasons: the chunk as its budget and the KV
+        kept per decode (the same replayed for ``plan``)."""
+        return Facts(min(self.params.chunk_size, snapshot.max_batch_tokens), self.params.kv_decode_reserve)
 
     def plan(self, snapshot: Snapshot, predictor: BatchLatencyPredictor, *, explain: bool = False) -> Plan:
         """Decide one iteration; with ``explain`` the plan carries its reasons
@@ -159,7 +166,7 @@ class SarathiPolicy:
         )
         return assemble_plan(
             self, snap, predictor, decodes, *cq.fill_arrays(cq.first_cap), self.name, t0, {"sorter": t1 - t0},
-            facts={"budget": budget} if explain else None,
+            facts=self.facts(snap, predictor) if explain else None,
         )
 
 
@@ -204,9 +211,17 @@ class QoServePolicy:
         ok = np.flatnonzero(t <= min_slack_ms) if min_slack_ms > 0 else np.array([], dtype=np.int64)
         return int(space[ok[-1]]) if len(ok) else int(space[0])
 
-    def iteration_budget(self, snap: Snapshot, predictor: BatchLatencyPredictor) -> int:
-        """The iteration's total token budget (for explaining a plan)."""
-        return self.total_budget(snap, self.candidate_queue(snap, predictor))
+    def facts(self, snapshot: Snapshot, predictor: BatchLatencyPredictor, plan: Plan | None = None) -> Facts:
+        """What :meth:`plan` knew, replayed for ``plan`` (``reasons.explain``): its budget, the
+        KV kept per decode, the relegated prefills (given up on)."""
+        snap = snapshot
+        pre = prefill_indices(snap)
+        return self._facts(snap, self.total_budget(snap, self.candidate_queue(snap, predictor)), pre,
+                           self.relegated(snap, predictor, pre))
+
+    def _facts(self, snap: Snapshot, total: int, pre: np.ndarray, relegated: np.ndarray) -> Facts:
+        return Facts(min(total, snap.max_batch_tokens), self.params.kv_decode_reserve, lost_from=pre,
+                     lost_mask=relegated, given_up=True)
 
     def candidate_queue(self, snap: Snapshot, predictor: BatchLatencyPredictor) -> CandidateQueue:
         """The decodes and prefill queue :meth:`plan` builds (for explaining a plan)."""
@@ -248,6 +263,5 @@ class QoServePolicy:
         return assemble_plan(
             self, snap, predictor, decodes, *cq.fill_arrays(p1), self.name, t0,
             {"sorter": t1 - t0, "chunker": t2 - t1},
-            facts={"budget": min(total, snap.max_batch_tokens), "lost_from": pre, "lost_mask": relegated}
-            if explain else None,
+            facts=self._facts(snap, total, pre, relegated) if explain else None,
         )

@@ -41,10 +41,13 @@ class Policy(Protocol):
     def plan(self, snapshot: Snapshot, predictor: BatchLatencyPredictor) -> Plan:
         """Decide one iteration.  Must respect every limit of the snapshot.
 
-        A policy may also explain its plans itself: a class attribute ``explains = True``
-        promises ``plan(snapshot, predictor, explain=True)``, the same plan with a reason
-        for every request it does not fully serve (``reasons.plan_explained`` calls it;
-        without it the reasons are found by replaying the rules, ``reasons.explain``)."""
+        Reasons (optional, docs/reasons.md): a class attribute ``explains = True`` promises
+        ``plan(snapshot, predictor, explain=True)``, the same plan with a reason for every
+        request it does not fully serve, classified (``reasons.classify``) from a
+        ``reasons.Facts`` record of what the decision knew (``reasons.plan_explained`` calls
+        it); a method ``facts(snapshot, predictor, plan) -> reasons.Facts`` rebuilds that
+        record for a plan it made before (``reasons.explain``; without it a plan's reasons
+        are the engine's limits only)."""
         ...
 
 

@@ -41,8 +41,8 @@ from .features import DECODE
 from .params import param
 from .plan import Plan, Reasons, Rejection
 from .predictor import BatchLatencyPredictor
+from .reasons import Facts, classify, classify_fill, reserve_ms
 from .reasons import explain as with_reasons
-from .reasons import reserve_ms, sliding_reasons, sliding_rules
 from .snapshot import Snapshot
 from .sorter import edf_order, fcfs_order, late_set, mlps_order, ordered, prefill_indices
 
@@ -160,10 +160,6 @@ class SlidingServePolicy:
     name: str
     version: str
     params: SlidingServeParams
-    #: The rules its plans' reasons switch on when no hard limit closes them (read-only,
-    #: shared by its plans), built on first use by ``reasons.sliding_rules``: by one
-    #: class (3 ×) and the plan's own rule (none, ``not_chosen``, ``time_budget``).
-    reason_rules: list[np.ndarray | None] = field(default_factory=lambda: [None] * 6, repr=False, compare=False)
     #: This policy without the starvation bound (``starve_after`` 0), built on first use:
     #: it plans while the bound's backlog does not fit (:meth:`_bound_fits`).
     unbounded: list[SlidingServePolicy | None] = field(default_factory=lambda: [None], repr=False, compare=False)
@@ -175,8 +171,8 @@ class SlidingServePolicy:
         p = self.params
         if p.learned_margin and predictor.margin > p.margin:
             # (the same reason rules: they do not depend on the margin)
-            return replace(self, params=replace(p, margin=predictor.margin), reason_rules=self.reason_rules).plan(
-                snapshot, predictor, explain=explain)
+            return replace(self, params=replace(p, margin=predictor.margin)).plan(snapshot, predictor,
+                                                                                   explain=explain)
         if not explain:
             return self._decide(snapshot, predictor, None)
         plan = self._decide(snapshot, predictor, {})
@@ -339,7 +335,7 @@ class SlidingServePolicy:
         off = self.unbounded[0]
         if off is None:
             off = self.unbounded[0] = replace(self, params=replace(self.params, starve_after=0.0),
-                                              reason_rules=[None] * 6, unbounded=[None])
+                                              unbounded=[None])
         return off
 
     def _lost(self, snap: Snapshot, predictor: BatchLatencyPredictor, pre: np.ndarray,
@@ -430,11 +426,14 @@ class SlidingServePolicy:
                 pre_toks = snap.remaining_prefill[pre_rows]
                 path = "batch_constructor"
                 if trace is not None and len(snap):
-                    filled = sliding_reasons(self, snap, decodes, pre_rows, pre_toks, pre, lost, len(d.dec_all),
-                                             holders, trace)
+                    facts = self._facts(d, holders, W, chosen=len(pre_rows))
+                    filled = Reasons(snap.ids, *classify(snap, facts, decodes, pre_rows, pre_toks))
             else:
                 p1 = self._chunk(cq, curve, W, fcfs is not None, bool(starving.any()))
-                pre_rows, pre_toks, filled = self._fill(snap, cq, p1, W, pre, lost, len(d.dec_all), holders, trace)
+                if trace is None or not len(snap):
+                    pre_rows, pre_toks = cq.fill_arrays(p1)
+                else:  # filled and explained in one compiled call
+                    pre_rows, pre_toks, filled = classify_fill(snap, self._facts(d, holders, W), cq, p1)
                 predicted = float(curve.times[p1])  # the curve holds exactly this batch
                 path = "sliding_chunker" if len(pre_rows) else ("decode_only" if len(decodes) else "idle")
         return assemble_plan(self, snap, predictor, decodes, pre_rows, pre_toks, path, d.t0, watch.laps, predicted,
@@ -465,22 +464,46 @@ class SlidingServePolicy:
         )
         return cq, cq.budget_curve()
 
-    def _fill(self, snap: Snapshot, cq: CandidateQueue, p1: int, W: np.ndarray | None, pre: np.ndarray,
-              lost: np.ndarray, n_decoding: int, holders: int, trace: dict[str, Any] | None
-              ) -> tuple[np.ndarray, np.ndarray, Reasons | None]:
-        """The chunker's prefills for ``p1`` prompt tokens (rows, tokens) and, explaining
-        (``trace``), the plan's reasons (None: not explaining), classified in the same
-        compiled call as the fill: in a decision's wake a compiled call's own cost is about
-        that of the classification.  The plan-wide facts come first: its budget is the
-        decodes and all ``p1`` tokens (``p1 <= first_cap``, which the queue's supply
-        bounds); whether the fill reaches ``max_num_seqs`` the kernel sees as it fills."""
-        if trace is None or not len(snap):
-            return (*kernels.ops().fill_prefills(cq, p1), None)
-        assert 0 <= p1 <= cq.first_cap, (p1, cq.first_cap)  # so the fill gives all p1 tokens
-        pre_rows, pre_toks, *arrays = kernels.ops().fill_reason_codes(
-            snap, cq, p1, cq.decodes, *sliding_rules(self, snap, len(cq.decodes) + p1, None, W, pre, lost,
-                                                     n_decoding, holders, trace))
-        return pre_rows, pre_toks, Reasons(snap.ids, *arrays)
+    def _facts(self, d: _Decision, holders: int, W: np.ndarray | None, chosen: int | None = None) -> Facts:
+        """What decision ``d`` knew, for its plan's reasons: ``holders`` requests hold KV,
+        ``W`` the decode windows, ``chosen`` the prefills BatchConstructor chose (None: not
+        its plan); the class rules' rows and the rejections from its trace."""
+        p = self.params
+        t = d.trace or {}
+        mlps = p.order == "mlps"
+        return Facts(
+            budget=d.snap.max_batch_tokens, kv_decode_reserve=p.kv_decode_reserve,
+            kv_watermark=p.kv_growth_iters * holders, lost_from=d.pre, lost_mask=d.lost, given_up=mlps, expired=mlps,
+            sit_out=(p.starve_after, p.decode_skip_tbts), class_sit_out=not d.snap.one_class, held=t.get("held"),
+            reserve_ms=t.get("reserve_ms", 0.0), rescued=t.get("rescued"), chosen=chosen,
+            window_ms=None if W is None or chosen is not None else float(W[0]), rejections=t.get("rejections", ()))
+
+    def facts(self, snapshot: Snapshot, predictor: BatchLatencyPredictor, plan: Plan) -> Facts:
+        """The facts of :meth:`_facts` for ``plan``, made by this policy for ``snapshot``,
+        its rules replayed (``reasons.explain``): the prefills given up on, the rows the class
+        rules held back, as :meth:`held_back` replays them, and the windows of the decodes
+        the plan runs."""
+        p = self.params
+        snap = snapshot
+        gone = np.zeros(len(snap), dtype=bool)
+        if plan.preemptions:
+            gone[[snap.index_of[r] for r in plan.preemptions]] = True
+        lost, held, rescued = self.held_back(snap, predictor, gone)
+        got = np.zeros(len(snap), dtype=np.int64)
+        for a in plan.allocations:
+            got[snap.index_of[a.id]] = a.tokens
+        chosen = int(np.count_nonzero((got > 0) & ~snap.is_decoding)) if plan.path == "batch_constructor" else None
+        W = kernels.ops().window_limits(snap, np.flatnonzero(snap.is_decoding & (got > 0)), p.window, p.margin)
+        mlps = p.order == "mlps"
+        holders = int(np.count_nonzero(snap.started)) - len(plan.preemptions)
+        return Facts(
+            budget=snap.max_batch_tokens, kv_decode_reserve=p.kv_decode_reserve, kv_watermark=p.kv_growth_iters * holders,
+            lost_from=lost, lost_mask=np.ones(len(lost), dtype=bool), given_up=mlps, expired=mlps,
+            sit_out=(p.starve_after, p.decode_skip_tbts), class_sit_out=not snap.one_class,
+            held=held if len(held) else None, reserve_ms=reserve_ms(snap, predictor) if len(held) else 0.0,
+            rescued=rescued if len(rescued) else None, chosen=chosen,
+            window_ms=None if W is None or chosen is not None else float(W[0]), rejections=plan.rejections,
+            preemptions=plan.preemptions)
 
 
 @dataclass(slots=True)
