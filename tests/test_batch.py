@@ -57,7 +57,7 @@ def check_segments(cq: CandidateQueue, X: np.ndarray, Y: np.ndarray, step: int) 
 
 
 @pytest.mark.parametrize("seed", range(25))
-def test_segment_features_equal_explicit_batches(seed: int) -> None:
+def test_segment_times_equal_explicit_batches(seed: int) -> None:
     rng = np.random.default_rng(seed)
     snap = random_snapshot(seed, n=int(rng.integers(1, 14)), max_prompt=int(rng.choice([3, 40])),
                            decode_frac=float(rng.choice([0.0, 0.4])))
@@ -76,7 +76,7 @@ def test_segment_features_equal_explicit_batches(seed: int) -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(snapshots(max_n=8, max_prompt=20), predictors(negative=True), st.data())
-def test_segment_features_hypothesis(snap: Snapshot, pred: BatchLatencyPredictor, data: st.DataObject) -> None:
+def test_segment_times_hypothesis(snap: Snapshot, pred: BatchLatencyPredictor, data: st.DataObject) -> None:
     perm = data.draw(st.permutations(prefill_indices(snap).tolist()))
     dec = np.flatnonzero(snap.is_decoding)
     cq = CandidateQueue.build(snap, pred, dec, np.array(perm, dtype=np.int64), n_all_decodes=len(dec))

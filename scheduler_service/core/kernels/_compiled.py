@@ -586,7 +586,7 @@ def _grid(R: np.ndarray, k: int, granularity: int, max_points: int, first_cap: i
 def _ends(grid: np.ndarray, R: np.ndarray, u0: np.ndarray, pw: np.ndarray, pf: np.ndarray,  # type: ignore[no-untyped-def]
           w: np.ndarray):
     """Per grid position, its terms as a segment's start (head piece) and as a
-    segment's end (tail piece): the vectors ``pair_times_ms`` broadcasts."""
+    segment's end (tail piece), which :func:`_pair_row` combines."""
     nq = len(R) - 1
     G = len(grid)
     jh = np.empty(G, dtype=np.int64)
