@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine_adapter.core import REASONS, AdapterCore, AdapterSettings, Decision
-from engine_adapter.vllm.decision import Answer, Outcome, fallback, fit_answer, read_answer, settle
+from engine_adapter.vllm.decision import Answer, Outcome, cap, fallback, fit_answer, read_answer, settle
 from engine_adapter.vllm.fit import KvRules, View, execution_order, restored_order
 from engine_adapter.vllm.stats import LOCAL_REASONS
 from scheduler_service.core import Plan, Rejection, Request, Snapshot
@@ -229,6 +229,47 @@ def test_requests_finished_since_the_view_are_dropped() -> None:
     assert out.fit is not None and out.fit.plan == {"e": 1}
     gone = settle(view, Decision(make_plan({"d": 1}), "remote"), ROOM, finished={"d"})
     assert gone.native and gone.reason == "unallocatable"
+
+
+def test_the_per_request_cap_is_the_plans_allocation() -> None:
+    """What vLLM's per-request hooks let it schedule while it executes a plan."""
+    plan = {"p": 30, "d": 1}
+    prefill, decode, other = Req("p", 10, 100), Req("d", 19, 20), Req("x", 0, 50)
+    assert cap(plan, (), prefill, 90, 10) == 30  # capped at the allocation
+    assert cap(plan, (), prefill, 20, 10) == 20  # vLLM wants less (a prefix hit, the budget): vLLM's
+    assert cap(plan, (), decode, 3, 19) == 3  # a decode with spec tokens: all or nothing
+    assert cap(plan, (), other, 50, 0) == 0  # the plan leaves it out
+    assert cap(plan, {"x"}, other, 50, 0) == 50  # promoted during the step: vLLM's
+    assert cap(None, (), other, 50, 0) == 50  # no plan: native
+
+
+CAPPED = Reached()
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@given(data=st.data())
+def _caps_keep_to_the_fit(data: st.DataObject) -> None:
+    view = data.draw(views())
+    decision, _ = data.draw(answers(view))
+    out = settle(view, decision, data.draw(kv_rules()))
+    if out.fit is None:
+        return
+    CAPPED()
+    plan = out.fit.plan
+    for row, r in enumerate(view.rows):
+        n = int(view.snap.prompt_tokens[row] - view.snap.computed_tokens[row]) or 1  # what vLLM would
+        n += data.draw(st.integers(0, 40))  # and more (a budget the plan does not bind)
+        got = cap(plan, (), r, n, r.num_computed_tokens)
+        if r.request_id not in plan:
+            assert got == 0
+        elif r.num_computed_tokens >= r.num_tokens - 1:
+            assert got == n  # a decode (or the last prompt token): all of vLLM's
+        else:
+            assert got == min(n, plan[r.request_id])
+
+
+def test_the_hooks_schedule_no_more_than_the_fitted_plan() -> None:
+    CAPPED.floor(_caps_keep_to_the_fit, checked=50)
 
 
 def test_fallback_reasons_are_the_ones_the_adapter_counts() -> None:

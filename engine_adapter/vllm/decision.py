@@ -20,20 +20,23 @@ It comes in two steps because a plan may ask vLLM to act before it schedules:
 
 :func:`settle` is both steps with nothing carried out between them.  The checks before
 an answer exists (``unsupported``, ``kv_pressure``, ``snapshot_error``) are one line each
-in the scheduler; :func:`fallback` makes their outcome.  Tests: tests/test_adapter_decision.py.
+in the scheduler; :func:`fallback` makes their outcome.  While vLLM executes a plan, :func:`cap`
+gives each request's token count (vLLM's per-request hooks call it).
+Tests: tests/test_adapter_decision.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 from engine_adapter.core import Decision
 from scheduler_service.core import Rejection
 
 from .fit import Fit, KvRules, View, fit_plan
 
-__all__ = ["Answer", "Outcome", "fallback", "fit_answer", "read_answer", "settle"]
+__all__ = ["Answer", "Outcome", "cap", "fallback", "fit_answer", "read_answer", "settle"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,3 +121,19 @@ def settle(view: View, decision: Decision, kv: KvRules, finished: Collection[str
     if isinstance(answer, Outcome):
         return answer
     return fit_answer(answer, view, kv, finished)
+
+
+def cap(plan: Mapping[str, int] | None, blocked: Collection[str], request: Any, n: int, computed: int) -> int:
+    """The tokens vLLM may schedule for ``request`` (``n``: what vLLM would, ``computed``: its
+    tokens in KV with this step's prefix hit) while it executes ``plan`` (None: natively, all
+    ``n``): the plan's allocation, none for a request the plan leaves out unless it is one of
+    the ``blocked`` ids the view left out (vLLM promoted it during this step: vLLM's to
+    schedule), and all of a decode's tokens (with its speculative ones: all-or-nothing)."""
+    if plan is None:
+        return n
+    want = plan.get(request.request_id)
+    if want is None:
+        return n if request.request_id in blocked else 0
+    if want >= n or computed >= request.num_tokens - 1:
+        return n  # within the plan, or a decode (with any spec tokens): all-or-nothing
+    return want

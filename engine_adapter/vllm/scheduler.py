@@ -31,7 +31,7 @@ vLLM runs when it admits it, :meth:`_ss_prefix_hit`, remembered between snapshot
 by :class:`.snapshot.PrefixHits`), so a plan allocates the tokens beyond the hit,
 as vLLM's ``num_new_tokens`` counts them; the admissions' hits are looked up again
 for the KV fit.  A hit that changed before vLLM looks only changes how much of the
-allocation vLLM computes (``_cap``), never whether the request stays known to it.
+allocation vLLM computes (:func:`.decision.cap`), never whether the request stays known to it.
 
 Pipelining (``SLIDINGSERVE_PIPELINE``, on by default): the decision for the
 next iteration is taken while the current one runs on the GPU.  Right after
@@ -90,7 +90,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 from engine_adapter.core import AdapterCore, Decision  # noqa: E402
 from scheduler_service.core import Rejection, Snapshot  # noqa: E402
 
-from .decision import Outcome, fallback, fit_answer, read_answer  # noqa: E402
+from .decision import Outcome, cap, fallback, fit_answer, read_answer  # noqa: E402
 from .effects import live_rejections, preemptible  # noqa: E402
 from .fit import (  # noqa: E402
     Fit,
@@ -248,7 +248,7 @@ class SlidingServeMixin(_VllmScheduler):
         free_tokens = kv_headroom(self.running, self.block_size, self._ss_free_blocks())
         # Blocked requests (remote KV load, grammar, streaming input) are left out: the
         # plan cannot know whether they become ready.  vLLM promotes them inside
-        # schedule() and schedules them uncapped from the budget the plan left (_cap).
+        # schedule() and schedules them uncapped from the budget the plan left (decision.cap).
         waiting, blocked = split_blocked([*self.kv_holding_waiting, *self.waiting], _SCHEDULABLE)
         builder = self._ss_builder
         hits = self._ss_hits if self._ss_live.settings.prefix_lookup and not prefix_lookup_off(self) else None
@@ -429,35 +429,24 @@ class SlidingServeMixin(_VllmScheduler):
         super().add_request(request)
         self._ss_pipe.arrived(request)
 
-    def _cap(self, request: Any, n: int, computed: int) -> int:
-        plan = self._plan
-        if plan is None:
-            return n
-        want = plan.get(request.request_id)
-        if want is None:
-            # unplanned: nothing, unless it became ready during this schedule()
-            return n if request.request_id in self._ss_blocked else 0
-        if want >= n or computed >= request.num_tokens - 1:
-            return n  # within the plan, or a decode (with any spec tokens): all-or-nothing
-        return want
-
     def _mamba_block_aligned_split(self, request: Any, num_new_tokens: int,
                                    num_new_local_computed_tokens: int = 0,
                                    num_external_computed_tokens: int = 0) -> int:
         computed = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
         return super()._mamba_block_aligned_split(
-            request, self._cap(request, num_new_tokens, computed),
+            request, cap(self._plan, self._ss_blocked, request, num_new_tokens, computed),
             num_new_local_computed_tokens, num_external_computed_tokens)
 
     def _try_schedule_encoder_inputs(self, request: Any, num_computed_tokens: int, num_new_tokens: int,
                                      *args: Any, **kwargs: Any) -> Any:
         return super()._try_schedule_encoder_inputs(
-            request, num_computed_tokens, self._cap(request, num_new_tokens, num_computed_tokens),
+            request, num_computed_tokens, cap(self._plan, self._ss_blocked, request, num_new_tokens,
+                                              num_computed_tokens),
             *args, **kwargs)
 
     def _reserve_prefill_lookahead(self, request: Any, num_computed_tokens: int, num_new_tokens: int) -> int:
         if self._plan is not None:  # called for every request vLLM schedules: keep it lean
-            num_new_tokens = self._cap(request, num_new_tokens, num_computed_tokens)
+            num_new_tokens = cap(self._plan, self._ss_blocked, request, num_new_tokens, num_computed_tokens)
         return super()._reserve_prefill_lookahead(
             request, num_computed_tokens, num_new_tokens)
 
