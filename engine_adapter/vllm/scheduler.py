@@ -293,6 +293,10 @@ class SlidingServeMixin(_VllmScheduler):
                 hits[i], ev[i] = self._ss_prefix_hit(r)
         return replace(view, hits=hits, evictable=ev)
 
+    def _queued(self) -> bool:
+        """Whether vLLM's queues hold a request (running, waiting or holding KV)."""
+        return bool(self.running or self.waiting or self.kv_holding_waiting)
+
     def _fallback(self, reason: str, detail: str) -> None:
         self._ss_stats.fallback(reason, detail, self._ss_live.settings.log_every)
 
@@ -418,7 +422,7 @@ class SlidingServeMixin(_VllmScheduler):
         that read (about a millisecond, far shorter than a step) before changing
         them: the engine thread pays only for the hand-over."""
         self._ss_pipe.arrivals = []
-        if self._ss_unsupported or not (self.running or self.waiting or self.kv_holding_waiting):
+        if self._ss_unsupported or not self._queued():
             return
         self._ss_pipe.ahead(self._ss_live, lambda project, ahead_s: self._view(project=project, ahead_s=ahead_s),
                             project_now=self._ss_async)
@@ -454,7 +458,7 @@ class SlidingServeMixin(_VllmScheduler):
         c = self._ss_counts
         c["iterations"] += 1
         t0 = time.perf_counter()
-        if self.running or self.waiting or self.kv_holding_waiting:
+        if self._queued():
             fit = self._decide()
         else:
             fit, self._ss_pipe.pending = None, None
@@ -541,7 +545,7 @@ class SlidingServeMixin(_VllmScheduler):
         if self._ss_rejected_out:
             self._rejected_outputs(result)
         t_v2 = time.perf_counter()
-        if not (self.running or self.waiting or self.kv_holding_waiting):
+        if not self._queued():
             self._ss_last_update = None  # the next gap would include idle time
         self._ss_builder.prune(self.requests)
         self._ss_hits.prune(self.requests)
