@@ -4,7 +4,7 @@ One of the two implementations of the planner interface
 (:class:`engine_adapter.core.SchedulerBackend`) that an :class:`~engine_adapter.core.AdapterCore`
 is handed; the other is the remote service (:class:`engine_adapter.remote.GrpcBackend`).  Reports
 refit the predictor online with the service's own per-profile registry
-(:mod:`scheduler_service.server.predictors`, imported when a backend is built: it loads
+(:mod:`scheduler_service.predictors`, imported when a backend is built: it loads
 neither the gRPC server nor prometheus, and importing this module loads no server module).
 """
 
@@ -27,7 +27,7 @@ from scheduler_service.core.reasons import plan_explained
 from .core import AdapterSettings, IterationSample
 
 if TYPE_CHECKING:
-    from scheduler_service.server.predictors import PredictorRegistry
+    from scheduler_service.predictors import PredictorRegistry
 
 __all__ = ["InProcessBackend"]
 
@@ -41,7 +41,7 @@ class InProcessBackend:
         """``predictors``: a registry to learn into that outlives this backend (the vLLM
         adapter keeps one across settings reloads, so a policy switch keeps what the
         predictor learned of the engine); it is not closed with the backend."""
-        from scheduler_service.server.predictors import PredictorRegistry, RefitSettings
+        from scheduler_service.predictors import PredictorRegistry, RefitSettings
 
         self._policy = registry.create(settings.policy or "slidingserve", settings.params)
         self._profile = settings.profile or "default"

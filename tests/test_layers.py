@@ -98,8 +98,8 @@ def test_the_in_process_path_imports_no_grpc_and_nothing_of_the_server(module: s
 
 def test_an_in_process_engine_deciding_loads_no_grpc() -> None:
     """In a fresh process: a vLLM adapter's core built in process, a decision taken and a
-    report handed over load no gRPC, client or remote planner; of the server package only
-    the predictor registry the in-process planner refits with (it loads nothing else,
+    report handed over load no gRPC, client or remote planner, and nothing of the server
+    package (the predictor registry the in-process planner refits with stands apart:
     test_the_predictor_registry_stands_apart_from_the_grpc_server)."""
     code = """if True:
         import sys
@@ -122,7 +122,7 @@ def test_an_in_process_engine_deciding_loads_no_grpc() -> None:
         print(",".join(sorted(m for m in sys.modules for w in watched if m == w or m.startswith(w + "."))))
     """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.stdout.strip() == "scheduler_service.server,scheduler_service.server.predictors", out.stdout + out.stderr
+    assert out.returncode == 0 and out.stdout.strip() == "", out.stdout + out.stderr
 
 
 def test_prometheus_loads_only_when_the_adapters_metrics_endpoint_is_on() -> None:
@@ -164,10 +164,9 @@ def test_prometheus_loads_only_when_the_adapters_metrics_endpoint_is_on() -> Non
 
 
 def test_the_predictor_registry_stands_apart_from_the_grpc_server() -> None:
-    """The in-process planner refits with the service's registry: building one loads that
-    module and its (empty) package, never the server, gRPC or prometheus."""
-    assert _loaded_after("scheduler_service.server.predictors", *SERVER_STACK, "grpc") == [
-        "scheduler_service.server", "scheduler_service.server.predictors"]
+    """The in-process planner refits with the service's registry (``scheduler_service.predictors``):
+    importing it loads nothing of the server, gRPC or prometheus."""
+    assert _loaded_after("scheduler_service.predictors", *SERVER_STACK, "grpc") == []
 
 
 def test_the_server_package_loads_its_names_on_first_use() -> None:

@@ -28,7 +28,7 @@ from scheduler_service.core import (
     registry,
 )
 from scheduler_service.core.predictor import learn_margin
-from scheduler_service.server.predictors import PredictorRegistry, RefitSettings
+from scheduler_service.predictors import PredictorRegistry, RefitSettings
 from tests.reach import Reached
 from tests.strategies import predictors, snapshots
 

@@ -8,7 +8,7 @@ Tests: tests/test_vllm_pipeline.py (no vLLM needed).
 
 The remote path's modules (gRPC, the client, :mod:`engine_adapter.remote`) are imported
 when a remote core is built, and the predictor registry
-(:mod:`scheduler_service.server.predictors`) when an in-process one is: importing this
+(:mod:`scheduler_service.predictors`) when an in-process one is: importing this
 module loads neither, and an engine with the policy in process never loads gRPC
 (tests/test_layers.py).
 """
@@ -27,7 +27,7 @@ from .settings import FOLLOW_DEFAULT, SettingsWatcher, VllmAdapterSettings, defa
 from .snapshot import SnapshotBuilder
 
 if TYPE_CHECKING:
-    from scheduler_service.server.predictors import PredictorRegistry
+    from scheduler_service.predictors import PredictorRegistry
 
 __all__ = ["LiveCore", "build_core"]
 
@@ -117,7 +117,7 @@ class LiveCore:
         """The in-process predictor registry, one per engine: a settings reload (another
         policy, in process again after a remote spell) keeps what it learned of this engine."""
         if self.predictors is None:
-            from scheduler_service.server.predictors import (  # in process only
+            from scheduler_service.predictors import (  # in process only
                 PredictorRegistry,
                 RefitSettings,
             )

@@ -36,6 +36,7 @@ from grpc_reflection.v1alpha import reflection
 
 from scheduler_service.core import BatchLatencyPredictor, Snapshot, ValidationError, default_predictor
 from scheduler_service.core.kernels import warm_up as warm_kernels
+from scheduler_service.predictors import PredictorRegistry, RefitSettings
 
 from .board import PredictorBoard
 from .config import ServerConfig
@@ -43,7 +44,6 @@ from .deployments import PolicyConfig, PolicyConfigWatcher, PolicySet, ShadowRun
 from .handlers import SERVICE_NAME, add_servicer
 from .logs import configure_logging
 from .metrics import Metrics
-from .predictors import PredictorRegistry, RefitSettings
 from .security import CertificateReloader, SecurityInterceptor, build_interceptor, server_credentials
 from .servicer import PolicyCache, SchedulerServicer
 

@@ -20,8 +20,7 @@ from pathlib import Path
 import structlog
 
 from scheduler_service.core import BatchLatencyPredictor
-
-from .predictors import PredictorRegistry
+from scheduler_service.predictors import PredictorRegistry
 
 __all__ = ["PredictorBoard"]
 

@@ -25,6 +25,7 @@ from scheduler_service.core import Plan, Policy, ValidationError, registry
 from scheduler_service.core.reasons import plan_explained, reason_counts
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2_grpc as pb_grpc
+from scheduler_service.predictors import PredictorRegistry
 from scheduler_service.wire.convert import (
     describe_to_pb,
     encode_plan,
@@ -42,7 +43,6 @@ from .errors import failure, rpc_errors
 from .handlers import Undecodable
 from .identity import DEFAULT_TENANT, scoped_key, tenant_of
 from .metrics import Metrics
-from .predictors import PredictorRegistry
 
 __all__ = ["PolicyCache", "SchedulerServicer"]
 
