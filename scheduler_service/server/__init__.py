@@ -5,8 +5,8 @@ runs it until SIGTERM/SIGINT (the CLI's ``slidingserve serve``; one process, or 
 ``workers`` > 1 a supervisor of several).
 
 Importing the package loads nothing else: each name loads its own module on first access
-(PEP 562), so that a user of one submodule (the in-process engine backend imports
-:mod:`.predictors`) does not load the gRPC server stack, health and reflection included.
+(PEP 562), so that a user of one submodule (the CLI's config check imports
+:mod:`.config`) does not load the gRPC server stack, health and reflection included.
 """
 
 from __future__ import annotations
