@@ -5,7 +5,7 @@ runs it until SIGTERM/SIGINT (the CLI's ``slidingserve serve``; one process, or 
 ``workers`` > 1 a supervisor of several).
 
 Importing the package loads nothing else: each name loads its own module on first access
-(PEP 562), so that a user of one submodule (the CLI's config check imports
+(PEP 562), so that a user of one submodule (the simulated bench's runner imports
 :mod:`.config`) does not load the gRPC server stack, health and reflection included.
 """
 
