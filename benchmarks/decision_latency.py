@@ -1,12 +1,13 @@
-"""In-process decision time per policy on a loaded engine's snapshot, compiled vs numpy.
+"""In-process decision time per policy on a loaded engine's snapshot (compiled kernels).
 
     .venv/bin/python -m benchmarks.decision_latency [--decodes 256] [--queued 512] [--iters 300]
-                                                    [--no-native] [--explain] [--encode]
+                                                    [--no-native] [--explain] [--encode] [--python]
 
 Compiles (or loads from numba's disk cache) the kernels first, as the service does at
-start-up, then times every policy on both backends in the same run, decision by
-decision in turn (numba, then numpy, on the same snapshot), so that a noisy machine
-moves both columns together.  Prints p50/p99 per backend, their ratio, SlidingServe's
+start-up, then times every policy; with ``--python`` also the same kernels run as plain
+Python (what runs without numba), decision by decision in turn (compiled, then Python, on
+the same snapshot; the slow Python decisions then cost the compiled ones after them a few
+percent of cache).  Prints p50/p99 per backend, their ratio, SlidingServe's
 breakdown by component, and vLLM's native ``schedule()`` on a comparable queue when
 vLLM is installed (``benchmarks/vllm_native.py``).  Several snapshots (seeds) are
 rotated so that no single queue shape decides the figure.  Targets (issue 13):
@@ -142,6 +143,9 @@ def main() -> None:
     ap.add_argument("--policies", default=",".join(registry.names()))
     ap.add_argument("--no-native", action="store_true", help="skip vLLM's native schedule()")
     ap.add_argument("--explain", action="store_true", help="also time decisions with their reasons")
+    ap.add_argument("--python", action="store_true",
+                    help="also time the kernels run as plain Python (SLIDINGSERVE_KERNELS=numpy, what runs without "
+                         "numba), in turn with the compiled ones")
     ap.add_argument("--encode", action="store_true",
                     help="also time the wire encoding with and without reasons (implies --explain)")
     args = ap.parse_args()
@@ -149,7 +153,8 @@ def main() -> None:
     default = kernels.backend()
     with kernels.using("numba") as compiled:
         warm = kernels.warm_up()
-    backends = ["numba", "numpy"] if compiled == "numba" else ["numpy"]
+    # (the plain-Python path in the same loop slows the compiled one after it: off unless asked)
+    backends = ["numpy"] if compiled != "numba" else ["numba", "numpy"] if args.python else ["numba"]
     print(f"kernels: {default} by default ({kernels.ENV}=numba|numpy); warm-up {warm:.2f} s; "
           f"timing {' and '.join(backends)}")
     snaps = [busy_snapshot(args.decodes, args.queued, seed=s) for s in range(args.seeds)]

@@ -39,7 +39,7 @@ from . import kernels
 from .features import DECODE
 from .plan import CODES, REASON_CODES, Plan, Reason, Reasons, Rejection
 from .predictor import BatchLatencyPredictor
-from .rule_codes import RULE_SCALAR, RULE_SKIP, RULE_STARVE, RULES_LEN, reason_tokens, seqs_rules
+from .rule_codes import RULE_SCALAR, RULE_SKIP, RULE_STARVE, RULES_LEN, reason_tokens
 from .snapshot import Snapshot
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ _NO_MASK = np.zeros(0, dtype=bool)
 _NO_VERDICTS = np.zeros((3, 0), dtype=np.int64)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Facts:
     """What a decision knew when it made its plan, for the plan's reasons: the one input of
     the classifier besides the rows the plan serves.  Which rules a waiting request can
@@ -143,7 +143,8 @@ def classify(snap: Snapshot, facts: Facts, decodes: np.ndarray, pre_rows: np.nda
     ``facts``: the ``reason_codes`` kernel, the first rule that holds for each row."""
     tokens = len(decodes) + int(pre_toks.sum())
     rules, lost_from, lost_mask, marked, verdicts = _rules(snap, facts, tokens)
-    rules = seqs_rules(rules, len(decodes) + len(pre_rows), snap.max_num_seqs)
+    if len(decodes) + len(pre_rows) >= snap.max_num_seqs:  # (the fill kernel sees it as it fills)
+        _on(rules, "max_num_seqs", snap.max_num_seqs)
     return kernels.ops().reason_codes(snap, decodes, pre_rows, pre_toks, lost_from, lost_mask, marked, verdicts,
                                       rules)
 
@@ -206,8 +207,9 @@ def _rules(snap: Snapshot, f: Facts, tokens: int) -> tuple[np.ndarray, ...]:
 
 def _on(rules: np.ndarray, code: str, value: float = 0.0) -> None:
     """Rule ``code`` on, with its own number ``value``."""
-    rules[_C[code]] = 1.0
-    rules[RULE_SCALAR + _C[code]] = value
+    c = _C[code]
+    rules[c] = 1.0
+    rules[RULE_SCALAR + c] = value
 
 
 def _allocated(snap: Snapshot, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
