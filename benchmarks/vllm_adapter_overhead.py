@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
         for where, where_env in (("inproc", {}), ("grpc", grpc)):
             for policy in ("slidingserve", "vllm-fcfs"):
                 for pipe in ("on", "off"):
-                    env = {**where_env, "SLIDINGSERVE_POLICY": policy, "SLIDINGSERVE_PIPELINE": pipe}
+                    env = {**where_env, "SLIDINGSERVE_DEPLOYMENT": policy, "SLIDINGSERVE_PIPELINE": pipe}
                     cases[f"{where} {policy} pipe={pipe}"] = scheduler_class(RemoteSyncScheduler, env)
         words = [w.strip() for w in args.cases.split(",") if w.strip()]
         if words:

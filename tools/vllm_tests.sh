@@ -55,7 +55,7 @@ cd "$DEST"
 # not in the offline cache, fail there too) and ours; only tests that pass on the baseline
 # and fail with our classes fail this script.
 run() {
-  VLLM_TARGET_DEVICE=cpu SLIDINGSERVE_ADDRESS=inproc SLIDINGSERVE_POLICY=vllm-fcfs \
+  VLLM_TARGET_DEVICE=cpu SLIDINGSERVE_ADDRESS=inproc SLIDINGSERVE_DEPLOYMENT=vllm-fcfs \
   PYTHONPATH="$ROOT:$PWD${PYTHONPATH:+:$PYTHONPATH}" \
     "$PY" -m pytest tests/v1/core/test_scheduler.py -q -rfE -p no:cacheprovider --rootdir "$PWD" \
     -c /dev/null -p tools.vllm_suite_plugin -o addopts="" --timeout 600 "$@" 2>&1

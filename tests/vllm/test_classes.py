@@ -94,7 +94,7 @@ def test_rejected_requests_finish_with_a_clear_reason_and_free_their_kv(base: ty
     vLLM's real scheduler finishes them as aborted, their clients get a final output with
     the reason, their KV is freed, and every other request completes."""
     clock = FakeClock()
-    cls = scheduler_class(base, {"SLIDINGSERVE_ADDRESS": "inproc", "SLIDINGSERVE_POLICY": "slidingserve"}, clock)
+    cls = scheduler_class(base, {"SLIDINGSERVE_ADDRESS": "inproc", "SLIDINGSERVE_DEPLOYMENT": "slidingserve"}, clock)
     s = build_scheduler(cls, mdir, async_scheduling=async_, num_blocks=400)
     free0 = s.kv_cache_manager.block_pool.get_num_free_blocks()
     # already past their TTFT (arrived 5 s ago, 100 ms TTFT): sheddable or not.  Snapshots
@@ -133,7 +133,7 @@ def test_the_wait_bound_rejects_requests_the_client_did_not_mark_sheddable(base:
     TTFTs after it arrived is rejected like a sheddable one, with its own reason (stop reason
     ``slidingserve:wait_bound``, counted under it); a request within the bound is served."""
     clock = FakeClock()
-    env = {"SLIDINGSERVE_ADDRESS": "inproc", "SLIDINGSERVE_POLICY": "slidingserve", "SLIDINGSERVE_SHED_AFTER": "3"}
+    env = {"SLIDINGSERVE_ADDRESS": "inproc", "SLIDINGSERVE_DEPLOYMENT": "slidingserve", "SLIDINGSERVE_SHED_AFTER": "3"}
     s = build_scheduler(scheduler_class(base, env, clock), mdir, async_scheduling=async_, num_blocks=400)
     free0 = s.kv_cache_manager.block_pool.get_num_free_blocks()
     now = time.time()  # 5 s ago with a 1 s TTFT: past 3 TTFTs; with a minute: within them
@@ -217,7 +217,7 @@ def test_requests_past_their_e2e_deadline_are_rejected_with_that_reason(base: ty
     """Sheddable requests whose end-to-end deadline has passed (their TTFT has not) finish
     with ``slidingserve:e2e_expired``; the same requests not sheddable are served in full."""
     clock = FakeClock()
-    cls = scheduler_class(base, {"SLIDINGSERVE_ADDRESS": "inproc", "SLIDINGSERVE_POLICY": "slidingserve"}, clock)
+    cls = scheduler_class(base, {"SLIDINGSERVE_ADDRESS": "inproc", "SLIDINGSERVE_DEPLOYMENT": "slidingserve"}, clock)
     s = build_scheduler(cls, mdir, async_scheduling=async_, num_blocks=400)
     now = time.time()
     # arrived 5 s ago: TTFT 60 s ahead, end to end 2 s already past

@@ -109,7 +109,7 @@ class SimExecutor(Executor):
 def test_engine_core_serves_everything_with_remote_plans(async_: bool, mdir: str,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SLIDINGSERVE_ADDRESS", "inproc")
-    monkeypatch.setenv("SLIDINGSERVE_POLICY", "slidingserve")
+    monkeypatch.setenv("SLIDINGSERVE_DEPLOYMENT", "slidingserve")
     cls = "engine_adapter.vllm.RemoteScheduler" if async_ else "engine_adapter.vllm.RemoteSyncScheduler"
     mc = ModelConfig(model=mdir, skip_tokenizer_init=True, dtype="float16", max_model_len=1024, seed=0)
     vc = VllmConfig(model_config=mc, cache_config=CacheConfig(block_size=BLOCK),

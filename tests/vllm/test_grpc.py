@@ -22,7 +22,7 @@ CASES = [(RemoteSyncScheduler, False), (RemoteScheduler, True)]
 def _engine(base: type, async_: bool, mdir: str, target: str, n: int, *, policy: str = "slidingserve",
             deadline_ms: float = 200.0, seed: int = 0, max_out: int = 24, **env: str) -> tuple[Any, Driver, int]:
     clock = FakeClock()
-    e = {"SLIDINGSERVE_ADDRESS": target, "SLIDINGSERVE_POLICY": policy,
+    e = {"SLIDINGSERVE_ADDRESS": target, "SLIDINGSERVE_DEPLOYMENT": policy,
          "SLIDINGSERVE_DEADLINE_MS": str(deadline_ms), "SLIDINGSERVE_RECONNECT_MAX_MS": "200",
          "SLIDINGSERVE_MAX_BACKOFF_DECISIONS": "8", **env}
     s = build_scheduler(scheduler_class(base, e, clock), mdir, async_scheduling=async_, num_blocks=400)
@@ -123,7 +123,7 @@ def test_invalid_plans_rejected_and_counted(base: type, async_: bool, mdir: str)
 
 
 def test_engines_follow_the_default_version_or_pin_one(mdir: str, tmp_path: Any) -> None:
-    """SLIDINGSERVE_POLICY=default follows the service's default version; a version name pins
+    """SLIDINGSERVE_DEPLOYMENT=default follows the service's default version; a version name pins
     it; the adapter's settings file switches between them without a restart."""
     import json
 

@@ -18,7 +18,7 @@ CASES = [(RemoteSyncScheduler, False), (RemoteScheduler, True)]
 def _run(base: type, async_: bool, mdir: str, policy: str, *, n: int = 80, num_blocks: int = 400,
          seed: int = 0) -> tuple[Any, Any, list[Any], Driver, int]:
     clock = FakeClock()
-    cls = scheduler_class(base, {"SLIDINGSERVE_ADDRESS": "inproc", "SLIDINGSERVE_POLICY": policy}, clock)
+    cls = scheduler_class(base, {"SLIDINGSERVE_ADDRESS": "inproc", "SLIDINGSERVE_DEPLOYMENT": policy}, clock)
     s = build_scheduler(cls, mdir, async_scheduling=async_, num_blocks=num_blocks)
     free0 = s.kv_cache_manager.block_pool.get_num_free_blocks()
     reqs = [make_request(p, o, extra_args={"slo_ttft_ms": 400, "slo_tbt_ms": 60, "slo_protected": i % 7 == 0})
@@ -69,7 +69,7 @@ def test_plans_honoured_and_invariants(base: type, async_: bool, policy: str, nu
 @pytest.mark.parametrize("base,async_", CASES, ids=["sync", "async"])
 def test_tokens_conserved(base: type, async_: bool, mdir: str) -> None:
     clock = FakeClock()
-    cls = scheduler_class(base, {"SLIDINGSERVE_POLICY": "slidingserve"}, clock)
+    cls = scheduler_class(base, {"SLIDINGSERVE_DEPLOYMENT": "slidingserve"}, clock)
     s = build_scheduler(cls, mdir, async_scheduling=async_, num_blocks=800)
     spec = workload(40, 3)
     reqs = [make_request(p, o) for p, o in spec]
@@ -87,7 +87,7 @@ def test_tokens_conserved(base: type, async_: bool, mdir: str) -> None:
 def test_unplanned_requests_wait_and_native_order_is_restored(base: type, async_: bool, mdir: str) -> None:
     """A plan that serves one request only: vLLM schedules exactly that; the queues keep
     vLLM's own order for later native iterations."""
-    cls = scheduler_class(base, {"SLIDINGSERVE_POLICY": "vllm-fcfs"})
+    cls = scheduler_class(base, {"SLIDINGSERVE_DEPLOYMENT": "vllm-fcfs"})
     s = build_scheduler(cls, mdir, async_scheduling=async_)
     reqs = [make_request(40, 4) for _ in range(5)]
     for r in reqs:
@@ -139,7 +139,7 @@ def test_pipelined_snapshot_matches_the_queues_it_predicts(base: type, async_: b
     snapshot the next schedule() would take itself, except for requests that finished
     or arrived in between; arrivals that the plan leaves room for trigger a fresh decision."""
     clock = FakeClock()
-    cls = scheduler_class(base, {"SLIDINGSERVE_POLICY": "slidingserve"}, clock)
+    cls = scheduler_class(base, {"SLIDINGSERVE_DEPLOYMENT": "slidingserve"}, clock)
     s = build_scheduler(cls, mdir, async_scheduling=async_, num_blocks=400)
     spec = workload(40, 5, max_out=40)
     for p, o in spec[:8]:
@@ -190,7 +190,7 @@ def test_pipelined_snapshot_matches_the_queues_it_predicts(base: type, async_: b
 @pytest.mark.parametrize("base,async_", CASES, ids=["sync", "async"])
 def test_pipeline_off_decides_synchronously(base: type, async_: bool, mdir: str) -> None:
     clock = FakeClock()
-    cls = scheduler_class(base, {"SLIDINGSERVE_POLICY": "slidingserve", "SLIDINGSERVE_PIPELINE": "off"}, clock)
+    cls = scheduler_class(base, {"SLIDINGSERVE_DEPLOYMENT": "slidingserve", "SLIDINGSERVE_PIPELINE": "off"}, clock)
     s = build_scheduler(cls, mdir, async_scheduling=async_, num_blocks=400)
     spec = workload(30, 2)
     for p, o in spec:
@@ -209,7 +209,7 @@ def test_requests_aborted_between_steps_leave_the_pending_plan(base: type, async
     from vllm.v1.request import RequestStatus
 
     clock = FakeClock()
-    cls = scheduler_class(base, {"SLIDINGSERVE_POLICY": "slidingserve"}, clock)
+    cls = scheduler_class(base, {"SLIDINGSERVE_DEPLOYMENT": "slidingserve"}, clock)
     s = build_scheduler(cls, mdir, async_scheduling=async_, num_blocks=400)
     spec = workload(30, 9, max_out=30)
     reqs = [make_request(p, o) for p, o in spec]

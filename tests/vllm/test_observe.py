@@ -33,7 +33,7 @@ def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 def test_metrics_endpoint_serves_the_stats(mdir: str) -> None:
     port = _free_port()
-    env = {"SLIDINGSERVE_POLICY": "vllm-fcfs", "SLIDINGSERVE_METRICS_PORT": str(port),
+    env = {"SLIDINGSERVE_DEPLOYMENT": "vllm-fcfs", "SLIDINGSERVE_METRICS_PORT": str(port),
            "SLIDINGSERVE_METRICS_HOST": "127.0.0.1", "SLIDINGSERVE_ENGINE_ID": "unit"}
     clock = FakeClock()
     s = build_scheduler(scheduler_class(RemoteSyncScheduler, env, clock), mdir, async_scheduling=False)
@@ -149,7 +149,7 @@ _BLOCKED_PROMETHEUS = """if True:
     sys.meta_path.insert(0, Block())
     assert "engine_adapter.vllm.scheduler" not in sys.modules
     from engine_adapter.vllm import RemoteSyncScheduler
-    env = {{"SLIDINGSERVE_POLICY": "slidingserve", "SLIDINGSERVE_METRICS_PORT": sys.argv[1],
+    env = {{"SLIDINGSERVE_DEPLOYMENT": "slidingserve", "SLIDINGSERVE_METRICS_PORT": sys.argv[1],
            "SLIDINGSERVE_METRICS_HOST": "127.0.0.1"}}
     s = build_scheduler(scheduler_class(RemoteSyncScheduler, env), {mdir!r}, async_scheduling=False)
     for _ in range(3):

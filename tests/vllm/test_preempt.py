@@ -20,7 +20,7 @@ CASES = [(RemoteSyncScheduler, False), (RemoteScheduler, True)]
 def test_a_plan_preempts_a_lower_class_request_to_admit_a_higher_one(base: type, async_: bool,
                                                                        mdir: str) -> None:
     clock = FakeClock()
-    cls = scheduler_class(base, {"SLIDINGSERVE_ADDRESS": "inproc", "SLIDINGSERVE_POLICY": "slidingserve",
+    cls = scheduler_class(base, {"SLIDINGSERVE_ADDRESS": "inproc", "SLIDINGSERVE_DEPLOYMENT": "slidingserve",
                                  "SLIDINGSERVE_PIPELINE": "false"}, clock)
     # 100 blocks of 16 tokens; 200 tokens a step
     s = build_scheduler(cls, mdir, async_scheduling=async_, num_blocks=100, max_num_batched_tokens=200)

@@ -75,7 +75,7 @@ def _record_executions(s: Any) -> list[tuple[dict[str, int], dict[str, int]]]:
 @pytest.mark.parametrize("base,async_", CASES, ids=["sync", "async"])
 def test_a_waiting_request_shows_vllms_own_hit_and_the_plan_computes_the_rest(base: type, async_: bool,
                                                                                mdir: str) -> None:
-    cls = scheduler_class(base, {"SLIDINGSERVE_POLICY": "slidingserve", "SLIDINGSERVE_PIPELINE": "off"})
+    cls = scheduler_class(base, {"SLIDINGSERVE_DEPLOYMENT": "slidingserve", "SLIDINGSERVE_PIPELINE": "off"})
     s = build_scheduler(cls, mdir, async_scheduling=async_)
     assert prefix_lookup_off(s) == ""
     prefix = system_prompt(200)
@@ -108,7 +108,7 @@ def test_shared_prefixes_many_iterations_nothing_lost_or_stalled(base: type, asy
     whole prompt plus more) arrive over time; every one finishes with its tokens, KV is not
     leaked, plans are executed as planned, and the snapshots did show hits."""
     clock = FakeClock()
-    cls = scheduler_class(base, {"SLIDINGSERVE_POLICY": policy}, clock)
+    cls = scheduler_class(base, {"SLIDINGSERVE_DEPLOYMENT": policy}, clock)
     s = build_scheduler(cls, mdir, async_scheduling=async_, num_blocks=num_blocks)
     free0 = s.kv_cache_manager.block_pool.get_num_free_blocks()
     rng = np.random.default_rng(7)
@@ -208,7 +208,7 @@ def test_a_stale_hit_neither_loses_nor_stalls_a_request(mdir: str) -> None:
     """The snapshot's hit is gone by the time the plan is executed (the blocks were evicted):
     vLLM computes the request from its smaller hit, capped at the plan's allocation, and the
     request finishes."""
-    cls = scheduler_class(RemoteSyncScheduler, {"SLIDINGSERVE_POLICY": "slidingserve"})
+    cls = scheduler_class(RemoteSyncScheduler, {"SLIDINGSERVE_DEPLOYMENT": "slidingserve"})
     s = build_scheduler(cls, mdir, async_scheduling=False)
     prefix = system_prompt(128, 5)
     _warm(s, prefix)
