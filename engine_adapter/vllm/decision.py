@@ -28,7 +28,7 @@ Tests: tests/test_adapter_decision.py.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from engine_adapter.core import Decision
@@ -96,22 +96,11 @@ def fit_answer(answer: Answer, view: View, kv: KvRules, finished: Collection[str
     if not answer.allocations:
         return fallback("empty_plan", f"policy path {answer.path!r} schedules nothing")
     fit = fit_plan(view, answer.allocations, kv, finished)
-    if finished and any(k in finished for k in fit.plan):
-        fit = _without(fit, finished)
     if fit.why:
         return fallback("unallocatable", fit.why)  # nothing is executed: nothing trimmed
     if not fit.plan:  # finished meanwhile, or vLLM would admit none of them: vLLM decides
         return Outcome(None, "unallocatable", "no planned request fits vLLM's admission rules", fit.trimmed)
     return Outcome(fit, trimmed=fit.trimmed, ahead_s=answer.ahead_s)
-
-
-def _without(fit: Fit, finished: Collection[str]) -> Fit:
-    """``fit`` without the requests in ``finished``: :func:`.fit.fit_plan` drops them from
-    the plan, but when every planned admission is refused it runs the running decodes
-    instead, all of the view's, and a request finished since the view is no longer in vLLM's
-    running queue (shown to vLLM again, it would be scheduled after it was freed)."""
-    return replace(fit, plan={k: v for k, v in fit.plan.items() if k not in finished},
-                   run_order=[r for r in fit.run_order if r.request_id not in finished])
 
 
 def settle(view: View, decision: Decision, kv: KvRules, finished: Collection[str] = (),

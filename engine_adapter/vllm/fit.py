@@ -120,7 +120,7 @@ def fit_plan(view: View, plan: dict[str, int], kv: KvRules, finished: Collection
     if not plan and fit.trimmed:
         # Only admissions were planned (running decodes ahead of their deadlines sat out
         # for them) and vLLM refuses them all: run those decodes rather than nothing.
-        _decodes_instead(fit, view, free, kv)
+        _decodes_instead(fit, view, free, kv, finished)
     return fit
 
 
@@ -199,14 +199,15 @@ def admission_blocks(hit: int, n: int, num_tokens: int, block_size: int, lookahe
     return need, full
 
 
-def _decodes_instead(fit: Fit, view: View, free: int, kv: KvRules) -> None:
-    """Every running decode whose next token's block is free, in queue order."""
+def _decodes_instead(fit: Fit, view: View, free: int, kv: KvRules, finished: Collection[str] = ()) -> None:
+    """Every running decode whose next token's block is free, in queue order, but those
+    ``finished`` since the view was taken (no longer in vLLM's running queue)."""
     b, la = kv.block_size, kv.lookahead
     fit.run_order = []
     for row, r in enumerate(view.rows[:view.running_rows]):
         comp = int(view.computed[row])
-        if comp < r.num_tokens - 1:
-            continue  # still prefilling
+        if comp < r.num_tokens - 1 or r.request_id in finished:
+            continue  # still prefilling, or gone
         need = max(0, _ceil_div(comp + 1 + la, b) + (-comp // b))
         if need <= free:
             free -= need
