@@ -272,7 +272,9 @@ class SlidingServePolicy:
                 lost, rescued = _rescue(snap, predictor, dec_all, pre, lost, p.margin)
                 if trace is not None and rescued is not None:
                     trace["rescued"] = dec_all[rescued]
-        d = replace(d, pre=pre, lost=lost)
+        d.pre, d.lost = pre, lost
+        d.starving = self._starving(snap, pre)
+        d.fcfs = None if d.starving.any() else self._nothing_to_trade(snap, pre, lost, d.rho)
         d.live, out = self._sit_out(snap, dec_all, pre, lost)
         if out.any() and p.sit_out_when == "needed" and not _room_needed(snap, predictor, dec_all, d.live, p.margin):
             out[:] = False  # every live prefill makes its TTFT beside every decode: no decode waits
@@ -388,22 +390,20 @@ class SlidingServePolicy:
         queue is at risk, else the sliding chunker's (or the queue's first-come fill when
         there is nothing to trade)."""
         p = self.params
-        snap, predictor, pre, lost, rho, trace = d.snap, d.predictor, d.pre, d.lost, d.rho, d.trace
+        snap, predictor, trace, starving, fcfs = d.snap, d.predictor, d.trace, d.starving, d.fcfs
         watch = _Stopwatch(d.t0)
         with watch.lap("sorter"):
             decodes = select_decodes(snap, runnable, starve_tbts=p.starve_after)
             if p.class_sit_out and not snap.one_class:
                 decodes = fit_class_decodes(snap, predictor, decodes, p.margin)
-            starving = self._starving(snap, pre)
-            fcfs = None if starving.any() else self._nothing_to_trade(snap, pre, lost, rho)
-            queue = self._queue(snap, pre, lost, rho, starving) if fcfs is None else fcfs
+            queue = self._trading_queue(d) if fcfs is None else fcfs
         with watch.lap("predictor"):
             holders = int(np.count_nonzero(snap.started))
             W = self._windows(snap, decodes)
             cq, curve = self._candidates(snap, predictor, decodes, queue, len(d.dec_all), holders)
             if fcfs is not None and not _keeps_decodes(curve, cq.first_cap, W):
                 fcfs = None  # vLLM's choice would cost a decode its token: back to the trade-offs
-                queue = self._queue(snap, pre, lost, rho, starving)
+                queue = self._trading_queue(d)
                 cq, curve = self._candidates(snap, predictor, decodes, queue, len(d.dec_all), holders)
         with watch.lap("constructor"):
             chosen = None
@@ -438,6 +438,12 @@ class SlidingServePolicy:
                 path = "sliding_chunker" if len(pre_rows) else ("decode_only" if len(decodes) else "idle")
         return assemble_plan(self, snap, predictor, decodes, pre_rows, pre_toks, path, d.t0, watch.laps, predicted,
                              reasons=filled)
+
+    def _trading_queue(self, d: _Decision) -> np.ndarray:
+        """Decision ``d``'s prefill queue (:meth:`_queue`), built once for every plan it tries."""
+        if d.queue is None:
+            d.queue = self._queue(d.snap, d.pre, d.lost, d.rho, d.starving)
+        return d.queue
 
     def _chunk(self, cq: CandidateQueue, curve: Any, W: np.ndarray | None, fcfs: bool, starving: bool) -> int:
         """The first iteration's prompt tokens: all the first iteration may take (no decode
@@ -511,7 +517,9 @@ class _Decision:
     """What one decision knows before it plans: the snapshot and predictor, when it began
     (``t0``, ns), every decode, the prefills it considers and those it gave up on (a mask
     over them), the prefill rate, the trace it explains into (None: not explaining) and,
-    once the sit-out rules ran, the live prefills."""
+    once the class rules and the sit-out rules ran, the live prefills, the starving ones (a
+    mask over ``pre``), vLLM's first-come queue when there is nothing to trade (else None)
+    and the trading queue once built: every plan the decision tries shares them."""
 
     snap: Snapshot
     predictor: BatchLatencyPredictor
@@ -522,6 +530,9 @@ class _Decision:
     rho: float
     trace: dict[str, Any] | None
     live: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    starving: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    fcfs: np.ndarray | None = None
+    queue: np.ndarray | None = None
 
 
 class _Stopwatch:
