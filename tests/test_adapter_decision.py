@@ -8,7 +8,6 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -22,44 +21,14 @@ from engine_adapter.vllm.fit import KvRules, View, execution_order, restored_ord
 from engine_adapter.vllm.stats import LOCAL_REASONS
 from scheduler_service.core import Plan, Rejection, Request, Snapshot
 from scheduler_service.core.plan import Allocation
+from tests.adapter_views import Req, views
 from tests.reach import Reached
-
-
-@dataclass(eq=False)
-class Req:
-    """What the decision reads of a vLLM request (compared by identity, as vLLM's are)."""
-
-    request_id: str
-    num_computed_tokens: int
-    num_tokens: int
 
 
 def make_plan(tokens: dict[str, int], *, latency_ms: float = 25.0, rejections: tuple[Rejection, ...] = (),
               preemptions: tuple[str, ...] = ()) -> Plan:
     return Plan("test", "1", "1", "p", sum(tokens.values()), latency_ms,
                 tuple(Allocation(k, v) for k, v in tokens.items()), rejections=rejections, preemptions=preemptions)
-
-
-@st.composite
-def views(draw: st.DrawFn) -> View:
-    """Running decodes and prefills, then waiting requests (some partly computed)."""
-    reqs, rows, computed = [], [], []
-    n_run = draw(st.integers(0, 6))
-    for i in range(n_run + draw(st.integers(0, 6))):
-        prompt = draw(st.integers(1, 90))
-        running = i < n_run
-        if running and draw(st.booleans()):  # a decode
-            out = draw(st.integers(1, 40))
-            comp, snap_comp = prompt + out - 1, prompt
-        else:
-            out = 0
-            comp = snap_comp = draw(st.integers(0, prompt - 1)) if (running or draw(st.booleans())) else 0
-        rid = f"{'r' if running else 'w'}{i}"
-        reqs.append(Request(rid, 0.0, prompt, computed_tokens=snap_comp, output_tokens=out, ttft_slo=1.0, tbt_slo=0.1))
-        rows.append(Req(rid, comp, prompt + out))
-        computed.append(comp)
-    snap = Snapshot.from_requests(reqs, now=0.0, max_batch_tokens=4096, max_num_seqs=64)
-    return View(snap, rows, np.array(computed, np.int64), n_run, set())
 
 
 @st.composite

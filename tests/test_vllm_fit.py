@@ -24,16 +24,8 @@ from engine_adapter.vllm.fit import (
 )
 from engine_adapter.vllm.snapshot import PrefixHits, SloDefaults, SnapshotBuilder
 from scheduler_service.core import Request, Snapshot
+from tests.adapter_views import Req, views
 from tests.reach import Reached
-
-
-@dataclass(eq=False)
-class Req:
-    """What the adapter reads of a vLLM request."""
-
-    request_id: str
-    num_computed_tokens: int
-    num_tokens: int
 
 
 def need(comp: int, n: int, kv: KvRules) -> int:
@@ -46,33 +38,19 @@ def need(comp: int, n: int, kv: KvRules) -> int:
 def cases(draw: st.DrawFn) -> tuple[View, dict[str, int], KvRules]:
     """Running decodes and prefills, waiting requests (some with a computed prefix), a plan
     over a random subset and random KV state."""
-    reqs, rows, computed = [], [], []
-    n_run = draw(st.integers(0, 6))
-    for i in range(n_run + draw(st.integers(0, 5))):
-        prompt = draw(st.integers(1, 90))
-        running = i < n_run
-        if running and draw(st.booleans()):  # a decode
-            out = draw(st.integers(1, 40))
-            comp, snap_comp = prompt + out - 1, prompt
-        else:
-            out = 0
-            comp = snap_comp = draw(st.integers(0, prompt - 1)) if (running or draw(st.booleans())) else 0
-        rid = f"{'r' if running else 'w'}{i}"
-        reqs.append(Request(rid, 0.0, prompt, computed_tokens=snap_comp, output_tokens=out, ttft_slo=1.0, tbt_slo=0.1))
-        rows.append(Req(rid, comp, prompt + out))
-        computed.append(comp)
-    snap = Snapshot.from_requests(reqs, now=0.0, max_batch_tokens=4096, max_num_seqs=64)
+    view = draw(views(max_waiting=5))
+    snap = view.snap
     plan = {}
-    for r in reqs:
+    for i, rid in enumerate(snap.ids):
         if draw(st.booleans()):
-            left = r.prompt_tokens - r.computed_tokens
-            plan[r.id] = 1 if left == 0 else draw(st.integers(1, left))
+            left = int(snap.prompt_tokens[i] - snap.computed_tokens[i])
+            plan[rid] = 1 if left == 0 else draw(st.integers(1, left))
     b = draw(st.sampled_from([1, 4, 16]))
     if draw(st.integers(0, 5)) == 0:  # room for everything
-        return View(snap, rows, np.array(computed, np.int64), n_run, set()), plan, KvRules(b, 0, 10_000, 100)
+        return view, plan, KvRules(b, 0, 10_000, 100)
     kv = KvRules(block_size=b, lookahead=draw(st.sampled_from([0, 2])), free_blocks=draw(st.integers(0, 30)),
                  slots=draw(st.integers(-1, 4)), watermark=draw(st.integers(0, 3)), full_isl=draw(st.booleans()))
-    return View(snap, rows, np.array(computed, np.int64), n_run, set()), plan, kv
+    return view, plan, kv
 
 
 FIT = Reached()
