@@ -15,6 +15,7 @@ included (once, when a stream opens: the hot path of a stream pays nothing for i
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import itertools
 import math
@@ -510,7 +511,7 @@ class _BaseClient:
         return pb.GetPredictorRequest(engine_profile=profile_to_pb(prof))
 
 
-class _BaseStream:
+class _BaseStream(abc.ABC):
     """What :class:`ScheduleStream` and :class:`AsyncScheduleStream` share: the encoder, the
     default deadline, the check of each reply and the errors; they differ only in I/O."""
 
@@ -520,9 +521,9 @@ class _BaseStream:
         self.timeout_s = timeout_s
         self._call: Any = None
 
+    @abc.abstractmethod
     def _drop(self) -> None:
         """Cancel the call in progress; the next decision opens a new one."""
-        raise NotImplementedError
 
     def _answer(self, resp: pb.ScheduleResponse, req: pb.ScheduleRequest, snapshot: SnapshotLike) -> Plan:
         """The plan of ``resp``; a reply that answers another request than the one sent means
