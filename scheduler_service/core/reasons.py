@@ -46,7 +46,8 @@ if TYPE_CHECKING:
     from .batch import CandidateQueue
     from .policy import Policy
 
-__all__ = ["CODES", "REASON_CODES", "Facts", "Reason", "Reasons", "classify", "classify_fill", "explain", "kv_left",
+__all__ = ["CODES", "REASON_CODES", "Facts", "Reason", "Reasons", "allocated_rows", "classify", "classify_fill", "explain",
+           "kv_left",
            "plan_explained", "reason_counts", "reserve_ms"]
 
 _C = {c: k for k, c in enumerate(CODES)}
@@ -126,7 +127,7 @@ def explain(policy: Policy, snapshot: Snapshot, predictor: BatchLatencyPredictor
 
 def _replayed(policy: Policy, snap: Snapshot, predictor: BatchLatencyPredictor, plan: Plan
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    pre_rows, pre_toks = _allocated(snap, plan)
+    pre_rows, pre_toks = allocated_rows(snap, plan)
     got = reason_tokens(len(snap), _EMPTY, pre_rows, pre_toks)
     if not (got < np.where(snap.is_decoding, 1, snap.remaining_prefill)).any():
         return _EMPTY, np.zeros(0, dtype=np.int8), np.zeros(0)  # nothing waits: no rule to replay
@@ -212,7 +213,7 @@ def _on(rules: np.ndarray, code: str, value: float = 0.0) -> None:
     rules[RULE_SCALAR + c] = value
 
 
-def _allocated(snap: Snapshot, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
+def allocated_rows(snap: Snapshot, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
     """``plan``'s allocations as (snapshot rows, tokens)."""
     if not plan.allocations:
         return _EMPTY, _EMPTY

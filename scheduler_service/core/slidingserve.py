@@ -41,8 +41,9 @@ from .features import DECODE
 from .params import param
 from .plan import Plan, Reasons, Rejection
 from .predictor import BatchLatencyPredictor
-from .reasons import Facts, classify, classify_fill, reserve_ms
+from .reasons import Facts, allocated_rows, classify, classify_fill, reserve_ms
 from .reasons import explain as with_reasons
+from .rule_codes import reason_tokens
 from .snapshot import Snapshot
 from .sorter import edf_order, fcfs_order, late_set, mlps_order, ordered, prefill_indices
 
@@ -170,7 +171,6 @@ class SlidingServePolicy:
         the same plan, with ``reasons`` set)."""
         p = self.params
         if p.learned_margin and predictor.margin > p.margin:
-            # (the same reason rules: they do not depend on the margin)
             return replace(self, params=replace(p, margin=predictor.margin)).plan(snapshot, predictor,
                                                                                    explain=explain)
         if not explain:
@@ -273,6 +273,7 @@ class SlidingServePolicy:
                 if trace is not None and rescued is not None:
                     trace["rescued"] = dec_all[rescued]
         d.pre, d.lost = pre, lost
+        d.holders = int(np.count_nonzero(snap.started))
         d.starving = self._starving(snap, pre)
         d.fcfs = None if d.starving.any() else self._nothing_to_trade(snap, pre, lost, d.rho)
         d.live, out = self._sit_out(snap, dec_all, pre, lost)
@@ -398,13 +399,12 @@ class SlidingServePolicy:
                 decodes = fit_class_decodes(snap, predictor, decodes, p.margin)
             queue = self._trading_queue(d) if fcfs is None else fcfs
         with watch.lap("predictor"):
-            holders = int(np.count_nonzero(snap.started))
             W = self._windows(snap, decodes)
-            cq, curve = self._candidates(snap, predictor, decodes, queue, len(d.dec_all), holders)
+            cq, curve = self._candidates(snap, predictor, decodes, queue, len(d.dec_all), d.holders)
             if fcfs is not None and not _keeps_decodes(curve, cq.first_cap, W):
                 fcfs = None  # vLLM's choice would cost a decode its token: back to the trade-offs
                 queue = self._trading_queue(d)
-                cq, curve = self._candidates(snap, predictor, decodes, queue, len(d.dec_all), holders)
+                cq, curve = self._candidates(snap, predictor, decodes, queue, len(d.dec_all), d.holders)
         with watch.lap("constructor"):
             chosen = None
             if p.batch_constructor and cq.first_cap > 0 and not starving.any() and fcfs is None:
@@ -426,14 +426,14 @@ class SlidingServePolicy:
                 pre_toks = snap.remaining_prefill[pre_rows]
                 path = "batch_constructor"
                 if trace is not None and len(snap):
-                    facts = self._facts(d, holders, W, chosen=len(pre_rows))
+                    facts = self._facts(d, W, chosen=len(pre_rows))
                     filled = Reasons(snap.ids, *classify(snap, facts, decodes, pre_rows, pre_toks))
             else:
                 p1 = self._chunk(cq, curve, W, fcfs is not None, bool(starving.any()))
                 if trace is None or not len(snap):
                     pre_rows, pre_toks = cq.fill_arrays(p1)
                 else:  # filled and explained in one compiled call
-                    pre_rows, pre_toks, filled = classify_fill(snap, self._facts(d, holders, W), cq, p1)
+                    pre_rows, pre_toks, filled = classify_fill(snap, self._facts(d, W), cq, p1)
                 predicted = float(curve.times[p1])  # the curve holds exactly this batch
                 path = "sliding_chunker" if len(pre_rows) else ("decode_only" if len(decodes) else "idle")
         return assemble_plan(self, snap, predictor, decodes, pre_rows, pre_toks, path, d.t0, watch.laps, predicted,
@@ -470,19 +470,14 @@ class SlidingServePolicy:
         )
         return cq, cq.budget_curve()
 
-    def _facts(self, d: _Decision, holders: int, W: np.ndarray | None, chosen: int | None = None) -> Facts:
-        """What decision ``d`` knew, for its plan's reasons: ``holders`` requests hold KV,
-        ``W`` the decode windows, ``chosen`` the prefills BatchConstructor chose (None: not
-        its plan); the class rules' rows and the rejections from its trace."""
-        p = self.params
+    def _facts(self, d: _Decision, W: np.ndarray | None, chosen: int | None = None) -> Facts:
+        """What decision ``d`` knew, for its plan's reasons: ``W`` the decode windows,
+        ``chosen`` the prefills BatchConstructor chose (None: not its plan); the class rules'
+        rows and the rejections from its trace."""
         t = d.trace or {}
-        mlps = p.order == "mlps"
-        return Facts(
-            budget=d.snap.max_batch_tokens, kv_decode_reserve=p.kv_decode_reserve,
-            kv_watermark=p.kv_growth_iters * holders, lost_from=d.pre, lost_mask=d.lost, given_up=mlps, expired=mlps,
-            sit_out=(p.starve_after, p.decode_skip_tbts), class_sit_out=not d.snap.one_class, held=t.get("held"),
-            reserve_ms=t.get("reserve_ms", 0.0), rescued=t.get("rescued"), chosen=chosen,
-            window_ms=None if W is None or chosen is not None else float(W[0]), rejections=t.get("rejections", ()))
+        return self._rule_facts(d.snap, d.holders, W, chosen, lost_from=d.pre, lost_mask=d.lost, held=t.get("held"),
+                                reserve_ms=t.get("reserve_ms", 0.0), rescued=t.get("rescued"),
+                                rejections=t.get("rejections", ()))
 
     def facts(self, snapshot: Snapshot, predictor: BatchLatencyPredictor, plan: Plan) -> Facts:
         """The facts of :meth:`_facts` for ``plan``, made by this policy for ``snapshot``,
@@ -495,21 +490,32 @@ class SlidingServePolicy:
         if plan.preemptions:
             gone[[snap.index_of[r] for r in plan.preemptions]] = True
         lost, held, rescued = self.held_back(snap, predictor, gone)
-        got = np.zeros(len(snap), dtype=np.int64)
-        for a in plan.allocations:
-            got[snap.index_of[a.id]] = a.tokens
+        got = reason_tokens(len(snap), _NO_ROWS, *allocated_rows(snap, plan))
         chosen = int(np.count_nonzero((got > 0) & ~snap.is_decoding)) if plan.path == "batch_constructor" else None
         W = kernels.ops().window_limits(snap, np.flatnonzero(snap.is_decoding & (got > 0)), p.window, p.margin)
-        mlps = p.order == "mlps"
         holders = int(np.count_nonzero(snap.started)) - len(plan.preemptions)
-        return Facts(
-            budget=snap.max_batch_tokens, kv_decode_reserve=p.kv_decode_reserve, kv_watermark=p.kv_growth_iters * holders,
-            lost_from=lost, lost_mask=np.ones(len(lost), dtype=bool), given_up=mlps, expired=mlps,
-            sit_out=(p.starve_after, p.decode_skip_tbts), class_sit_out=not snap.one_class,
-            held=held if len(held) else None, reserve_ms=reserve_ms(snap, predictor) if len(held) else 0.0,
-            rescued=rescued if len(rescued) else None, chosen=chosen,
-            window_ms=None if W is None or chosen is not None else float(W[0]), rejections=plan.rejections,
-            preemptions=plan.preemptions)
+        return self._rule_facts(snap, holders, W, chosen, lost_from=lost, lost_mask=np.ones(len(lost), dtype=bool),
+                                held=held if len(held) else None,
+                                reserve_ms=reserve_ms(snap, predictor) if len(held) else 0.0,
+                                rescued=rescued if len(rescued) else None, rejections=plan.rejections,
+                                preemptions=plan.preemptions)
+
+    def _rule_facts(self, snap: Snapshot, holders: int, W: np.ndarray | None, chosen: int | None,
+                    **sets: Any) -> Facts:
+        """The facts this policy's parameters fix (the budget, the KV it keeps with
+        ``holders`` requests holding KV, which of its rules apply, the batch the plan was not
+        in), with the decision's ``sets`` (lost set, class rules' rows, verdicts)."""
+        p = self.params
+        mlps = p.order == "mlps"
+        return Facts(budget=snap.max_batch_tokens, kv_decode_reserve=p.kv_decode_reserve,
+                     kv_watermark=p.kv_growth_iters * holders, given_up=mlps, expired=mlps,
+                     sit_out=(p.starve_after, p.decode_skip_tbts), class_sit_out=not snap.one_class, chosen=chosen,
+                     window_ms=None if W is None or chosen is not None else float(W[0]), **sets)
+
+
+#: No rows, no mask (a _Decision's fields until the decision sets them).
+_NO_ROWS = np.zeros(0, dtype=np.int64)
+_NO_MASK = np.zeros(0, dtype=bool)
 
 
 @dataclass(slots=True)
@@ -517,7 +523,8 @@ class _Decision:
     """What one decision knows before it plans: the snapshot and predictor, when it began
     (``t0``, ns), every decode, the prefills it considers and those it gave up on (a mask
     over them), the prefill rate, the trace it explains into (None: not explaining) and,
-    once the class rules and the sit-out rules ran, the live prefills, the starving ones (a
+    once the class rules and the sit-out rules ran, the live prefills, the requests holding
+    KV, the starving prefills (a
     mask over ``pre``), vLLM's first-come queue when there is nothing to trade (else None)
     and the trading queue once built: every plan the decision tries shares them."""
 
@@ -529,8 +536,9 @@ class _Decision:
     lost: np.ndarray
     rho: float
     trace: dict[str, Any] | None
-    live: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    starving: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    live: np.ndarray = field(default_factory=lambda: _NO_ROWS)
+    holders: int = 0
+    starving: np.ndarray = field(default_factory=lambda: _NO_MASK)
     fcfs: np.ndarray | None = None
     queue: np.ndarray | None = None
 
