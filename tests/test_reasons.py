@@ -31,7 +31,6 @@ from scheduler_service.core.reasons import (
     CODES,
     REASON_CODES,
     explain,
-    kv_left,
     plan_explained,
     reason_counts,
 )
@@ -87,6 +86,16 @@ def waiting_snapshots(draw: st.DrawFn) -> Snapshot:
         free_kv_tokens=draw(st.one_of(st.none(), st.integers(0, 16), st.integers(0, 400), st.integers(0, 5000))),
         prefill_throughput=draw(st.one_of(st.none(), st.floats(100.0, 1e5))),
     )
+
+
+def kv_left(policy: Any, snap: Snapshot, plan: Plan) -> int | None:
+    """KV tokens the plan leaves free after its tokens, the preempted requests' KV counted
+    as free, and the policy's per-decode reserve for every decode (None: KV unlimited)."""
+    if snap.free_kv_tokens is None:
+        return None
+    reserve = int(getattr(policy.params, "kv_decode_reserve", 0))
+    freed = int(sum(int(snap.kv_tokens[snap.index_of[r]]) for r in plan.preemptions))
+    return snap.free_kv_tokens + freed - plan.token_budget - reserve * int(np.count_nonzero(snap.is_decoding))
 
 
 def _need(snap: Snapshot, i: int) -> int:

@@ -47,7 +47,6 @@ if TYPE_CHECKING:
     from .policy import Policy
 
 __all__ = ["CODES", "REASON_CODES", "Facts", "Reason", "Reasons", "allocated_rows", "classify", "classify_fill", "explain",
-           "kv_left",
            "plan_explained", "reason_counts", "reserve_ms"]
 
 _C = {c: k for k, c in enumerate(CODES)}
@@ -232,16 +231,6 @@ def _verdicts(snap: Snapshot, rejections: Sequence[Rejection], preemptions: Sequ
     codes = [_C[r.reason] if r.reason in _C else _C["ttft_unreachable"] for r in rejections]
     codes += [_C["preempted"]] * len(preemptions)
     return np.array([rows, codes, snap.kv_tokens[rows]], dtype=np.int64)
-
-
-def kv_left(policy: Policy, snap: Snapshot, plan: Plan) -> int | None:
-    """KV tokens the plan leaves free after its tokens, the preempted requests' KV counted
-    as free, and the policy's per-decode reserve for every decode (None: KV unlimited)."""
-    if snap.free_kv_tokens is None:
-        return None
-    reserve = int(getattr(policy.params, "kv_decode_reserve", 0))
-    freed = int(sum(int(snap.kv_tokens[snap.index_of[r]]) for r in plan.preemptions))
-    return snap.free_kv_tokens + freed - plan.token_budget - reserve * int(np.count_nonzero(snap.is_decoding))
 
 
 def reserve_ms(snap: Snapshot, predictor: BatchLatencyPredictor) -> float:
