@@ -57,8 +57,9 @@ def _resolve() -> Ops:
     global _active
     from . import _compiled  # numba's import, when it is there
 
-    facade = Ops(_compiled, plain=_wanted() == "numpy")
-    if _wanted() == "numba" and not _compiled.COMPILED:
+    wanted = _wanted()
+    facade = Ops(_compiled, plain=wanted == "numpy")
+    if wanted == "numba" and not _compiled.COMPILED:
         _log.warning("numba is not importable; the policy kernels run as plain Python (slower, same plans)")
     _active = facade
     return facade

@@ -181,7 +181,7 @@ class Ops:
     def window_limits(self, snap: Snapshot, decodes: np.ndarray, k: int, margin: float) -> np.ndarray | None:
         """W_1..W_k in ms over the safe decodes (formulas (7), (8)), divided by ``margin``;
         None when no decode is safe."""
-        W = self.k.window_limits(snap.slack, snap.step, _idx(np.asarray(decodes)), int(k), float(margin))
+        W = self.k.window_limits(snap.slack, snap.step, decodes, k, margin)
         return W if len(W) else None
 
     # ------------------------------------------------------------------ reasons
