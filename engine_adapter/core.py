@@ -53,6 +53,7 @@ from scheduler_service.core import (
 )
 from scheduler_service.core.plan import Reasons, Rejection
 from scheduler_service.core.reasons import reason_counts
+from scheduler_service.recording import Recorder
 
 __all__ = [
     "AdapterCore",
@@ -114,6 +115,12 @@ class AdapterSettings:
     #: request for as long as the overload lasts.  0 = off (nothing is rejected that the
     #: client did not mark sheddable).
     shed_after: float = 0.0
+    #: Directory of a traffic recording (:mod:`scheduler_service.recording`, for
+    #: ``slidingserve whatif``); "" = none.  A remote engine's service can record instead
+    #: (server.yaml ``record``).
+    record: str = ""
+    #: Bound on the recording's size on disk (MiB); the oldest files go first.
+    record_max_mb: int = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +226,18 @@ class AdapterCore:
         self._sending = False
         self._thread = threading.Thread(target=self._ship_reports, name="adapter-reports", daemon=True)
         self._thread.start()
+        self.recorder: Recorder | None = None
+        if settings.record:
+            mb = settings.record_max_mb
+            self.recorder = Recorder(settings.record, max_bytes=mb << 20, file_bytes=min(16, mb) << 20,
+                                     source="engine", inline=settings.report_inline)
+
+    def record(self, snapshot: Snapshot, policy: str = "", params: Mapping[str, str] | None = None) -> None:
+        """Hand ``snapshot`` to the recording, if one is kept (decided by ``policy``: by
+        default the settings' policy)."""
+        if self.recorder is not None:
+            s = self.settings
+            self.recorder.offer(snapshot, s.engine_id, policy or s.policy, s.params if params is None else params)
 
     # ------------------------------------------------------------- decisions
     def decide(self, snapshot: Snapshot, grace_s: float = 0.0) -> Decision:
@@ -226,6 +245,8 @@ class AdapterCore:
         while the engine's running step still has ``grace_s`` to go (the pipelined adapter),
         is late only once the engine needs it, not a deadline after it was asked."""
         t0 = time.perf_counter()
+        if self.recorder is not None:
+            self.record(snapshot)
         overdue: frozenset[str] = frozenset()
         if self.settings.shed_after > 0:
             snapshot, overdue = mark_overdue(snapshot, self.settings.shed_after)
@@ -273,6 +294,8 @@ class AdapterCore:
     # --------------------------------------------------------------- reports
     def report(self, sample: IterationSample) -> None:
         """Queue one measured iteration; never blocks on the network."""
+        if self.recorder is not None:
+            self.recorder.offer_batch(self.settings.engine_id, sample.c, sample.u, sample.latency_ms)
         if self.settings.report_inline:
             self.backend.report([sample])
             self.reports_sent += 1
@@ -332,6 +355,7 @@ class AdapterCore:
             "explained_plans": self.reasons.explained,
             "decision_counts": list(self.decision_counts),
             "decision_seconds": self.decision_seconds,
+            **({"recording": self.recorder.stats()} if self.recorder is not None else {}),
         }
 
     def close(self) -> None:
@@ -339,6 +363,8 @@ class AdapterCore:
             self._closed = True
             self._cv.notify_all()
         self._thread.join(timeout=5)
+        if self.recorder is not None:
+            self.recorder.close()
         self.backend.close()
 
 
