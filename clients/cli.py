@@ -292,6 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_policies(sub)
     _add_predictor(sub)
     _add_token(sub)
+    _add_whatif(sub)
     add_subcommands(sub)  # bench, demo
     return p
 
@@ -359,6 +360,27 @@ def _add_predictor(sub: Any) -> None:
     sh.add_argument("--profile", help="engine profile key (with --server)")
     sh.add_argument("--timeout", type=float, default=5.0)
     sh.set_defaults(func=cmd_predictor_show)
+
+
+def cmd_whatif(args: argparse.Namespace) -> int:
+    from clients import whatif
+
+    if args.server:
+        return whatif.ask_server(args)
+    if not args.recording:
+        raise CliError("whatif: give --recording DIR, or --server HOST:PORT")
+    return whatif.main(args)
+
+
+def _add_whatif(sub: Any) -> None:
+    from clients.whatif import add_arguments
+
+    s = sub.add_parser("whatif", help="how other policies would do on an engine's recorded traffic "
+                                      "(docs/operations.md, 'Before you switch')")
+    add_arguments(s)
+    s.add_argument("--server", metavar="HOST:PORT", help="ask a running service, on its own recording")
+    s.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the service's answer")
+    s.set_defaults(func=cmd_whatif)
 
 
 def _add_token(sub: Any) -> None:

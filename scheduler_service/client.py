@@ -18,6 +18,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import itertools
+import json
 import math
 import os
 import queue
@@ -427,7 +428,10 @@ class _Encoder:
 
     def reports(self, items: Iterable[IterationReport | pb.IterationReport]) -> Iterator[pb.IterationReport]:
         for r in items:
-            yield r if isinstance(r, pb.IterationReport) else r.to_pb(self.profile)
+            msg = r if isinstance(r, pb.IterationReport) else r.to_pb(self.profile)
+            if not msg.engine_id and self.engine_id:  # the client's engine, as for its snapshots
+                msg.engine_id = self.engine_id
+            yield msg
 
 
 def _ids(snapshot: Any) -> Sequence[str] | None:
@@ -583,6 +587,13 @@ class SchedulerClient(_BaseClient):
 
     def get_predictor(self, profile: ProfileLike = None, timeout_s: float | None = None) -> PredictorInfo:
         return self._unary(self._stub.GetPredictor, self._predictor_request(profile), timeout_s, _predictor_info)
+
+    def whatif(self, deployments: Sequence[str] = (), loads: Sequence[float] = (), engine_id: str = "",
+               timeout_s: float | None = None) -> dict[str, Any]:
+        """A what-if on the service's recording (docs/operations.md, "Before you switch"): the
+        answer as ``slidingserve whatif --json`` gives it, its table under ``"table"``."""
+        req = pb.WhatIfRequest(deployments=list(deployments), loads=list(loads), engine_id=engine_id)
+        return self._unary(self._stub.WhatIf, req, timeout_s, lambda r: json.loads(r.result_json))
 
     def close(self) -> None:
         self._channel.close()

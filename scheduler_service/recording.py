@@ -142,6 +142,7 @@ class Recorder:
         self.written = {"request": 0, "iteration": 0}
         self._engines: dict[str, _Engine] = {}
         self._files: list[Path] = []
+        self._serial = 0
         self._fh: Any = None
         self._cv = threading.Condition()
         self._closed = False
@@ -253,7 +254,8 @@ class Recorder:
         if self._fh is not None:
             self._fh.close()
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-        path = self.dir / f"recording-{stamp}-{os.getpid()}-{len(self._files):04d}.jsonl"
+        self._serial += 1
+        path = self.dir / f"recording-{stamp}-{os.getpid()}-{self._serial:04d}.jsonl"
         self._files.append(path)
         self._fh = path.open("w", encoding="utf-8", buffering=1 << 16)
         self._fh.write(json.dumps({"format": FORMAT, "version": FORMAT_VERSION, "created": time.time(),
@@ -341,9 +343,9 @@ def _lines(path: Path) -> Iterable[tuple[int, dict[str, Any]]]:
                 raise RecordingError(f"{path}:{no}: truncated or corrupt line") from None
 
 
-def read_recording(directory: str | os.PathLike[str], engine: str = "") -> Recording:
+def read_recording(directory: str | os.PathLike[str], engine: str = "", *, prefix: str = "") -> Recording:
     """The recording in ``directory`` of ``engine`` (default: the engine with the most
-    requests).  :class:`RecordingError` (one line) for a missing or empty directory, a file of
+    requests, of those whose id starts with ``prefix``).  :class:`RecordingError` (one line) for a missing or empty directory, a file of
     another format or version, a corrupt line, or no finished request."""
     d = Path(directory)
     if not d.is_dir():
@@ -370,6 +372,8 @@ def read_recording(directory: str | os.PathLike[str], engine: str = "") -> Recor
                     its[eid].append((line["x"], int(line["s"]), float(line["ms"])))
             except (KeyError, TypeError, ValueError):
                 raise RecordingError(f"{path}:{no}: a {t} line without its fields") from None
+    if prefix:
+        reqs = collections.defaultdict(list, {k: v for k, v in reqs.items() if k.startswith(prefix)})
     if not reqs:
         raise RecordingError(f"{d}: the recording holds no finished request yet")
     if engine and engine not in reqs:

@@ -37,6 +37,7 @@ from grpc_reflection.v1alpha import reflection
 from scheduler_service.core import BatchLatencyPredictor, Snapshot, ValidationError, default_predictor
 from scheduler_service.core.kernels import warm_up as warm_kernels
 from scheduler_service.predictors import PredictorRegistry, RefitSettings
+from scheduler_service.recording import Recorder
 
 from .board import PredictorBoard
 from .config import ServerConfig
@@ -160,8 +161,12 @@ class SchedulerServer:
         self.policies = PolicySet(cfg.default_policy, policies, pconf)
         self.shadow = ShadowRunner(self.policies, self.metrics)
         self._note_policy_config(pconf)
+        recorder = None
+        if cfg.record:
+            mb = cfg.record_max_mb
+            recorder = Recorder(cfg.record, max_bytes=mb << 20, file_bytes=min(16, mb) << 20, source="service")
         self.servicer = SchedulerServicer(cfg, predictors, self.metrics, policies,
-                                          policyset=self.policies, shadow=self.shadow)
+                                          policyset=self.policies, shadow=self.shadow, recorder=recorder)
         return policies, self.servicer
 
     def _bind(self, policies: PolicyCache, servicer: SchedulerServicer, predictors: PredictorRegistry,
@@ -281,6 +286,8 @@ class SchedulerServer:
             self.policy_watcher.close()
         if self.shadow is not None:
             self.shadow.close()
+        if self.servicer is not None and self.servicer.recorder is not None:
+            self.servicer.recorder.close()
         if self.predictors is not None:
             self.predictors.close()
         self.metrics.close()

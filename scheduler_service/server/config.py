@@ -124,6 +124,14 @@ class ServerConfig:
     max_streams_per_identity: int = 0
     #: Profiles with their own predictor per tenant (when authenticated); 0 = only max_profiles.
     max_profiles_per_tenant: int = 0
+    # recording (scheduler_service/recording.py; `slidingserve whatif`, docs/operations.md)
+    #: Directory of a bounded, rotating recording of every engine's traffic (the requests'
+    #: shapes, SLOs and outcomes, the iterations' costs; no prompt text); empty = none.
+    record: str = ""
+    #: Bound on the recording's size on disk, per worker process (MiB); the oldest files go first.
+    record_max_mb: int = 256
+    #: Longest a WhatIf call may run (seconds); it runs in its own process.
+    whatif_timeout_s: float = 600.0
     #: Plaintext port serving only grpc.health.v1 (for probes that cannot do (m)TLS); 0 = none.
     health_port: int = 0
 
@@ -159,6 +167,8 @@ class ServerConfig:
         check("predictor_sync_s", 0.01 <= self.predictor_sync_s <= 3600, "must be in [0.01, 3600]")
         check("engine_ttl_s", 0.01 <= self.engine_ttl_s <= 86400 * 30, "must be in [0.01, 2592000]")
         check("max_engines", 1 <= self.max_engines <= 10_000_000, "must be in [1, 10000000]")
+        check("record_max_mb", 1 <= self.record_max_mb <= 1 << 20, "must be in [1, 1048576]")
+        check("whatif_timeout_s", 1.0 <= self.whatif_timeout_s <= 86400, "must be in [1, 86400]")
         # security
         check("tls_key_file", bool(self.tls_cert_file) == bool(self.tls_key_file),
               "must be set together with tls_cert_file")

@@ -80,6 +80,7 @@ METHOD_SCOPES: dict[str, str] = {
     _SERVICE + "ReportIterations": "report",
     _SERVICE + "ListPolicies": "read",
     _SERVICE + "GetPredictor": "read",
+    _SERVICE + "WhatIf": "admin",  # minutes of CPU on the tenant's recorded traffic: operators only
 }
 #: Methods under this prefix are protected; everything else (health, reflection) is open.
 PROTECTED_PREFIX = "/slidingserve."

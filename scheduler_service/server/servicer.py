@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import os
 import threading
 from collections import OrderedDict
@@ -26,6 +27,7 @@ from scheduler_service.core.reasons import plan_explained, reason_counts
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler_service.predictors import PredictorRegistry
+from scheduler_service.recording import Recorder, params_text
 from scheduler_service.wire.convert import (
     describe_to_pb,
     encode_plan,
@@ -43,6 +45,7 @@ from .errors import failure, rpc_errors
 from .handlers import Undecodable
 from .identity import DEFAULT_TENANT, scoped_key, tenant_of
 from .metrics import Metrics
+from .whatif import run_child, whatif_args
 
 __all__ = ["PolicyCache", "SchedulerServicer"]
 
@@ -96,7 +99,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
     def __init__(
         self, config: ServerConfig, predictors: PredictorRegistry, metrics: Metrics, policies: PolicyCache,
         *, policyset: PolicySet | None = None, shadow: ShadowRunner | None = None,
-        engines: EngineTable | None = None,
+        engines: EngineTable | None = None, recorder: Recorder | None = None,
     ) -> None:
         self._cfg = config
         self._predictors = predictors
@@ -113,6 +116,10 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         self._every_plan = config.reasons == "every"  # compact reasons in every plan
         self._waiting: dict[str, dict[str, Any]] = {}  # deployment -> reason -> gauge child
         self._waiting_lock = threading.Lock()
+        #: the traffic recording (server.yaml ``record``), None without one
+        self.recorder = recorder
+        self._served: dict[int, tuple[Policy, str, dict[str, str]]] = {}  # id(policy) -> its name and params
+        self._whatif_lock = threading.Lock()
 
     # ------------------------------------------------------------ decisions
     def _decide(self, request: pb.ScheduleRequest, t0: int, tenant: str = DEFAULT_TENANT) -> pb.ScheduleResponse:
@@ -142,6 +149,8 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
             self._waiting_by_reason(plan, deployment)
         if self._shadow is not None:  # one queue put at most; the comparison runs elsewhere
             self._shadow.offer(snap, predictor, plan, deployment)
+        if self.recorder is not None:  # one queue append; the recording is written elsewhere
+            self._record(snap, tenant, request.snapshot.engine_id, policy, deployment)
         self.engines.seen(tenant, request.snapshot.engine_id, deployment)
         dt = perf_counter_ns() - t0
         resp.server_us = dt // 1000
@@ -149,6 +158,15 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         decisions.inc()
         seconds.observe(dt * 1e-9)
         return resp
+
+    def _record(self, snap: Any, tenant: str, engine_id: str, policy: Policy, deployment: str) -> None:
+        served = self._served.get(id(policy))
+        if served is None or served[0] is not policy:  # policies are cached, immutable: named once
+            served = self._served[id(policy)] = (policy, policy.name, params_text(policy))
+            if len(self._served) > 1024:
+                self._served.clear()
+        assert self.recorder is not None
+        self.recorder.offer(snap, scoped_key(tenant, engine_id), served[1], served[2], deployment)
 
     def _waiting_by_reason(self, plan: Plan, deployment: str) -> None:
         """``slidingserve_requests_waiting_by_reason`` of ``deployment`` from an explained plan:
@@ -220,6 +238,8 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
                 )
                 key = scoped_key(tenant, profile.key)
                 err = self._predictors.add(key, x, scen, lat, tenant=tenant)
+                if self.recorder is not None:
+                    self.recorder.offer_iteration(scoped_key(tenant, msg.engine_id), x, scen, lat)
             except ValidationError as e:  # a rejected report, counted; the call goes on
                 summary.rejected += 1
                 m.reports.labels("rejected").inc()
@@ -248,6 +268,30 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
             resp.shadow = c.shadow
             resp.config_digest = c.digest
         return resp
+
+    def WhatIf(self, request: pb.WhatIfRequest, context: grpc.ServicerContext) -> pb.WhatIfResponse:
+        """A what-if on the recording, in a process of its own (see the proto); one at a time."""
+        self._check_ready(context)
+        try:
+            if isinstance(request, Undecodable):
+                raise request.error
+            args = whatif_args(request, tenant_of(context))
+        except ValidationError as e:
+            failure(e, self._metrics, "WhatIf", log_rejected=False).abort(context)
+        if self.recorder is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          "this service keeps no recording: set record: DIR in its server.yaml")
+        if not self._whatif_lock.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "another what-if is running; try again when it ends")
+        try:
+            self.recorder.flush()
+            code, text = run_child(self._cfg, args)
+        finally:
+            self._whatif_lock.release()
+        if code is not None:
+            context.abort(code, text)
+        doc = json.loads(text)
+        return pb.WhatIfResponse(result_json=text, table=str(doc.get("table", "")))
 
     @rpc_errors(ready=False, log_rejected=False)
     def GetPredictor(self, request: pb.GetPredictorRequest, context: grpc.ServicerContext) -> pb.GetPredictorResponse:

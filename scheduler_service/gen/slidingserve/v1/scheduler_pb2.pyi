@@ -1192,3 +1192,68 @@ class GetPredictorResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetPredictorResponse: _TypeAlias = GetPredictorResponse  # noqa: Y015
+
+@_typing.final
+class WhatIfRequest(_message.Message):
+    """A what-if on the service's recording."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEPLOYMENTS_FIELD_NUMBER: _builtins.int
+    LOADS_FIELD_NUMBER: _builtins.int
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    engine_id: _builtins.str
+    """The engine whose traffic to replay; empty means the caller's engine with the most
+    recorded requests.
+    """
+    @_builtins.property
+    def deployments(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Deployments of the service's policy config, or registry policies with ":key=value"
+        parameters (e.g. "slidingserve:margin=1.2"), besides the policy that served the traffic
+        and vLLM's own (vllm-fcfs); at most 8.
+        """
+
+    @_builtins.property
+    def loads(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Load factors on the recorded arrival rate, each in (0, 20]; empty means 1 and 1.5; at most 6."""
+
+    def __init__(
+        self,
+        *,
+        deployments: _abc.Iterable[_builtins.str] | None = ...,
+        loads: _abc.Iterable[_builtins.float] | None = ...,
+        engine_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployments", b"deployments", "engine_id", b"engine_id", "loads", b"loads"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WhatIfRequest: _TypeAlias = WhatIfRequest  # noqa: Y015
+
+@_typing.final
+class WhatIfResponse(_message.Message):
+    """The what-if's answer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULT_JSON_FIELD_NUMBER: _builtins.int
+    TABLE_FIELD_NUMBER: _builtins.int
+    result_json: _builtins.str
+    """The answer as JSON (the form `slidingserve whatif --json` prints)."""
+    table: _builtins.str
+    """The table `slidingserve whatif` prints."""
+    def __init__(
+        self,
+        *,
+        result_json: _builtins.str = ...,
+        table: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["result_json", b"result_json", "table", b"table"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WhatIfResponse: _TypeAlias = WhatIfResponse  # noqa: Y015

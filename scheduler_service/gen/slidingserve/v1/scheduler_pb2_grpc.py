@@ -61,6 +61,11 @@ class SchedulerServiceStub:
                 request_serializer=slidingserve_dot_v1_dot_scheduler__pb2.GetPredictorRequest.SerializeToString,
                 response_deserializer=slidingserve_dot_v1_dot_scheduler__pb2.GetPredictorResponse.FromString,
                 _registered_method=True)
+        self.WhatIf = channel.unary_unary(
+                '/slidingserve.v1.SchedulerService/WhatIf',
+                request_serializer=slidingserve_dot_v1_dot_scheduler__pb2.WhatIfRequest.SerializeToString,
+                response_deserializer=slidingserve_dot_v1_dot_scheduler__pb2.WhatIfResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServiceServicer:
@@ -109,6 +114,17 @@ class SchedulerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WhatIf(self, request, context):
+        """How other deployments would have done on an engine's recent traffic, from the service's
+        recording (server.yaml `record`; docs/operations.md, "Before you switch").  It runs in a
+        process of its own, never in the decision path, one at a time: FAILED_PRECONDITION
+        without a recording or with one it cannot use, RESOURCE_EXHAUSTED while another runs,
+        DEADLINE_EXCEEDED past the server's whatif_timeout_s.  Added after v1.4.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -136,6 +152,11 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     servicer.GetPredictor,
                     request_deserializer=slidingserve_dot_v1_dot_scheduler__pb2.GetPredictorRequest.FromString,
                     response_serializer=slidingserve_dot_v1_dot_scheduler__pb2.GetPredictorResponse.SerializeToString,
+            ),
+            'WhatIf': grpc.unary_unary_rpc_method_handler(
+                    servicer.WhatIf,
+                    request_deserializer=slidingserve_dot_v1_dot_scheduler__pb2.WhatIfRequest.FromString,
+                    response_serializer=slidingserve_dot_v1_dot_scheduler__pb2.WhatIfResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -275,6 +296,33 @@ class SchedulerService:
             '/slidingserve.v1.SchedulerService/GetPredictor',
             slidingserve_dot_v1_dot_scheduler__pb2.GetPredictorRequest.SerializeToString,
             slidingserve_dot_v1_dot_scheduler__pb2.GetPredictorResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WhatIf(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/slidingserve.v1.SchedulerService/WhatIf',
+            slidingserve_dot_v1_dot_scheduler__pb2.WhatIfRequest.SerializeToString,
+            slidingserve_dot_v1_dot_scheduler__pb2.WhatIfResponse.FromString,
             options,
             channel_credentials,
             insecure,

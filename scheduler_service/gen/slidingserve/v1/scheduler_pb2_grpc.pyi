@@ -66,6 +66,13 @@ class SchedulerServiceStub:
     """
     GetPredictor: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.GetPredictorRequest, _scheduler_pb2.GetPredictorResponse]
     """The predictor currently used for an engine profile, as JSON (format: docs/usage.md)."""
+    WhatIf: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.WhatIfRequest, _scheduler_pb2.WhatIfResponse]
+    """How other deployments would have done on an engine's recent traffic, from the service's
+    recording (server.yaml `record`; docs/operations.md, "Before you switch").  It runs in a
+    process of its own, never in the decision path, one at a time: FAILED_PRECONDITION
+    without a recording or with one it cannot use, RESOURCE_EXHAUSTED while another runs,
+    DEADLINE_EXCEEDED past the server's whatif_timeout_s.  Added after v1.4.
+    """
 
 @_typing.type_check_only
 class SchedulerServiceAsyncStub(SchedulerServiceStub):
@@ -94,6 +101,13 @@ class SchedulerServiceAsyncStub(SchedulerServiceStub):
     """
     GetPredictor: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.GetPredictorRequest, _scheduler_pb2.GetPredictorResponse]  # type: ignore[assignment]
     """The predictor currently used for an engine profile, as JSON (format: docs/usage.md)."""
+    WhatIf: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.WhatIfRequest, _scheduler_pb2.WhatIfResponse]  # type: ignore[assignment]
+    """How other deployments would have done on an engine's recent traffic, from the service's
+    recording (server.yaml `record`; docs/operations.md, "Before you switch").  It runs in a
+    process of its own, never in the decision path, one at a time: FAILED_PRECONDITION
+    without a recording or with one it cannot use, RESOURCE_EXHAUSTED while another runs,
+    DEADLINE_EXCEEDED past the server's whatif_timeout_s.  Added after v1.4.
+    """
 
 class SchedulerServiceServicer(metaclass=_abc_1.ABCMeta):
     """The scheduling service.  One instance can serve many engines; engines of the same
@@ -149,5 +163,18 @@ class SchedulerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_scheduler_pb2.GetPredictorResponse, _abc.Awaitable[_scheduler_pb2.GetPredictorResponse]]:
         """The predictor currently used for an engine profile, as JSON (format: docs/usage.md)."""
+
+    @_abc_1.abstractmethod
+    def WhatIf(
+        self,
+        request: _scheduler_pb2.WhatIfRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_scheduler_pb2.WhatIfResponse, _abc.Awaitable[_scheduler_pb2.WhatIfResponse]]:
+        """How other deployments would have done on an engine's recent traffic, from the service's
+        recording (server.yaml `record`; docs/operations.md, "Before you switch").  It runs in a
+        process of its own, never in the decision path, one at a time: FAILED_PRECONDITION
+        without a recording or with one it cannot use, RESOURCE_EXHAUSTED while another runs,
+        DEADLINE_EXCEEDED past the server's whatif_timeout_s.  Added after v1.4.
+        """
 
 def add_SchedulerServiceServicer_to_server(servicer: SchedulerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
