@@ -43,7 +43,7 @@ from engine_adapter.sim.engine import EngineConfig, SimulatedEngine, Workload
 from engine_adapter.sim.groundtruth import DEFAULT_PROFILE, PROFILES
 from scheduler_service.core import BatchLatencyPredictor, ValidationError, registry
 from scheduler_service.core.predictor import fit_predictor
-from scheduler_service.recording import Recording, RecordingError, policy_label, read_recording
+from scheduler_service.recording import NATIVE, Recording, RecordingError, policy_label, read_recording
 
 from .live.sim import FittedTruth, itl_mean_ms, match_pace, match_speed
 
@@ -54,8 +54,6 @@ __all__ = ["MIN_ITERATIONS", "Candidate", "WhatIf", "fit_cost_model", "parse_can
 MIN_ITERATIONS = 200
 #: Fewest finished requests a replay is worth running on.
 MIN_REQUESTS = 20
-#: The recorded policy name of vLLM's own scheduler (an engine that only records).
-NATIVE = "vllm"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -49,9 +49,11 @@ from scheduler_service.core import Snapshot, registry
 from scheduler_service.core.features import batch_features
 from scheduler_service.core.params import param_text
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "Recorder", "Recording", "RecordingError", "params_text", "policy_label",
+__all__ = ["FORMAT", "FORMAT_VERSION", "NATIVE", "Recorder", "Recording", "RecordingError", "params_text", "policy_label",
            "read_recording"]
 
+#: The policy recorded for an engine whose own scheduler served (the vLLM adapter's ``observe``).
+NATIVE = "vllm"
 FORMAT = "slidingserve-recording"
 FORMAT_VERSION = 1
 #: Columns of a request line, in order (see the module).

@@ -118,6 +118,9 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=int, default=512, help="--max-num-batched-tokens (default 512)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="--max-num-seqs (default 64)")
     p.add_argument("--prefix-caching", action="store_true", help="turn vLLM's prefix caching on (default off)")
+    p.add_argument("--record", action="store_true",
+                   help="the adapter's engine records each run's traffic under OUT/recordings/ (for slidingserve "
+                        "whatif); the configuration 'observe' is vLLM's own scheduler on that engine, recorded")
     p.add_argument("--shared-prefix", type=int, default=0, metavar="N",
                    help="the same N tokens (a system prompt) before every prompt, for runs with "
                         "--prefix-caching; vLLM's bench serve judge replays prompts without it (default 0: none)")
@@ -180,7 +183,7 @@ def spec_of(args: argparse.Namespace) -> LiveSpec:
         workload=workload,
         engine=engine,
         slo=Slo(args.ttft_ms, args.tbt_ms), model=dict(TINY_LLAMA), deadline_ms=args.deadline_ms,
-        judge_seeds=judge)
+        judge_seeds=judge, record=args.record)
 
 
 #: the simulated iteration times' lognormal spread when nothing measured it

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -37,6 +38,8 @@ NATIVE = "vllm"
 #: vLLM's own scheduler run a second time on the same arrivals (the A/A noise floor of every
 #: comparison: :func:`.report.aa_table`)
 NATIVE_AGAIN = "vllm-again"
+#: vLLM's own scheduler on the adapter's engine, the adapter only recording (``SLIDINGSERVE_OBSERVE``)
+OBSERVE = "observe"
 MODES = ("inproc", "remote")
 #: The objectives a configuration's requests can carry (``objective=`` in its text, not a
 #: policy parameter): ``formula1`` (the TTFT and TBT defaults, formula (1)) or ``tpot`` (each
@@ -78,6 +81,8 @@ class Config:
         text = text.strip()
         if text in (NATIVE, NATIVE_AGAIN):
             return cls(text, "native")
+        if text == OBSERVE:  # the policy its settings name (vLLM schedules every iteration itself)
+            return cls(text, OBSERVE, "vllm-fcfs")
         mode, _, rest = text.partition(":")
         policy, _, params = rest.partition(":")
         if mode not in MODES or not policy:
@@ -106,10 +111,12 @@ class Config:
         """What each request of this configuration carries in ``vllm_xargs``."""
         return {"slo_tpot_ms": slo.tbt_ms} if self.objective == "tpot" else None
 
-    def settings(self, service_address: str, slo: Slo) -> dict[str, Any]:
+    def settings(self, service_address: str, slo: Slo, record: str = "") -> dict[str, Any]:
+        """The adapter's settings file for this configuration (``record``: the directory of
+        the run's traffic recording, "" for none)."""
         return {"address": service_address if self.mode == "remote" else "inproc", "policy": self.policy,
                 "params": dict(self.params), "default_ttft_ms": slo.ttft_ms, "default_tbt_ms": slo.tbt_ms,
-                "shed_after": self.shed_after}
+                "shed_after": self.shed_after, "record": record, "observe": self.mode == OBSERVE}
 
 
 def _shed_after(text: str, value: str) -> float:
@@ -172,6 +179,9 @@ class LiveSpec:
     capacity_rps: float | None = None
     #: the capacity probes' arrivals (a seed the sweep does not use)
     capacity_seed: int = 1000
+    #: the adapter's engine records each run's traffic (``recordings/<config>/<rate>-<seed>``,
+    #: for ``slidingserve whatif``)
+    record: bool = False
 
     def at_capacity(self, capacity: float) -> LiveSpec:
         """This sweep with its rates set from ``loads`` at ``capacity`` req/s."""
@@ -321,10 +331,10 @@ class _Bench:
             if server is not None:
                 _prime(server)
 
-    def write_settings(self, c: Config) -> None:
+    def write_settings(self, c: Config, record: str = "") -> None:
         addr = self.service.address if self.service is not None else ""
         tmp = self.settings.with_suffix(".tmp")
-        tmp.write_text(json.dumps(c.settings(addr, self.spec.slo)))
+        tmp.write_text(json.dumps(c.settings(addr, self.spec.slo, record)))
         tmp.replace(self.settings)
 
     def _predictor_info(self) -> PredictorInfo | None:
@@ -360,7 +370,7 @@ class _Bench:
                 p.stop()
 
     def run(self, rate: float, seed: int, c: Config) -> dict[str, Any]:
-        server = self._configure(c)
+        server = self._configure(c, recording_path(self.out, c.label, rate, seed) if self.spec.record else None)
         before = _counters(server) if c.mode != "native" else {}
         marks = self._service_marks()
         quiet = self.wait_quiet(server)
@@ -397,13 +407,13 @@ class _Bench:
             rec["judge"] = self.judge(server, [r for r in reqs if not r.warmup], c, rate, seed)
         return rec
 
-    def _configure(self, c: Config) -> VllmProcess:
-        """The server that runs ``c``, set up for it (the adapter's settings, the service's
-        priority and cores)."""
+    def _configure(self, c: Config, record: Path | None = None) -> VllmProcess:
+        """The server that runs ``c``, set up for it (the adapter's settings, with the run's
+        recording directory; the service's priority and cores)."""
         server = self.native if c.mode == "native" else self.adapter
         assert server is not None
         if c.mode != "native":
-            self.write_settings(c)
+            self.write_settings(c, str(record) if record is not None else "")
             time.sleep(1.2)  # the adapter checks its settings file once a second
         if self.service is not None:
             self.service.renice(c.service_nice)
@@ -421,7 +431,7 @@ class _Bench:
                         rec: dict[str, Any]) -> None:
         """The adapter's counters over the run, after checking it ran ``c``'s settings."""
         info = server.adapter_info()
-        if info.get("policy") != c.policy or (info.get("address") == "inproc") != (c.mode == "inproc"):
+        if info.get("policy") != c.policy or (info.get("address") == "inproc") != (c.mode in ("inproc", OBSERVE)):
             raise RuntimeError(f"the adapter did not take the settings of {c.label}: its metrics say {info}")
         after = _counters(server)
         rec["adapter"] = ad = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
@@ -527,6 +537,11 @@ def foreign_share(cpu: dict[str, float]) -> float:
     busy = (cpu.get("worker_core_busy", 0.0) + cpu.get("other_cores_busy", 0.0) * n_other) * wall
     own = sum(v for k, v in cpu.items() if k.endswith("_s") and k not in ("wall_s", "engine_on_worker_s"))
     return max(busy - own, 0.0) / wall
+
+
+def recording_path(out: Path, label: str, rate: float, seed: int) -> Path:
+    """Where the adapter's engine records the traffic of one run (``--record``)."""
+    return out / "recordings" / re.sub(r"[^A-Za-z0-9_.=-]+", "_", label) / f"{rate:g}-{seed}"
 
 
 def frontend_path(out: Path, label: str, rate: float, seed: int) -> Path:

@@ -71,6 +71,7 @@ def build_core(s: VllmAdapterSettings, profile: str, predictors: PredictorRegist
         policy="" if s.policy == FOLLOW_DEFAULT else s.policy, params=dict(s.params), deadline_ms=s.deadline_ms, fallback_policy="",
         profile=profile, engine_id=s.engine_id or default_engine_id(), report_batch=s.report_batch,
         max_backoff_decisions=s.max_backoff_decisions, explain_every=s.explain_every, shed_after=s.shed_after,
+        record=s.record,
     )
     backend: Any
     if s.address == "inproc":

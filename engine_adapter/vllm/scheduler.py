@@ -89,6 +89,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 
 from engine_adapter.core import AdapterCore, Decision  # noqa: E402
 from scheduler_service.core import Rejection, Snapshot  # noqa: E402
+from scheduler_service.recording import NATIVE as NATIVE_POLICY  # noqa: E402
 
 from .decision import Outcome, cap, fallback, fit_answer, read_answer  # noqa: E402
 from .effects import live_rejections, preemptible  # noqa: E402
@@ -312,6 +313,8 @@ class SlidingServeMixin(_VllmScheduler):
         pending = self._ss_pipe.take()
         if self._ss_unsupported:
             return fallback("unsupported", self._ss_unsupported)
+        if self._ss_live.settings.observe:
+            return self._observe()
         core = pending.core if pending is not None else self._core()
         done = None
         if pending is not None:
@@ -338,6 +341,16 @@ class SlidingServeMixin(_VllmScheduler):
             view, decision = done
         self._ss_blocked = view.blocked
         return self._take(view, decision, core.last_error, free_blocks, stale=done is not None)
+
+    def _observe(self) -> Outcome:
+        """vLLM schedules; the queues go to the recording as vLLM's own (``observe``)."""
+        try:
+            view = self._view()
+        except Exception as e:  # a request state we cannot express: never break vLLM
+            return fallback("snapshot_error", f"{type(e).__name__}: {e}")
+        if len(view.snap):
+            self._core().record(view.snap, NATIVE_POLICY, {})
+        return Outcome()
 
     def _take(self, view: _View, decision: Decision, last_error: str, free_blocks: int, *,
               stale: bool) -> Outcome:
@@ -422,7 +435,7 @@ class SlidingServeMixin(_VllmScheduler):
         that read (about a millisecond, far shorter than a step) before changing
         them: the engine thread pays only for the hand-over."""
         self._ss_pipe.arrivals = []
-        if self._ss_unsupported or not self._queued():
+        if self._ss_unsupported or self._ss_live.settings.observe or not self._queued():
             return
         self._ss_pipe.ahead(self._ss_live, lambda project, ahead_s: self._view(project=project, ahead_s=ahead_s),
                             project_now=self._ss_async)

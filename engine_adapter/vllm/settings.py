@@ -198,6 +198,14 @@ class VllmAdapterSettings:
     #: Prometheus endpoint of the adapter's statistics, served from the engine-core
     #: process (port + the engine's data-parallel rank); 0 = off.  Read at start.
     metrics_port: int = 0
+    #: Directory of a traffic recording kept by this engine (:mod:`scheduler_service.recording`,
+    #: for ``slidingserve whatif``; docs/operations.md, "Before you switch"); "" = none.  A
+    #: remote engine's service can keep it instead (server.yaml ``record``).
+    record: str = ""
+    #: vLLM schedules every iteration itself and the adapter only watches: it snapshots the
+    #: queues for the recording and reports the iterations (the traffic under vLLM's own
+    #: scheduler, for ``whatif`` before a switch).  Needs ``record``.
+    observe: bool = False
     metrics_host: str = "0.0.0.0"
 
     # ------------------------------------------------------------ validation
@@ -240,6 +248,8 @@ class VllmAdapterSettings:
         if not 0 <= self.shed_after <= 1000:  # also rejects NaN
             raise SettingsError(f"SLIDINGSERVE_SHED_AFTER must be in [0, 1000] (times the TTFT SLO), "
                                 f"got {self.shed_after}")
+        if self.observe and not self.record:
+            raise SettingsError("SLIDINGSERVE_OBSERVE needs SLIDINGSERVE_RECORD (the directory of the recording)")
         if self.policy and self.policy != FOLLOW_DEFAULT:
             if self.address == "inproc":
                 try:

@@ -233,3 +233,28 @@ def test_requests_aborted_between_steps_leave_the_pending_plan(base: type, async
             assert res.finished[r.request_id] == o
     assert not s.requests and st["deviating_iterations"] == 0 and st["pipelined"] > 0, st
     s.slidingserve_close()
+
+
+@pytest.mark.parametrize("base,async_", CASES, ids=["sync", "async"])
+def test_observe_records_vllms_own_scheduling(base: type, async_: bool, mdir: str, tmp_path: Any) -> None:
+    """``SLIDINGSERVE_OBSERVE``: vLLM schedules every iteration itself; the recording holds
+    every request with its prompt and output length, and the iterations' costs."""
+    from scheduler_service.recording import read_recording
+
+    clock = FakeClock()
+    env = {"SLIDINGSERVE_ADDRESS": "inproc", "SLIDINGSERVE_OBSERVE": "true", "SLIDINGSERVE_RECORD": str(tmp_path)}
+    cls = scheduler_class(base, env, clock)
+    s = build_scheduler(cls, mdir, async_scheduling=async_, num_blocks=400)
+    spec = workload(30, 5)
+    for p, o in spec:
+        s.add_request(make_request(p, o))
+    res = Driver(s, clock, async_scheduling=async_).run()
+    st = s.slidingserve_stats()
+    assert sorted(res.finished.values()) == sorted(o for _, o in spec)
+    assert st["planned"] == 0 and st["native"] == st["iterations"] and not st["fallbacks"], st
+    s.slidingserve_close()
+    rec = read_recording(tmp_path)
+    assert rec.policies == {"vllm": len(spec)}
+    assert sorted(rec.requests["output"].astype(int)) == sorted(o for _, o in spec)
+    assert sorted(rec.requests["prompt"].astype(int)) == sorted(p for p, _ in spec)
+    assert len(rec.latency_ms) >= len(res.step_ms) - 2
