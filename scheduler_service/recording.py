@@ -196,7 +196,11 @@ class Recorder:
 
     def _handle(self, item: tuple[Any, ...]) -> None:
         kind = item[0]
-        if kind == "snap":
+        if kind == "flush":
+            if self._fh is not None:
+                self._fh.flush()
+            item[1].set()
+        elif kind == "snap":
             self._snapshot(*item[1:])
         elif kind == "iter":
             _, eid, x, s, ms = item
@@ -271,16 +275,15 @@ class Recorder:
                 break
 
     def flush(self, timeout: float = 10.0) -> bool:
-        """Wait until the queue is written (True), or ``timeout`` passed."""
-        end = time.monotonic() + timeout
-        while self._q and time.monotonic() < end:
+        """Wait until what was offered before is on disk (True), or ``timeout`` passed."""
+        done = threading.Event()
+        if self.inline:
+            self._handle(("flush", done))
+        else:
+            self._q.append(("flush", done))  # not dropped, however full the queue
             with self._cv:
                 self._cv.notify()
-            time.sleep(0.01)
-        if not self._q and self._fh is not None:
-            time.sleep(0.01)  # the item being handled
-            self._fh.flush()
-        return not self._q
+        return done.wait(timeout)
 
     def close(self) -> None:
         """Write what is queued, then every request still followed (``finished: false``)."""

@@ -85,7 +85,7 @@ def test_service_methods() -> None:
     kinds = {m.name: (m.client_streaming, m.server_streaming) for m in svc.methods}
     assert kinds == {"Schedule": (False, False), "ScheduleStream": (True, True),
                      "ReportIterations": (True, False), "ListPolicies": (False, False),
-                     "GetPredictor": (False, False)}
+                     "GetPredictor": (False, False), "WhatIf": (False, False)}
     assert pb.DESCRIPTOR.package == "slidingserve.v1"
 
 

@@ -34,6 +34,7 @@ from .report import (
 from .runner import (
     NATIVE,
     NATIVE_AGAIN,
+    OBSERVE,
     Config,
     LiveSpec,
     check_resumable,
@@ -174,6 +175,8 @@ def spec_of(args: argparse.Namespace) -> LiveSpec:
     if not args.no_aa and NATIVE in labels and NATIVE_AGAIN not in labels:
         i = labels.index(NATIVE)
         configs = (*configs[:i + 1], Config.parse(NATIVE_AGAIN), *configs[i + 1:])
+    if any(c.mode == OBSERVE for c in configs) and not args.record:
+        raise ValueError(f"configuration {OBSERVE!r} records vLLM's own scheduling: it needs --record")
     if args.capacity is not None and not args.capacity > 0:
         raise ValueError(f"--capacity must be positive, got {args.capacity:g}")
     return LiveSpec(

@@ -316,8 +316,8 @@ class _Bench:
             self.log("starting slidingserve serve")
             self.service.start()
         first = next((c for c in self.spec.configs if c.mode != "native"), None)
-        if first is not None:
-            self.write_settings(first)
+        if first is not None:  # (start-up's traffic, the warm-up, recorded apart from the runs')
+            self.write_settings(first, str(self.out / "recordings" / "_start") if self.spec.record else "")
             self.adapter = VllmProcess(self.work, model_dir, self.spec.engine, name="adapter", settings=self.settings,
                                        extra_env={"SLIDINGSERVE_DEADLINE_MS": f"{self.spec.deadline_ms:g}"})
             self.log(f"starting vllm serve with the adapter (worker on core {self.worker}; 1-3 minutes)")

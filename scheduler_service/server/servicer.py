@@ -278,13 +278,15 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
             args = whatif_args(request, tenant_of(context))
         except ValidationError as e:
             failure(e, self._metrics, "WhatIf", log_rejected=False).abort(context)
-        if self.recorder is None:
+        recorder = self.recorder
+        if recorder is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           "this service keeps no recording: set record: DIR in its server.yaml")
+            raise AssertionError("context.abort raises")
         if not self._whatif_lock.acquire(blocking=False):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "another what-if is running; try again when it ends")
         try:
-            self.recorder.flush()
+            recorder.flush()
             code, text = run_child(self._cfg, args)
         finally:
             self._whatif_lock.release()
