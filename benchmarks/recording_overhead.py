@@ -2,9 +2,9 @@
 
     .venv/bin/python -m benchmarks.recording_overhead [--snapshots 1500] [--rounds 3]
 
-The snapshots are an engine's own, in order: the simulated engine serving mixed-v1 past
-vLLM's capacity (its queues grow and shrink, requests arrive, decode and leave), captured
-in process.  Two services run in child processes, one recording and one not; a client sends
+The snapshots are an engine's own, in order: the simulated engine serving mixed-v1 at 4
+req/s, past vLLM's capacity (its queues grow and shrink, requests arrive, decode and
+leave), captured in process.  Two services run in child processes, one recording and one not; a client sends
 each snapshot to both over one ScheduleStream each, alternating which goes first, so that
 both see the same sequence under the same machine load.  Printed per round: the p50 and p99
 of the end-to-end call and of the policy's decision time (``Plan.decision_us``, which the
@@ -32,7 +32,7 @@ from scheduler_service.core import Snapshot
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def engine_snapshots(n: int, rate: float = 2.5, seed: int = 1) -> tuple[list[Snapshot], list[Any]]:
+def engine_snapshots(n: int, rate: float = 4.0, seed: int = 1) -> tuple[list[Snapshot], list[Any]]:
     """The first ``n`` snapshots (and the iterations that followed them) of the simulated
     engine on mixed-v1 at ``rate`` req/s."""
     from clients.bench.runner import profile_predictor, quiet_logs
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     snaps, samples = engine_snapshots(args.snapshots)
     sizes = [len(s) for s in snaps]
-    print(f"{len(snaps)} consecutive snapshots of the simulated engine (mixed-v1, 2.5 req/s): "
+    print(f"{len(snaps)} consecutive snapshots of the simulated engine (mixed-v1, 4 req/s): "
           f"{min(sizes)}-{max(sizes)} requests, median {int(np.median(sizes))}; load {os.getloadavg()[0]:.2f}")
     with tempfile.TemporaryDirectory(prefix="recording-bench-") as tmp:
         rec_dir = Path(tmp) / "rec"

@@ -155,6 +155,10 @@ def main(argv: list[str] | None = None) -> None:
                 for pipe in ("on", "off"):
                     env = {**where_env, "SLIDINGSERVE_DEPLOYMENT": policy, "SLIDINGSERVE_PIPELINE": pipe}
                     cases[f"{where} {policy} pipe={pipe}"] = scheduler_class(RemoteSyncScheduler, env)
+        # the traffic recording (SLIDINGSERVE_RECORD), deciding and only watching (SLIDINGSERVE_OBSERVE)
+        rec = {"SLIDINGSERVE_DEPLOYMENT": "slidingserve", "SLIDINGSERVE_RECORD": str(tmp / "recording")}
+        cases["inproc slidingserve pipe=on record"] = scheduler_class(RemoteSyncScheduler, rec)
+        cases["observe record"] = scheduler_class(RemoteSyncScheduler, {**rec, "SLIDINGSERVE_OBSERVE": "true"})
         words = [w.strip() for w in args.cases.split(",") if w.strip()]
         if words:
             cases = {k: v for k, v in cases.items() if k == "native" or any(w in k for w in words)}

@@ -244,9 +244,18 @@ class AdapterCore:
         """Ask the scheduler, within the deadline plus ``grace_s``: a decision taken ahead,
         while the engine's running step still has ``grace_s`` to go (the pipelined adapter),
         is late only once the engine needs it, not a deadline after it was asked."""
+        rec = self.recorder
+        if rec is None:
+            return self._decide(snapshot, grace_s)
+        self.record(snapshot)
+        rec.deciding = True  # the recorder's thread leaves this decision the GIL
+        try:
+            return self._decide(snapshot, grace_s)
+        finally:
+            rec.deciding = False
+
+    def _decide(self, snapshot: Snapshot, grace_s: float) -> Decision:
         t0 = time.perf_counter()
-        if self.recorder is not None:
-            self.record(snapshot)
         overdue: frozenset[str] = frozenset()
         if self.settings.shed_after > 0:
             snapshot, overdue = mark_overdue(snapshot, self.settings.shed_after)

@@ -56,6 +56,11 @@ __all__ = ["FORMAT", "FORMAT_VERSION", "NATIVE", "Recorder", "Recording", "Recor
 NATIVE = "vllm"
 FORMAT = "slidingserve-recording"
 FORMAT_VERSION = 1
+#: How often the recorder's thread writes what was offered (seconds).
+POLL_S = 0.05
+#: While a decision runs (:attr:`Recorder.deciding`) the thread waits in steps of DEFER_S, up
+#: to MAX_DEFER_S per item (a service that is never idle still gets its traffic recorded).
+DEFER_S, MAX_DEFER_S = 0.0002, 0.02
 #: Columns of a request line, in order (see the module).
 REQUEST_FIELDS = ("arrival", "prompt", "cached", "output", "ttft_slo", "tbt_slo", "priority", "sheddable",
                   "e2e_slo", "tpot_slo", "first_scheduled", "first_token", "last_token", "late_s", "finished")
@@ -127,7 +132,8 @@ class Recorder:
 
     ``offer`` and ``offer_iteration`` never block: they append to a queue of ``queue``
     items that a daemon thread drains; what does not fit is dropped and counted
-    (``dropped``); ``inline`` records in the caller's thread instead (a simulated engine,
+    (``dropped``), and that leaves the GIL to decisions while :attr:`deciding` is set;
+    ``inline`` records in the caller's thread instead (a simulated engine,
     which runs faster than the thread could keep up).  :meth:`close` drains the queue and writes every request still in the
     queues as unfinished."""
 
@@ -139,6 +145,10 @@ class Recorder:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.max_bytes, self.file_bytes, self.source, self.inline = max_bytes, file_bytes, source, inline
         self._q: collections.deque[tuple[Any, ...]] = collections.deque()
+        #: Set by the caller while it decides: the thread then leaves it the GIL (its items
+        #: wait, at most MAX_DEFER_S each).  A flag, not a count: with decisions in several
+        #: threads it is approximate, which only costs some overlap.
+        self.deciding = False
         self._queue = queue
         self.dropped = 0
         self.written = {"request": 0, "iteration": 0}
@@ -173,8 +183,8 @@ class Recorder:
         if len(self._q) >= self._queue:
             self.dropped += 1
             return
-        self._q.append(item)  # deque.append is atomic; the thread polls
-        if len(self._q) == 1:
+        self._q.append(item)  # atomic; the thread looks every POLL_S, woken early only when half full
+        if len(self._q) == self._queue // 2:
             with self._cv:
                 self._cv.notify()
 
@@ -182,17 +192,20 @@ class Recorder:
     def _drain(self) -> None:
         while True:
             with self._cv:
-                while not self._q and not self._closed:
-                    self._cv.wait(0.2)
+                self._cv.wait(POLL_S)  # not woken per item: that would race the decision for the GIL
                 if not self._q and self._closed:
                     return
             while self._q:
                 item = self._q.popleft()
+                deferred = 0.0
+                while self.deciding and deferred < MAX_DEFER_S:  # the GIL is the decision's first
+                    time.sleep(DEFER_S)
+                    deferred += DEFER_S
                 try:
                     self._handle(item)
                 except Exception:  # a recording must never take the service down
                     self.dropped += 1
-                time.sleep(0)  # let a decision have the GIL between items
+                time.sleep(0)
 
     def _handle(self, item: tuple[Any, ...]) -> None:
         kind = item[0]

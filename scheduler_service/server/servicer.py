@@ -123,6 +123,16 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
 
     # ------------------------------------------------------------ decisions
     def _decide(self, request: pb.ScheduleRequest, t0: int, tenant: str = DEFAULT_TENANT) -> pb.ScheduleResponse:
+        rec = self.recorder
+        if rec is None:
+            return self._decision(request, t0, tenant)
+        rec.deciding = True  # its thread waits for the GIL until the answer is out
+        try:
+            return self._decision(request, t0, tenant)
+        finally:
+            rec.deciding = False
+
+    def _decision(self, request: pb.ScheduleRequest, t0: int, tenant: str) -> pb.ScheduleResponse:
         if isinstance(request, Undecodable):  # bytes that are no ScheduleRequest (handlers.py)
             raise request.error
         snap, profile = snapshot_from_pb(request.snapshot, max_requests=self._cfg.max_requests_per_snapshot)
