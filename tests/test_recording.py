@@ -4,9 +4,11 @@ traffic, in process and through the service over real gRPC; the what-if reads it
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -23,7 +25,7 @@ from engine_adapter.sim.engine import EngineConfig, SimulatedEngine, Workload
 from engine_adapter.sim.groundtruth import DEFAULT_PROFILE, PROFILES, load_ground_truth
 from scheduler_service.client import SchedulerClient, SchedulerError
 from scheduler_service.recording import FORMAT, Recorder, RecordingError, read_recording
-from tests.grpc_support import make_server
+from tests.grpc_support import make_server, mixed_snapshot
 
 KEY = PROFILES[DEFAULT_PROFILE].key
 
@@ -88,7 +90,18 @@ def test_the_service_records_its_engines_and_answers_whatif_over_grpc(tmp_path: 
         _, core = _run(w, s, GrpcBackend(server.target, s))
         assert core.remote_decisions > 0, core.stats()
         with SchedulerClient(server.target, timeout_s=600) as client:
-            doc = client.whatif(["qoserve"], [1.0])
+            # decisions go on while the what-if replays (in a process of its own)
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                running = pool.submit(client.whatif, ["qoserve"], [1.0])
+                time.sleep(0.3)  # the what-if takes seconds: its child has barely started
+                with pytest.raises(SchedulerError) as busy:  # one what-if at a time
+                    client.whatif()
+                decided = 0
+                while not running.done():
+                    decided += bool(client.schedule(mixed_snapshot(1, 4, 4), policy="slidingserve").allocations)
+                    time.sleep(0.2)
+                doc = running.result()
+            assert busy.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and decided > 3
             with pytest.raises(SchedulerError) as bad:
                 client.whatif(["x,y"], [0.0, 2.0])
             with pytest.raises(SchedulerError) as unknown:
