@@ -263,6 +263,10 @@ def run_whatif(rec: Recording, candidates: Sequence[Candidate], loads: Sequence[
     error.update({k: at_pace[k] - recorded[k] for k in ("ttft_p99_ms", "itl_mean_ms")})
     cached = int(rec.requests["cached"].sum())
     notes = [f"{cached} prompt tokens were prefix-cache hits on the engine; the replays compute them"] if cached else []
+    if len(rec.policies) > 1:
+        mix = ", ".join(f"{k or '(unnamed)'}: {v}" for k, v in sorted(rec.policies.items()))
+        notes.append(f"several policies served this traffic (requests: {mix}); it is replayed as {served.label}, "
+                     "the last one")
     model = {"iterations": len(rec.latency_ms), "noise_sigma": sigma, "speed": at_pace["speed"],
              "prefill_speed": at_pace["prefill_speed"], "predictor": json.loads(pred.to_json())}
     return WhatIf(rec.engine, served.label, recorded, error, model, rows, notes)

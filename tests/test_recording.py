@@ -230,3 +230,18 @@ def test_the_cli_says_what_is_wrong_in_one_line(tmp_path: Path, recorded: tuple[
     assert "| 1x" in ok.stdout and "vllm-fcfs (served)" in ok.stdout
     assert (tmp_path / "out" / "whatif.png").stat().st_size > 1000
     assert json.loads((tmp_path / "out" / "whatif.json").read_text())["served"] == "vllm-fcfs (served)"
+
+
+def test_whatif_says_when_several_policies_served(recorded: tuple[Path, Workload, float], tmp_path: Path) -> None:
+    """A deployment switched in the middle of the recording: the requests written after it
+    count for the new policy, and the answer says the traffic is replayed as the last one."""
+    d, _, _ = recorded
+    src = sorted(d.glob("recording-*.jsonl"))[0].read_text().splitlines()
+    at = [i for i, ln in enumerate(src) if '"t":"request"' in ln][99] + 1  # after the 100th request
+    switch = json.dumps({"t": "engine", "engine": "e1", "policy": "slidingserve", "params": {}, "deployment": "v2",
+                         "max_batch_tokens": 2048, "max_num_seqs": 256})
+    (tmp_path / "recording-a.jsonl").write_text("\n".join([*src[:at], switch, *src[at:]]) + "\n")
+    rec = read_recording(tmp_path)
+    assert rec.policies["vllm-fcfs"] + rec.policies["slidingserve"] == 240 and rec.policies["vllm-fcfs"] == 100
+    w = run_whatif(rec, [], [1.0])
+    assert w.served == "slidingserve (served)" and any("several policies" in n for n in w.notes)
