@@ -126,6 +126,28 @@ def _prefixed(n: int, seed: int) -> Any:
     return with_prefix
 
 
+def _cases(target: str, tmp: Path) -> dict[str, Any]:
+    """The scheduler classes timed: vLLM's, and the adapter's in process and over gRPC, each
+    policy with pipelining on and off, recording, and observing."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from engine_adapter.vllm import RemoteSyncScheduler
+    from engine_adapter.vllm.testbed import scheduler_class
+
+    grpc = {"SLIDINGSERVE_ADDRESS": target, "SLIDINGSERVE_DEADLINE_MS": "200"}
+    cases: dict[str, Any] = {"native": Scheduler}
+    for where, where_env in (("inproc", {}), ("grpc", grpc)):
+        for policy in ("slidingserve", "vllm-fcfs"):
+            for pipe in ("on", "off"):
+                env = {**where_env, "SLIDINGSERVE_DEPLOYMENT": policy, "SLIDINGSERVE_PIPELINE": pipe}
+                cases[f"{where} {policy} pipe={pipe}"] = scheduler_class(RemoteSyncScheduler, env)
+    # the traffic recording (SLIDINGSERVE_RECORD), deciding and only watching (SLIDINGSERVE_OBSERVE)
+    rec = {"SLIDINGSERVE_DEPLOYMENT": "slidingserve", "SLIDINGSERVE_RECORD": str(tmp / "recording")}
+    cases["inproc slidingserve pipe=on record"] = scheduler_class(RemoteSyncScheduler, rec)
+    cases["observe record"] = scheduler_class(RemoteSyncScheduler, {**rec, "SLIDINGSERVE_OBSERVE": "true"})
+    return cases
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)
@@ -139,26 +161,13 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     logging.getLogger("vllm").setLevel(logging.ERROR)
     # vLLM is heavy and optional (the ``vllm`` extra): it loads here, once its logs are quiet
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    from engine_adapter.vllm import RemoteSyncScheduler
-    from engine_adapter.vllm.testbed import model_dir, scheduler_class
+    from engine_adapter.vllm.testbed import model_dir
 
     tmp = Path(tempfile.mkdtemp())
     mdir = model_dir(tmp)
     srv = ServiceProcess(tmp).start()
     try:
-        grpc = {"SLIDINGSERVE_ADDRESS": srv.target, "SLIDINGSERVE_DEADLINE_MS": "200"}
-        cases: dict[str, Any] = {"native": Scheduler}
-        for where, where_env in (("inproc", {}), ("grpc", grpc)):
-            for policy in ("slidingserve", "vllm-fcfs"):
-                for pipe in ("on", "off"):
-                    env = {**where_env, "SLIDINGSERVE_DEPLOYMENT": policy, "SLIDINGSERVE_PIPELINE": pipe}
-                    cases[f"{where} {policy} pipe={pipe}"] = scheduler_class(RemoteSyncScheduler, env)
-        # the traffic recording (SLIDINGSERVE_RECORD), deciding and only watching (SLIDINGSERVE_OBSERVE)
-        rec = {"SLIDINGSERVE_DEPLOYMENT": "slidingserve", "SLIDINGSERVE_RECORD": str(tmp / "recording")}
-        cases["inproc slidingserve pipe=on record"] = scheduler_class(RemoteSyncScheduler, rec)
-        cases["observe record"] = scheduler_class(RemoteSyncScheduler, {**rec, "SLIDINGSERVE_OBSERVE": "true"})
+        cases = _cases(srv.target, tmp)
         words = [w.strip() for w in args.cases.split(",") if w.strip()]
         if words:
             cases = {k: v for k, v in cases.items() if k == "native" or any(w in k for w in words)}

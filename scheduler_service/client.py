@@ -426,12 +426,24 @@ class _Encoder:
             snapshot=snap_pb, policy=policy or "", params=_params_text(params), explain=explain,
         )
 
+    def report(self, r: IterationReport | pb.IterationReport) -> pb.IterationReport:
+        msg = r if isinstance(r, pb.IterationReport) else r.to_pb(self.profile)
+        if not msg.engine_id and self.engine_id:  # the client's engine, as for its snapshots
+            msg.engine_id = self.engine_id
+        return msg
+
     def reports(self, items: Iterable[IterationReport | pb.IterationReport]) -> Iterator[pb.IterationReport]:
         for r in items:
-            msg = r if isinstance(r, pb.IterationReport) else r.to_pb(self.profile)
-            if not msg.engine_id and self.engine_id:  # the client's engine, as for its snapshots
-                msg.engine_id = self.engine_id
-            yield msg
+            yield self.report(r)
+
+
+def _whatif_request(deployments: Sequence[str], loads: Sequence[float], engine_id: str) -> pb.WhatIfRequest:
+    return pb.WhatIfRequest(deployments=list(deployments), loads=list(loads), engine_id=engine_id)
+
+
+def _whatif_answer(resp: pb.WhatIfResponse) -> dict[str, Any]:
+    out: dict[str, Any] = json.loads(resp.result_json)
+    return out
 
 
 def _ids(snapshot: Any) -> Sequence[str] | None:
@@ -592,8 +604,7 @@ class SchedulerClient(_BaseClient):
                timeout_s: float | None = None) -> dict[str, Any]:
         """A what-if on the service's recording (docs/operations.md, "Before you switch"): the
         answer as ``slidingserve whatif --json`` gives it, its table under ``"table"``."""
-        req = pb.WhatIfRequest(deployments=list(deployments), loads=list(loads), engine_id=engine_id)
-        return self._unary(self._stub.WhatIf, req, timeout_s, lambda r: json.loads(r.result_json))
+        return self._unary(self._stub.WhatIf, _whatif_request(deployments, loads, engine_id), timeout_s, _whatif_answer)
 
     def close(self) -> None:
         self._channel.close()
@@ -757,12 +768,18 @@ class AsyncSchedulerClient(_BaseClient):
         async def gen() -> Any:
             if isinstance(reports, AsyncIterable):
                 async for r in reports:
-                    yield r if isinstance(r, pb.IterationReport) else r.to_pb(enc.profile)
+                    yield enc.report(r)
             else:
                 for m in enc.reports(reports):
                     yield m
 
         return await self._unary(self._stub.ReportIterations, gen(), timeout_s, _summary)
+
+    async def whatif(self, deployments: Sequence[str] = (), loads: Sequence[float] = (), engine_id: str = "",
+                     timeout_s: float | None = None) -> dict[str, Any]:
+        """:meth:`SchedulerClient.whatif`."""
+        return await self._unary(self._stub.WhatIf, _whatif_request(deployments, loads, engine_id), timeout_s,
+                                 _whatif_answer)
 
     async def list_policies(self, timeout_s: float | None = None) -> PolicyList:
         return await self._unary(self._stub.ListPolicies, pb.ListPoliciesRequest(), timeout_s, _policy_list)
