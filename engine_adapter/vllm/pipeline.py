@@ -148,22 +148,11 @@ class Pipeline:
         if len(view.snap):
             self.start(core, view=view, grace_s=grace_s)
 
-    def record_ahead(self, live: CoreSource, take_view: Callable[[str, float], View], *, ahead_s: float,
-                     record: Callable[[AdapterCore, Snapshot], None]) -> None:
-        """Observing a synchronous engine (vLLM schedules): the next iteration's queues, as
-        :meth:`ahead` takes them in the background (``ahead_s``: when the running step ends),
-        go to ``record``; nothing to collect.  Nothing when its settings turn pipelining off."""
-        core = live.get()
-        if live.settings.pipeline:
-            self.start(core, take_view=lambda: take_view("sync", ahead_s), act=record)
-
     def start(self, core: AdapterCore, *, view: View | None = None,
-              take_view: Callable[[], View] | None = None, grace_s: float = 0.0,
-              act: Callable[[AdapterCore, Snapshot], None] | None = None) -> None:
+              take_view: Callable[[], View] | None = None, grace_s: float = 0.0) -> None:
         """Decide on ``view`` in the background, or on the view ``take_view`` takes there
         (an error, or an empty snapshot, leaves nothing to collect), within the core's
-        deadline plus ``grace_s`` (the time left until the engine needs the plan); with
-        ``act``, hand the snapshot to it instead of deciding (nothing to collect)."""
+        deadline plus ``grace_s`` (the time left until the engine needs the plan)."""
         ex = self._executor
         if ex is None:  # created on first use: after vLLM forks the engine process
             ex = self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="slidingserve-decide")
@@ -179,9 +168,6 @@ class Pipeline:
             finally:
                 snapped.set()
             if v is None or len(v.snap) == 0:
-                return None
-            if act is not None:
-                act(core, v.snap)
                 return None
             return v, core.decide(v.snap, grace_s)  # its plan check builds v.snap.index_of, here
 

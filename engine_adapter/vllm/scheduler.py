@@ -123,11 +123,6 @@ _STATUSES = Statuses(running=RequestStatus.RUNNING,
                      is_finished=RequestStatus.is_finished)
 
 
-def _record_native(core: AdapterCore, snap: Snapshot) -> None:
-    """A snapshot of vLLM's own scheduling into the recording (``observe``)."""
-    core.record(snap, NATIVE_POLICY, {})
-
-
 def detect_profile(vllm_config: Any, s: VllmAdapterSettings) -> str:
     """``model|hardware|tp<N>``: the settings' values, else vLLM's config and platform.
 
@@ -213,7 +208,6 @@ class SlidingServeMixin(_VllmScheduler):
         #: requests a plan rejected, finished in schedule(): their outputs go out with the step's
         self._ss_rejected_out: list[tuple[Any, str]] = []
         self._ss_last_update: float | None = None
-        self._ss_step_s = 0.0
         self._ss_metrics: MetricsEndpoint | None = None
         if s.metrics_port:
             static = {"scheduler": type(self).__name__, "vllm_version": str(vllm.__version__),
@@ -319,8 +313,8 @@ class SlidingServeMixin(_VllmScheduler):
         pending = self._ss_pipe.take()
         if self._ss_unsupported:
             return fallback("unsupported", self._ss_unsupported)
-        if self._ss_live.settings.observe:  # recorded in the background when pipelined
-            return Outcome() if pending is not None else self._observe()
+        if self._ss_live.settings.observe:
+            return self._observe()
         core = pending.core if pending is not None else self._core()
         done = None
         if pending is not None:
@@ -355,7 +349,7 @@ class SlidingServeMixin(_VllmScheduler):
         except Exception as e:  # a request state we cannot express: never break vLLM
             return fallback("snapshot_error", f"{type(e).__name__}: {e}")
         if len(view.snap):
-            _record_native(self._core(), view.snap)
+            self._core().record(view.snap, NATIVE_POLICY, {})
         return Outcome()
 
     def _take(self, view: _View, decision: Decision, last_error: str, free_blocks: int, *,
@@ -441,14 +435,7 @@ class SlidingServeMixin(_VllmScheduler):
         that read (about a millisecond, far shorter than a step) before changing
         them: the engine thread pays only for the hand-over."""
         self._ss_pipe.arrivals = []
-        if self._ss_unsupported or not self._queued():
-            return
-        if self._ss_live.settings.observe:
-            # a synchronous engine: the queues as the running step leaves them, at its end, read
-            # in the background; with async scheduling the next schedule() reads them itself
-            if not self._ss_async:
-                self._ss_pipe.record_ahead(self._ss_live, lambda project, ahead_s: self._view(project=project,
-                                           ahead_s=ahead_s), ahead_s=self._ss_step_s, record=_record_native)
+        if self._ss_unsupported or self._ss_live.settings.observe or not self._queued():
             return
         self._ss_pipe.ahead(self._ss_live, lambda project, ahead_s: self._view(project=project, ahead_s=ahead_s),
                             project_now=self._ss_async)
@@ -559,8 +546,6 @@ class SlidingServeMixin(_VllmScheduler):
         t = self.slidingserve_clock()
         prev = self._ss_last_update
         self._ss_last_update = t
-        if prev is not None:
-            self._ss_step_s = t - prev  # the last step's time: when an observed step will end
         core = self._ss_live.core
         if prev is not None and scheduler_output.total_num_scheduled_tokens > 0 and core is not None:
             try:
