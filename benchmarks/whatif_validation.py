@@ -22,11 +22,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from clients.live.runner import recording_path
 from clients.whatif import Candidate, recorded_outcome, run_whatif
 from scheduler_service.recording import read_recording
 
 LABELS = {"observe": ("vllm", "vllm-fcfs"), "inproc:slidingserve": ("slidingserve", "slidingserve")}
-DIRS = {"observe": "observe", "inproc:slidingserve": "inproc_slidingserve"}
 
 
 def _runs(sweeps: list[Path]) -> dict[tuple[str, float, int], tuple[Path, dict[str, Any]]]:
@@ -34,7 +34,7 @@ def _runs(sweeps: list[Path]) -> dict[tuple[str, float, int], tuple[Path, dict[s
     for sweep in sweeps:
         for line in (sweep / "runs.jsonl").read_text().splitlines():
             r = json.loads(line)
-            d = sweep / "recordings" / DIRS.get(r["config"], "-") / f"{r['rate']:g}-{r['seed']}"
+            d = recording_path(sweep, r["config"], r["rate"], r["seed"])
             if r["config"] in LABELS and d.is_dir():
                 out[(r["config"], float(r["rate"]), int(r["seed"]))] = (d, r)
     return out

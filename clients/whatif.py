@@ -37,15 +37,12 @@ from typing import Any
 import numpy as np
 
 from clients.errors import CliError
-from engine_adapter.core import AdapterCore, AdapterSettings
-from engine_adapter.inprocess import InProcessBackend
-from engine_adapter.sim.engine import EngineConfig, SimulatedEngine, Workload
-from engine_adapter.sim.groundtruth import DEFAULT_PROFILE, PROFILES
+from engine_adapter.sim.engine import Workload
 from scheduler_service.core import BatchLatencyPredictor, ValidationError, registry
 from scheduler_service.core.predictor import fit_predictor
 from scheduler_service.recording import NATIVE, Recording, RecordingError, policy_label, read_recording
 
-from .live.sim import FittedTruth, itl_mean_ms, match_pace, match_speed
+from .live.sim import FittedTruth, itl_mean_ms, match_pace, match_speed, prefill_mean_ms, replay_engine
 
 __all__ = ["MIN_ITERATIONS", "Candidate", "WhatIf", "fit_cost_model", "parse_candidates", "recorded_outcome",
            "run_whatif"]
@@ -163,18 +160,9 @@ def replay(rec: Recording, c: Candidate, load: float, truth: FittedTruth, start:
            seed: int = 0) -> dict[str, Any]:
     """``c`` on the recorded traffic at ``load`` times its rate, on ``truth``."""
     w, _ = _workload(rec, load)
-    settings = AdapterSettings(policy=c.policy, params=c.params, profile="whatif", report_inline=True)
-    pred = BatchLatencyPredictor.from_json(start.to_json())
-    adapter = AdapterCore(InProcessBackend(settings, pred), settings, pred)
-    info = rec.info
-    cfg = EngineConfig(max_batch_tokens=int(info.get("max_batch_tokens", 2048)),
-                       max_num_seqs=int(info.get("max_num_seqs", 256)), noise_seed=seed, keep_token_times=True)
-    profile = dataclasses.replace(PROFILES[DEFAULT_PROFILE], key="whatif")
-    try:
-        eng = SimulatedEngine(w, truth, profile, adapter, cfg)  # type: ignore[arg-type]
-        eng.run()
-    finally:
-        adapter.close()
+    eng, _ = replay_engine(w, truth, c.policy, c.params, BatchLatencyPredictor.from_json(start.to_json()), seed=seed,
+                           max_batch_tokens=int(rec.info.get("max_batch_tokens", 2048)),
+                           max_num_seqs=int(rec.info.get("max_num_seqs", 256)))
     assert eng.token_times is not None
     tt = eng.token_times
     n = len(w)
@@ -186,10 +174,8 @@ def replay(rec: Recording, c: Candidate, load: float, truth: FittedTruth, start:
         np.asarray(tt[i]) <= w.arrival[i] + w.ttft_slo[i] + np.arange(len(tt[i])) * w.tbt_slo[i] + 1e-9))
         for i in range(n)])
     out = _judge(w.arrival, np.where(done, first, np.nan), last, n_out, on_time, w.ttft_slo, w.tbt_slo, w.tpot_slo)
-    started = ~np.isnan(eng.first_token)
-    pre = eng.first_token[started] - eng.first_scheduled[started]
-    out.update(itl_mean_ms=itl_mean_ms(tt), prefill_mean_ms=1e3 * float(np.mean(pre)) if len(pre) else math.nan,
-               speed=truth.scale, prefill_speed=truth.prefill_scale)
+    out.update(itl_mean_ms=itl_mean_ms(tt), prefill_mean_ms=prefill_mean_ms(eng), speed=truth.scale,
+               prefill_speed=truth.prefill_scale)
     return out
 
 
@@ -214,6 +200,15 @@ def _key(c: Candidate) -> tuple[str, tuple[tuple[str, str], ...]]:
     return c.policy, tuple(sorted(c.params.items()))
 
 
+def replayed(rec: Recording, candidates: Sequence[Candidate]) -> list[Candidate]:
+    """The policies a what-if replays: the served one first, vLLM's own, the candidates;
+    each once."""
+    out: dict[tuple[str, tuple[tuple[str, str], ...]], Candidate] = {}
+    for c in (served_candidate(rec), Candidate("vllm-fcfs", "vllm-fcfs", {}), *candidates):
+        out.setdefault(_key(c), c)
+    return list(out.values())
+
+
 def served_candidate(rec: Recording) -> Candidate:
     info = rec.info
     pol = str(info.get("policy") or "")
@@ -231,15 +226,8 @@ def run_whatif(rec: Recording, candidates: Sequence[Candidate], loads: Sequence[
         raise RecordingError(f"the recording holds {n} served requests of engine {rec.engine!r}; a replay needs "
                              f"at least {MIN_REQUESTS}")
     pred, sigma = fit_cost_model(rec)
-    served = served_candidate(rec)
-    policies = [served]
-    if served.policy != "vllm-fcfs" or served.params:
-        policies.append(Candidate("vllm-fcfs", "vllm-fcfs", {}))
-    seen = {_key(p) for p in policies}
-    for c in candidates:
-        if _key(c) not in seen:
-            policies.append(c)
-            seen.add(_key(c))
+    policies = replayed(rec, candidates)
+    served = policies[0]
     recorded = recorded_outcome(rec)
     truth = FittedTruth(pred, sigma)
     tick = progress or (lambda _m: None)
@@ -365,8 +353,7 @@ def main(args: argparse.Namespace) -> int:
         candidates = parse_candidates(args.deployments, deployments_of(args.policy_config))
         rec = read_recording(args.recording, args.engine, prefix=args.engine_prefix)
         quiet_logs()
-        n_policies = len({("vllm-fcfs", ()), _key(served_candidate(rec)), *map(_key, candidates)})
-        bar = ProgressBar(1 + len(loads) * n_policies, "whatif", stream=sys.stderr)
+        bar = ProgressBar(1 + len(loads) * len(replayed(rec, candidates)), "whatif", stream=sys.stderr)
         w = run_whatif(rec, candidates, loads, seed=args.seed, progress=bar.advance)
     except (RecordingError, ValueError) as e:
         raise CliError(f"whatif: {e}") from None

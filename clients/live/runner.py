@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -541,13 +540,17 @@ def foreign_share(cpu: dict[str, float]) -> float:
 
 def recording_path(out: Path, label: str, rate: float, seed: int) -> Path:
     """Where the adapter's engine records the traffic of one run (``--record``)."""
-    return out / "recordings" / re.sub(r"[^A-Za-z0-9_.=-]+", "_", label) / f"{rate:g}-{seed}"
+    return out / "recordings" / _file_name(label) / f"{rate:g}-{seed}"
 
 
 def frontend_path(out: Path, label: str, rate: float, seed: int) -> Path:
     """Where a run's client-side delays are kept (``out/frontend/``)."""
-    name = "".join(ch if ch.isalnum() or ch in "-_=." else "_" for ch in label)
-    return out / "frontend" / f"{name}-{rate:g}-{seed}.json"
+    return out / "frontend" / f"{_file_name(label)}-{rate:g}-{seed}.json"
+
+
+def _file_name(label: str) -> str:
+    """A configuration's label as a file name (``inproc:slidingserve`` → ``inproc_slidingserve``)."""
+    return "".join(ch if ch.isalnum() or ch in "-_=." else "_" for ch in label)
 
 
 #: The capacity search's bar: the share of requests vLLM's own scheduler meets under TTFT+TPOT.

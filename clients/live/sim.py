@@ -44,7 +44,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +61,7 @@ from .runner import Config, LiveSpec, frontend_path
 from .workload import make_requests
 
 __all__ = ["FittedTruth", "Frontend", "LateAnswers", "cost_structure", "late_share", "match_pace",
-           "match_speed", "noise_from_overruns", "simulate_sweep"]
+           "match_speed", "noise_from_overruns", "prefill_mean_ms", "replay_engine", "simulate_sweep"]
 
 
 class FittedTruth:
@@ -240,13 +240,10 @@ def simulate_run(spec: LiveSpec, c: Config, rate: float, seed: int, truth: Fitte
         else:
             res.error = "not finished in the simulation"
         results.append(res)
-    started = ~np.isnan(eng.first_token)
-    prefill = eng.first_token[started] - eng.first_scheduled[started]
     return {"config": c.label, "mode": c.mode, "policy": _policy(c)[0], "rate": rate, "seed": seed,
             **summarize(results, slo).to_dict(), "source": "sim" if frontend is None else "sim+client",
             "itl_mean_ms": itl_mean_ms(eng.token_times),
-            # vLLM's prefill time: from a request's first scheduling to its first token (engine-side)
-            "prefill_mean_ms": 1e3 * float(np.mean(prefill)) if len(prefill) else math.nan,
+            "prefill_mean_ms": prefill_mean_ms(eng),
             "speed": truth.scale, "prefill_speed": truth.prefill_scale, "noise_sigma": truth.noise_sigma,
             "late_share": late, "fallbacks": fallbacks}
 
@@ -361,21 +358,41 @@ def _replay(spec: LiveSpec, c: Config, w: Workload, truth: FittedTruth, seed: in
     (``late``: that share of its decisions answered late); the engine, and its decisions
     and fallbacks by reason."""
     policy, params = _policy(c)
+    eng, adapter = replay_engine(w, truth, policy, params, default_predictor(), seed=seed, late=late,
+                                 max_batch_tokens=spec.engine.max_num_batched_tokens,
+                                 max_num_seqs=spec.engine.max_num_seqs, shed_after=c.shed_after)
+    return eng, {"decisions": adapter.remote_decisions + adapter.fallback_total,
+                 **{k: int(v) for k, v in adapter.fallbacks.items() if v}}
+
+
+def replay_engine(w: Workload, truth: FittedTruth, policy: str, params: Mapping[str, str],
+                  predictor: BatchLatencyPredictor, *, seed: int, max_batch_tokens: int, max_num_seqs: int,
+                  late: float = 0.0, shed_after: float = 0.0) -> tuple[SimulatedEngine, AdapterCore]:
+    """``w`` through the simulated engine on ``truth`` (every token's time kept), ``policy``
+    planning in process from ``predictor`` and refitting inline (``late``: that share of its
+    decisions answered late); the engine after the run, and its closed adapter core."""
     settings = AdapterSettings(policy=policy, params=params, profile=DEFAULT_PROFILE, report_inline=True,
-                               shed_after=c.shed_after)
-    pred = default_predictor()
-    backend = InProcessBackend(settings, pred)
-    adapter = AdapterCore(LateAnswers(backend, late, seed) if late else backend, settings, pred)  # type: ignore[arg-type]
+                               shed_after=shed_after)
+    backend = InProcessBackend(settings, predictor)
+    adapter = AdapterCore(LateAnswers(backend, late, seed) if late else backend, settings,  # type: ignore[arg-type]
+                          predictor)
     profile = dataclasses.replace(PROFILES[DEFAULT_PROFILE], key="live-sim")
-    cfg = EngineConfig(max_batch_tokens=spec.engine.max_num_batched_tokens, max_num_seqs=spec.engine.max_num_seqs,
-                       noise_seed=seed, keep_token_times=True)
+    cfg = EngineConfig(max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs, noise_seed=seed,
+                       keep_token_times=True)
     try:
         eng = SimulatedEngine(w, truth, profile, adapter, cfg)  # type: ignore[arg-type]
         eng.run()
     finally:
         adapter.close()
-    return eng, {"decisions": adapter.remote_decisions + adapter.fallback_total,
-                 **{k: int(v) for k, v in adapter.fallbacks.items() if v}}
+    return eng, adapter
+
+
+def prefill_mean_ms(eng: SimulatedEngine) -> float:
+    """vLLM's prefill time, engine-side: from a request's first scheduling to its first
+    token, the mean over the requests that got one (ms)."""
+    started = ~np.isnan(eng.first_token)
+    prefill = eng.first_token[started] - eng.first_scheduled[started]
+    return 1e3 * float(np.mean(prefill)) if len(prefill) else math.nan
 
 
 def simulate_sweep(spec: LiveSpec, predictor: BatchLatencyPredictor, noise_sigma: float,
