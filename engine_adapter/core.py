@@ -228,9 +228,8 @@ class AdapterCore:
         self._thread.start()
         self.recorder: Recorder | None = None
         if settings.record:
-            mb = settings.record_max_mb
-            self.recorder = Recorder(settings.record, max_bytes=mb << 20, file_bytes=min(16, mb) << 20,
-                                     source="engine", inline=settings.report_inline)
+            self.recorder = Recorder.within(settings.record, settings.record_max_mb, source="engine",
+                                            inline=settings.report_inline)
 
     def record(self, snapshot: Snapshot, policy: str = "", params: Mapping[str, str] | None = None) -> None:
         """Hand ``snapshot`` to the recording, if one is kept (decided by ``policy``: by
@@ -248,11 +247,7 @@ class AdapterCore:
         if rec is None:
             return self._decide(snapshot, grace_s)
         self.record(snapshot)
-        rec.deciding = True  # the recorder's thread leaves this decision the GIL
-        try:
-            return self._decide(snapshot, grace_s)
-        finally:
-            rec.deciding = False
+        return rec.while_deciding(self._decide, snapshot, grace_s)
 
     def _decide(self, snapshot: Snapshot, grace_s: float) -> Decision:
         t0 = time.perf_counter()

@@ -39,9 +39,9 @@ import math
 import os
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -64,6 +64,9 @@ DEFER_S, MAX_DEFER_S = 0.0002, 0.02
 #: Columns of a request line, in order (see the module).
 REQUEST_FIELDS = ("arrival", "prompt", "cached", "output", "ttft_slo", "tbt_slo", "priority", "sheddable",
                   "e2e_slo", "tpot_slo", "first_scheduled", "first_token", "last_token", "late_s", "finished")
+
+
+T = TypeVar("T")
 
 
 class RecordingError(ValueError):
@@ -161,7 +164,20 @@ class Recorder:
         self._thread = threading.Thread(target=self._drain, name="slidingserve-recorder", daemon=True)
         self._thread.start()
 
+    @classmethod
+    def within(cls, directory: str | os.PathLike[str], max_mb: int, *, source: str, inline: bool = False) -> Recorder:
+        """A recorder whose files take at most ``max_mb`` MiB (rotating at 16 MiB, or less)."""
+        return cls(directory, max_bytes=max_mb << 20, file_bytes=min(16, max_mb) << 20, source=source, inline=inline)
+
     # ------------------------------------------------------------ hot path
+    def while_deciding(self, decide: Callable[..., T], *args: Any) -> T:
+        """``decide(*args)`` with :attr:`deciding` set: the thread leaves it the GIL."""
+        self.deciding = True
+        try:
+            return decide(*args)
+        finally:
+            self.deciding = False
+
     def offer(self, snapshot: Snapshot, engine_id: str, policy: str, params: Mapping[str, str],
               deployment: str = "") -> None:
         """One snapshot an engine sent, and the policy (registry name, parameters as text)

@@ -161,10 +161,7 @@ class SchedulerServer:
         self.policies = PolicySet(cfg.default_policy, policies, pconf)
         self.shadow = ShadowRunner(self.policies, self.metrics)
         self._note_policy_config(pconf)
-        recorder = None
-        if cfg.record:
-            mb = cfg.record_max_mb
-            recorder = Recorder(cfg.record, max_bytes=mb << 20, file_bytes=min(16, mb) << 20, source="service")
+        recorder = Recorder.within(cfg.record, cfg.record_max_mb, source="service") if cfg.record else None
         self.servicer = SchedulerServicer(cfg, predictors, self.metrics, policies,
                                           policyset=self.policies, shadow=self.shadow, recorder=recorder)
         return policies, self.servicer

@@ -126,11 +126,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         rec = self.recorder
         if rec is None:
             return self._decision(request, t0, tenant)
-        rec.deciding = True  # its thread waits for the GIL until the answer is out
-        try:
-            return self._decision(request, t0, tenant)
-        finally:
-            rec.deciding = False
+        return rec.while_deciding(self._decision, request, t0, tenant)  # its thread waits until the answer is out
 
     def _decision(self, request: pb.ScheduleRequest, t0: int, tenant: str) -> pb.ScheduleResponse:
         if isinstance(request, Undecodable):  # bytes that are no ScheduleRequest (handlers.py)
