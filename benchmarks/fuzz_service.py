@@ -3,32 +3,30 @@
     .venv/bin/python -m benchmarks.fuzz_service [--cases 20000] [--seed 0] [--undecodable-share 0.25]
 
 Starts one in-process :class:`SchedulerServer` with small limits and throws at it, in a
-seeded mix: structurally valid ``ScheduleRequest`` protobufs with hostile values (NaN/inf,
-int64 extremes, duplicate or empty ids, mismatched columns, too many requests, unknown
-policies, bad parameters, unicode), raw random / truncated / bit-flipped bytes, oversized
-messages, ``ScheduleStream`` sequences with bad requests mid-stream, ``ReportIterations``
-streams of hostile reports, and hostile snapshot JSON for ``Snapshot.from_json`` and the
-CLI.  Prints inputs tried, outcomes by status code and the server's RSS growth per phase
-(the server is in-process); exits 1 on any failure.
+seeded mix: valid ``ScheduleRequest`` protobufs with hostile values (NaN/inf, int64
+extremes, duplicate or empty ids, mismatched columns, too many requests, unknown policies,
+bad parameters, unicode), random / truncated / bit-flipped bytes, oversized messages,
+``ScheduleStream`` sequences with bad requests mid-stream, ``ReportIterations`` streams of
+hostile reports, and hostile snapshot JSON for ``Snapshot.from_json`` and the CLI.  Prints
+inputs tried, outcomes by status code and the server's RSS growth per phase; exits 1 on
+any failure.
 
-Every input is judged against an *oracle*: the same bytes decoded and validated
-in-process (``snapshot_from_pb``, ``registry.create``, the server's own predictor), so a
-valid input must get exactly the in-process plan (which must pass :func:`plan_violations`),
-an invalid one INVALID_ARGUMENT naming exactly the violated fields, an oversized one
-RESOURCE_EXHAUSTED.  Mutators marked ``must_fail`` must be rejected whatever the oracle
-says, so the oracle cannot approve a hole in validation.  Anything the oracle itself
-raises besides ``ValidationError`` is a core bug.
+The *oracle* decodes and validates the same bytes in-process (``snapshot_from_pb``,
+``registry.create``, the server's own predictor): a valid input must get exactly the
+in-process plan (which must pass :func:`plan_violations`), an invalid one INVALID_ARGUMENT
+naming exactly the violated fields, an oversized one RESOURCE_EXHAUSTED.  ``must_fail``
+mutations must be rejected whatever the oracle says, so it cannot approve a hole in
+validation; anything it raises besides ``ValidationError`` is a core bug.
 
-Undecodable bytes are one more invalid request: the server's deserializer never raises
-(``scheduler_service/server/handlers.py``) and it answers INVALID_ARGUMENT naming the
-field ``request`` (in a stream: an error response, and the stream goes on).  With grpc's
-own decoding they got INTERNAL "Exception deserializing request!", leaked ~19 KB of server
-memory per call, and a stream could stay unreleased; the undecodable phase's RSS line
-shows that this is gone.
+Undecodable bytes are one more invalid request (``scheduler_service/server/handlers.py``):
+INVALID_ARGUMENT naming the field ``request``, in a stream an error response after which
+the stream goes on.  grpc's own decoding answered INTERNAL, leaked ~19 KB of server memory
+per call and could leave a stream unreleased; the undecodable phase's RSS line shows that
+this is gone.
 
-A library as well as a command (docs/development.md): the generators, the oracle and
-:class:`Target` are what ``tests/test_fuzz_service.py`` drives from Hypothesis and
-``benchmarks/fuzz_atheris.py`` from libFuzzer, so the test and the campaign judge alike.
+A library as well (docs/development.md): ``tests/test_fuzz_service.py`` drives the
+generators, the oracle and :class:`Target` from Hypothesis, ``benchmarks/fuzz_atheris.py``
+from libFuzzer, so the test and the campaign judge alike.
 """
 
 from __future__ import annotations
@@ -48,7 +46,7 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -71,12 +69,7 @@ from scheduler_service.core.snapshot import MAX_BATCH_TOKENS, MAX_SECONDS, MAX_T
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler_service.server import SchedulerServer, ServerConfig
-from scheduler_service.wire.convert import (
-    plan_from_pb,
-    report_from_pb,
-    snapshot_from_pb,
-    snapshot_to_pb,
-)
+from scheduler_service.wire.convert import plan_from_pb, report_from_pb, snapshot_from_pb, snapshot_to_pb
 from scheduler_service.wire.profile import EngineProfile
 from scheduler_service.wire.status import MAX_FIELD_BYTES, MAX_VIOLATIONS, clip
 
@@ -113,12 +106,10 @@ Mutator = Callable[[pb.ScheduleRequest, Rand], None]
 
 
 def fuzz_server(**overrides: Any) -> SchedulerServer:
-    cfg: dict[str, Any] = dict(
-        host="127.0.0.1", port=0, log_level="error", grace_s=1.0, max_workers=8,
-        max_requests_per_snapshot=MAX_REQUESTS, max_message_bytes=MAX_MESSAGE,
-        refit_every=16, refit_window=256, refit_min_samples=4,
-    )
-    return SchedulerServer(ServerConfig(**{**cfg, **overrides}))
+    return SchedulerServer(ServerConfig(**{
+        "host": "127.0.0.1", "port": 0, "log_level": "error", "grace_s": 1.0, "max_workers": 8,
+        "max_requests_per_snapshot": MAX_REQUESTS, "max_message_bytes": MAX_MESSAGE,
+        "refit_every": 16, "refit_window": 256, "refit_min_samples": 4, **overrides}))
 
 
 def rss_bytes() -> int:
@@ -384,14 +375,11 @@ def hostile_request(rnd: Rand) -> tuple[pb.ScheduleRequest, list[str], bool]:
     """A valid request with 0-2 mutations of any kind, then (usually) one must-fail
     mutation last, so that no later mutation can undo it: (request, names, must_fail)."""
     req = valid_request(rnd)
-    names = []
-    for _ in range(rnd.choice([0, 0, 1, 2])):
-        name, fn, _ = rnd.choice(MUTATORS + NEUTRAL_MUTATORS)
-        fn(req, rnd)
-        names.append(name)
+    pools = [MUTATORS + NEUTRAL_MUTATORS] * rnd.choice([0, 0, 1, 2])
     must_fail = rnd.random() < 0.8
-    if must_fail:
-        name, fn, _ = rnd.choice(MUTATORS)
+    names = []
+    for pool in pools + ([MUTATORS] if must_fail else []):
+        name, fn, _ = rnd.choice(pool)
         fn(req, rnd)
         names.append(name)
     return req, names, must_fail
@@ -442,12 +430,14 @@ def hostile_bytes(rnd: Rand) -> tuple[bytes, str]:
 class Expected:
     """What the server must answer: ``kind`` is OK (with ``plan`` and ``snapshot``),
     INVALID_ARGUMENT (with the violated ``fields``), RESOURCE_EXHAUSTED, or CRASH (the
-    policy raised on a valid snapshot, which the server answers INTERNAL: a core bug)."""
+    policy raised on a valid snapshot, which the server answers INTERNAL: a core bug);
+    ``request_id`` the id a response must echo ("" for bytes that do not decode)."""
 
     kind: str
     fields: tuple[str, ...] = ()
     plan: Plan | None = None
     snapshot: Snapshot | None = None
+    request_id: str = ""
 
 
 class FuzzFailure(AssertionError):
@@ -478,21 +468,11 @@ def expect_bytes(server: SchedulerServer, raw: bytes) -> Expected:
         req = pb.ScheduleRequest.FromString(raw)
     except DecodeError:
         return Expected("INVALID_ARGUMENT", ("request",))
-    return expect_decoded(server, req)
-
-
-def _request_id(raw: bytes) -> str:
-    """The request_id the server must echo ("" for bytes it cannot decode)."""
-    try:
-        return pb.ScheduleRequest.FromString(raw).request_id
-    except DecodeError:
-        return ""
+    return replace(expect_decoded(server, req), request_id=req.request_id)
 
 
 def _details(err: grpc.RpcError | None) -> str:
-    if err is None:
-        return ""
-    return str(err.details() if hasattr(err, "details") else err) or ""
+    return (err.details() or "") if isinstance(err, grpc.Call) else ""
 
 
 def _bad_request_fields(err: grpc.RpcError) -> tuple[str, ...] | None:
@@ -523,7 +503,7 @@ class Tally:
         return sum(self.inputs.values())
 
 
-class Target:
+class Target(contextlib.AbstractContextManager["Target"]):
     """A channel to the fuzzed server with identity (bytes) serializers, so that any
     bytes can be sent, plus the checks of every RPC against the oracle."""
 
@@ -540,9 +520,6 @@ class Target:
 
     def close(self) -> None:
         self.channel.close()
-
-    def __enter__(self) -> Target:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
@@ -562,10 +539,11 @@ class Target:
             self._fail(f"{ctx}: a must-fail mutation was accepted", raw)
         if want.kind == "CRASH":
             self._fail(f"{ctx}: the policy raised on a valid snapshot", raw)
-        elif want.kind == "OK" and resp is None:
-            self._fail(f"{ctx} ({_details(err)})", raw)
-        elif want.kind == "OK" and resp is not None:
-            self._check_response(pb.ScheduleResponse.FromString(resp), want, ctx, raw)
+        elif want.kind == "OK":
+            if resp is None:
+                self._fail(f"{ctx} ({_details(err)})", raw)
+            else:
+                self._check_response(pb.ScheduleResponse.FromString(resp), want, ctx, raw)
         elif want.kind == "INVALID_ARGUMENT":
             got = _bad_request_fields(err) if err is not None and code == want.kind else None
             if got != want.fields:
@@ -579,8 +557,8 @@ class Target:
     def _check_response(self, resp: pb.ScheduleResponse, want: Expected, ctx: str, raw: bytes) -> str:
         """One response (unary, or in a stream) to ``raw``: the echoed id, then the oracle's
         plan or an INVALID_ARGUMENT error naming its fields.  Returns the tally label."""
-        if resp.request_id != _request_id(raw):
-            self._fail(f"{ctx}: request_id {resp.request_id!r} != {_request_id(raw)!r}", raw)
+        if resp.request_id != want.request_id:
+            self._fail(f"{ctx}: request_id {resp.request_id!r} != {want.request_id!r}", raw)
         if want.kind != "OK":
             fields = tuple(v.field for v in resp.error.field_violations)
             if resp.HasField("plan") or resp.error.code != grpc.StatusCode.INVALID_ARGUMENT.value[0] \
@@ -619,29 +597,33 @@ class Target:
             self._fail(f"{category}: stream ended {end_code} ({end_detail}), want {want_end}", blob)
         if len(got) > upto or (want_end == "OK" and len(got) < upto):
             self._fail(f"{category}: {len(got)} responses to {upto} requests before the end", blob)
-        for i, w in enumerate(wants[:upto]):
-            if w.kind == "CRASH":
-                self._fail(f"{category}[{i}]: the policy raised on a valid snapshot: {w.fields}", raws[i])
-        labels = [self._check_response(resp, want, f"{category}[{i}]: want {want.kind} {want.fields}", raws[i])
-                  for i, (want, resp) in enumerate(zip(wants[:upto], got, strict=False))]
+        labels = []
+        for i, (want, resp) in enumerate(zip(wants[:upto], got, strict=False)):
+            ctx = f"{category}[{i}]: want {want.kind} {want.fields}"
+            if want.kind == "CRASH":
+                self._fail(f"{ctx}: the policy raised on a valid snapshot", raws[i])
+            labels.append(self._check_response(resp, want, ctx, raws[i]))
         if want_end != "OK":
             labels.append(f"{end_code} (stream ended)")
         for label in labels:
             self.tally.count(category, label)
         return labels
 
-    def report(self, reports: Sequence[tuple[pb.IterationReport, bool]], category: str = "report") -> pb.ReportSummary:
+    def report(self, reports: Sequence[tuple[pb.IterationReport, bool]],
+               category: str = "report") -> pb.ReportSummary:
         """Send reports (each with its must_fail flag); the summary must count exactly
         the oracle's accepted/rejected and quote the first rejection reasons."""
         reasons = []
+        limit = self.server.config.max_requests_per_snapshot
         for i, (msg, must_fail) in enumerate(reports):
             try:
-                report_from_pb(msg, max_requests=self.server.config.max_requests_per_snapshot, field=f"report[{i}]")
+                report_from_pb(msg, max_requests=limit, field=f"report[{i}]")
             except ValidationError as e:
                 reasons.append(str(e))
                 continue
             if must_fail:
-                self._fail(f"{category}[{i}]: a must-fail report validates in-process", msg.SerializeToString())
+                self._fail(f"{category}[{i}]: a must-fail report validates in-process",
+                           msg.SerializeToString())
         raws = [m.SerializeToString() for m, _ in reports]
         summary = pb.ReportSummary.FromString(self._report(iter(raws), timeout=self.timeout_s))
         want = (len(reports) - len(reasons), len(reasons))
@@ -683,7 +665,8 @@ def oversized_request(rnd: Rand, limit: int = MAX_MESSAGE) -> bytes:
 
 # ------------------------------------------------------------------- reports
 def valid_report(rnd: Rand, model: str) -> pb.IterationReport:
-    msg = pb.IterationReport(engine_profile=pb.EngineProfile(model=model), latency_ms=_uniform(rnd, 1.0, 200.0))
+    msg = pb.IterationReport(engine_profile=pb.EngineProfile(model=model),
+                             latency_ms=_uniform(rnd, 1.0, 200.0))
     if rnd.random() < 0.7:
         n = rnd.randint(1, 8)
         msg.composition.c.extend(rnd.choice([1, rnd.randint(1, 512)]) for _ in range(n))
@@ -713,19 +696,15 @@ def hostile_report(rnd: Rand) -> pb.IterationReport:
         msg.features.CopyFrom(pb.BatchFeatures(x=x, scenario=pb.Scenario.ValueType(scenario)))
     else:
         n = rnd.randint(1, 4)
-        c, u = [1] * n, [0] * n
-        if what == "lengths":
-            u.append(0)
-        elif what == "empty":
-            c, u = [], []
-        elif what == "c":
-            c[0] = rnd.choice([0, -1, INT64_MIN, MAX_BATCH_TOKENS + 1, INT64_MAX])
-        elif what == "u":
-            u[0] = rnd.choice([-1, INT64_MIN, MAX_TOKENS + 1, INT64_MAX])
-        elif what == "sum":
-            c = [MAX_BATCH_TOKENS // n + 1] * n
-        else:
-            c, u = [1] * (MAX_REQUESTS + 1), [0] * (MAX_REQUESTS + 1)
+        bad_c = [0, -1, INT64_MIN, MAX_BATCH_TOKENS + 1, INT64_MAX]
+        c, u = {  # (c, u) of a batch of n requests with one computed token each, then the flaw
+            "lengths": lambda: ([1] * n, [0] * (n + 1)),
+            "empty": lambda: ([], []),
+            "c": lambda: ([rnd.choice(bad_c)] + [1] * (n - 1), [0] * n),
+            "u": lambda: ([1] * n, [rnd.choice([-1, INT64_MIN, MAX_TOKENS + 1, INT64_MAX])] + [0] * (n - 1)),
+            "sum": lambda: ([MAX_BATCH_TOKENS // n + 1] * n, [0] * n),
+            "too-many": lambda: ([1] * (MAX_REQUESTS + 1), [0] * (MAX_REQUESTS + 1)),
+        }[what]()
         msg.composition.CopyFrom(pb.BatchComposition(c=c, u=u))
     return msg
 
@@ -774,7 +753,8 @@ def _mutate_json_text(raw: bytes, how: str, rnd: Rand) -> bytes:
         return raw[:k] + rnd.choice([b"}", b",", b"\x00", b"[", b"\"", b"]]", b"#"]) + raw[k:]
     if how == "deep":
         depth = rnd.choice([100, 5000, 100_000])
-        return raw[:-1] + b', "requests": ' + b"[" * depth + b"]" * depth + b"}" if raw.endswith(b"}") else raw
+        return raw[:-1] + b', "requests": ' + b"[" * depth + b"]" * depth + b"}" if raw.endswith(b"}") \
+            else raw
     if how == "bad-utf8":
         return raw.replace(b'"r', b'"\xff\xfer', 1) if b'"r' in raw else b"\xff" + raw
     if how == "big-int-literal":
@@ -796,7 +776,8 @@ def hostile_json(rnd: Rand) -> tuple[bytes, bool]:
     return _mutate_json_text(text.encode(), how, rnd), how not in ("none", "type", "text-junk")
 
 
-def check_json(raw: bytes, must_fail: bool, tally: Tally, *, cli: bool = False, tmpdir: Path | None = None) -> str:
+def check_json(raw: bytes, must_fail: bool, tally: Tally, *, cli: bool = False,
+               tmpdir: Path | None = None) -> str:
     """``Snapshot.from_json`` returns a valid snapshot (whose plan passes plan_violations)
     or raises ValidationError; with ``cli`` also ``slidingserve plan --snapshot FILE``:
     exit 0 with a plan, or exit 2 with one line on stderr and no traceback."""
@@ -806,7 +787,8 @@ def check_json(raw: bytes, must_fail: bool, tally: Tally, *, cli: bool = False, 
     except ValidationError:
         snap, outcome = None, "ValidationError"
     except Exception as e:
-        tally.failures.append(f"json: from_json raised {type(e).__name__}: {str(e)[:200]} [input {raw[:200]!r}]")
+        tally.failures.append(f"json: from_json raised {type(e).__name__}: {str(e)[:200]} "
+                              f"[input {raw[:200]!r}]")
         tally.count("json", f"CRASH {type(e).__name__}")
         return "crash"
     if snap is not None:
@@ -871,7 +853,8 @@ def run_one(target: Target, rnd: random.Random, category: str, tmpdir: Path) -> 
         target.stream(msgs, category)
     elif category == "report":
         reports = [(hostile_report(rnd), True) if rnd.random() < 0.7
-                   else (valid_report(rnd, rnd.choice(REPORT_MODELS)), False) for _ in range(rnd.randint(1, 12))]
+                   else (valid_report(rnd, rnd.choice(REPORT_MODELS)), False)
+                   for _ in range(rnd.randint(1, 12))]
         target.report(reports)
     elif category in ("json", "cli"):
         raw, must_fail = hostile_json(rnd)
@@ -932,7 +915,7 @@ def stop_within(server: SchedulerServer, seconds: float) -> bool:
 
     def stop() -> None:
         server.stop()
-        done.set()
+        done.set()  # not when stop() raises
 
     threading.Thread(target=stop, daemon=True).start()
     return done.wait(seconds)
