@@ -6,48 +6,39 @@
 
 Set-up, and why:
 
-* The service is a real ``slidingserve serve [--workers N]`` subprocess (started fresh for every phase so
-  that no phase inherits the predictor refits or the CPU time of the one before), bound to
-  loopback.  It is never in the benchmark's own process, so the engines' GIL cannot hide or
-  inflate the server's.  Before the clock starts it is made to refit once under a spare
-  profile: a fresh process imports scikit-learn on its first refit (~1 s, mostly holding the
-  GIL), a one-off stall that would otherwise land in the first seconds of every phase.
-* Every engine is its own process (``multiprocessing``, spawn) running the simulated engine
-  (real trace lengths, ground-truth GPU latencies) with the production adapter core
-  (:class:`~engine_adapter.core.AdapterCore` + :class:`~engine_adapter.remote.GrpcBackend`,
-  one long-lived ScheduleStream, background reports).  All engines report under the same
-  engine profile, so the service pools their latencies into one predictor, as a fleet of
-  identical replicas would.
-* Real-time pacing: the simulator runs in simulated time, so before each decision an engine
-  sleeps until the simulated time of that iteration has elapsed in wall time (divided by
-  ``--speedup``).  Each engine therefore asks the service at the rate a real GPU would
-  (≈ 20–60 iterations/s when loaded); ``--speedup 4`` is the load of a GPU four times as
-  fast, or four times as many engines.  ``lag`` is how far behind schedule engines asked
-  (their own CPU work and the round trip are wall time the simulated clock does not have).
-* The same workloads (same seeds) are then replayed with the policy in the engine's own
-  process (:class:`~engine_adapter.inprocess.InProcessBackend`, no pacing, inline refits): the
-  SLO attainment of the fleet is compared with it, so a loaded service that answers late or
-  falls back shows up as lost goodput, not only as latency.
+* The service is a real ``slidingserve serve [--workers N]`` subprocess on loopback, fresh for
+  every phase (no phase inherits the refits or CPU time of the one before) and outside the
+  benchmark's process (the engines' GIL can neither hide nor inflate its own).  Before the clock
+  starts it refits once under a spare profile: a fresh process imports scikit-learn on its first
+  refit (~1 s, mostly holding the GIL), a stall that would otherwise open every phase.
+* Every engine is its own process (spawn): the simulated engine (real trace lengths,
+  ground-truth GPU latencies) with the production adapter core (AdapterCore + GrpcBackend, one
+  long-lived ScheduleStream, background reports).  All report under one engine profile, so the
+  service pools their latencies into one predictor, as for a fleet of identical replicas.
+* Real-time pacing: before each decision an engine sleeps until the iteration's simulated time
+  has elapsed in wall time (÷ ``--speedup``), so it asks at a real GPU's rate (≈ 20–60
+  iterations/s when loaded); ``--speedup 4`` is a GPU four times as fast, or four times as many
+  engines.  ``lag`` is how late engines asked (their own CPU work and the round trip are wall
+  time the simulated clock does not have).
+* The same workloads (same seeds) are replayed with the policy in the engine's own process
+  (InProcessBackend, unpaced, inline refits): a loaded service that answers late or falls back
+  shows up as SLO attainment lost against it, not only as latency.
 
-Figures per phase: service-side time from the ScheduleResponse (``server_us``: decode,
-validate, plan, encode) and the policy's own ``decision_us``, the client's round trip
-(encode → gRPC → decode), decisions/s in total, fallback rate by reason, errors, CPU used by
-the service process (cores; one Python process is capped near 1 core by its GIL, gRPC's C
-threads aside), and SLO attainment fleet vs in-process.  Target at N = 8: service p99 ≤ 5 ms,
-fallbacks ≤ 0.1 %, no errors.
+Figures per phase: the service's time from the ScheduleResponse (``server_us``: decode,
+validate, plan, encode), the policy's ``decision_us``, the client's round trip, decisions/s,
+fallback rate by reason, errors, the service's CPU (cores; one Python process is capped near 1
+core by its GIL, gRPC's C threads aside) and SLO attainment fleet vs in-process.  Target at
+N = 8: service p99 ≤ 5 ms, fallbacks ≤ 0.1 %, no errors.  ``service_cpu_ms_per_decision``
+(reports and refits included; 1000 / it is the most decisions/s one core serves) and, with
+``--profile-server``, the share of time the service's GIL was held say how close one process is
+to its limit; ``engine_wall_split`` and ``engines_keep_pace`` whether the engines kept real time
+(on a small machine they share the cores with the service, and they give out first).
 
-How close one process is to its limit: ``service_cpu_ms_per_decision`` (CPU per decision,
-reports and refits included; 1000 / it is the most decisions/s one core serves) and, with
-``--profile-server``, the fraction of time the service's GIL was held.  ``engine_wall_split``
-and ``engines_keep_pace`` tell whether the engines themselves kept real time: on a small
-machine the engine processes and the service share the cores, and the engines (the load
-generator) give out first.
-
-``--saturate`` then raises the speedup at the largest N (×2 per step) until the target
-breaks, or until the engines can no longer keep pace (then the service was not the limit).  ``--profile-server`` samples the service with py-spy (PyPI package ``py-spy``;
-``--gil``: only the thread holding the GIL) during each phase and attributes its time to
-gRPC runtime, protobuf (de)serialisation, snapshot decode + validation, policy, plan encode,
-reports and predictor refits.
+``--saturate`` then doubles the speedup at the largest N until the target breaks, or until the
+engines can no longer keep pace (then the service was not the limit).  ``--profile-server``
+samples the service with py-spy (PyPI ``py-spy``; ``--gil``: only the thread holding the GIL)
+and attributes its time to gRPC runtime, protobuf (de)serialisation, snapshot decode +
+validation, policy, plan encode, reports and predictor refits.
 """
 
 from __future__ import annotations
@@ -61,7 +52,6 @@ import os
 import queue
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -74,11 +64,11 @@ from typing import Any
 
 import grpc
 import numpy as np
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clients.bench.runner import profile_predictor, quiet_logs
 from clients.workloads import MIXES, make_workload
 from engine_adapter.core import AdapterCore, AdapterSettings, SchedulerBackend
+from engine_adapter.faults import ServiceProcess
 from engine_adapter.inprocess import InProcessBackend
 from engine_adapter.remote import GrpcBackend
 from engine_adapter.sim.engine import EngineConfig, SimulatedEngine
@@ -90,12 +80,9 @@ from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler_service.server.servicer import WORKER_PID_KEY
 
-ROOT = Path(__file__).resolve().parent.parent
 #: N = 8 must meet these (service p99, fallback fraction).
 TARGET_P99_MS = 5.0
 TARGET_FALLBACK = 0.001
-#: Reasons AdapterCore counts; "error" is also counted as an error of the phase.
-REASONS = ("deadline", "error", "invalid_plan", "circuit_open")
 
 
 # ------------------------------------------------------------------ engine side
@@ -114,7 +101,7 @@ class EngineJob:
     predictor_json: str
     #: "" = policy in-process (reference run, unpaced); else host:port of the service.
     target: str = ""
-    #: Wall seconds per simulated second = 1 / speedup; 0 = unpaced.
+    #: Simulated seconds per wall second; 0 = unpaced.
     speedup: float = 1.0
 
 
@@ -146,47 +133,53 @@ def _channel_factory(target: str, sink: list[int]) -> Callable[[], Any]:
     return lambda: grpc.intercept_channel(grpc.insecure_channel(target, options=options), _Tap())
 
 
-def _make_paced_adapter(base: type, speedup: float, counters: Any, slot: int) -> type:
-    """``base`` (AdapterCore) whose ``decide`` first waits for the iteration's wall time."""
+class PacedAdapter(AdapterCore):
+    """AdapterCore whose ``decide`` first waits for the iteration's wall time (``speedup`` > 0)
+    and times where the engine's wall time goes."""
 
-    class Paced(base):  # type: ignore[valid-type,misc]
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self._pacer = WallClockPacer(speedup) if speedup > 0 else None
-            #: Seconds each decision was asked later than its real-time schedule.
-            self.lag_s: list[float] = []
-            #: Wall seconds spent pacing (asleep) and in decide() (round trip, plan check).
-            self.sleep_s = 0.0
-            self.decide_s = 0.0
-            #: Longest decide() and longest stretch between two decisions outside it (seconds).
-            self.max_decide_s = 0.0
-            self.max_between_s = 0.0
-            self._last_end: float | None = None
-            #: Messages of the remote failures counted as "error" (AdapterCore keeps only the last).
-            self.error_messages: collections.Counter[str] = collections.Counter()
+    def __init__(self, backend: SchedulerBackend, settings: AdapterSettings, pred: BatchLatencyPredictor,
+                 speedup: float) -> None:
+        super().__init__(backend, settings, pred)
+        self._pacer = WallClockPacer(speedup) if speedup > 0 else None
+        #: Seconds each decision was asked later than its real-time schedule.
+        self.lag_s: list[float] = []
+        #: Wall seconds asleep (pacing) and in decide() (round trip, plan check); the longest
+        #: decide() and the longest stretch between two decisions outside it.
+        self.sleep_s = self.decide_s = self.max_decide_s = self.max_between_s = 0.0
+        self._last_end: float | None = None
+        #: Messages of the remote failures counted as "error" (AdapterCore keeps only the last).
+        self.error_messages: collections.Counter[str] = collections.Counter()
 
-        def decide(self, snapshot: Any) -> Any:
-            if self._last_end is not None:
-                self.max_between_s = max(self.max_between_s, time.perf_counter() - self._last_end)
-            if self._pacer is not None:
-                left = self._pacer.wait(snapshot.now)
-                if left > 0:
-                    self.sleep_s += left
-                self.lag_s.append(max(0.0, -left))
-            t0 = time.perf_counter()
-            d = super().decide(snapshot)
-            self._last_end = time.perf_counter()
-            self.decide_s += self._last_end - t0
-            self.max_decide_s = max(self.max_decide_s, self._last_end - t0)
-            if d.reason == "error":
-                self.error_messages[self.last_error[:160]] += 1
-            if counters is not None:
-                counters[3 * slot] += 1
-                if d.source != "remote":
-                    counters[3 * slot + 1] += 1
-            return d
+    def decide(self, snapshot: Any) -> Any:
+        if self._last_end is not None:
+            self.max_between_s = max(self.max_between_s, time.perf_counter() - self._last_end)
+        if self._pacer is not None:
+            left = self._pacer.wait(snapshot.now)
+            self.sleep_s += max(0.0, left)
+            self.lag_s.append(max(0.0, -left))
+        t0 = time.perf_counter()
+        d = super().decide(snapshot)
+        self._last_end = time.perf_counter()
+        self.decide_s += self._last_end - t0
+        self.max_decide_s = max(self.max_decide_s, self._last_end - t0)
+        if d.reason == "error":
+            self.error_messages[self.last_error[:160]] += 1
+        return d
 
-    return Paced
+    def figures(self) -> dict[str, Any]:
+        """The adapter's counters, and its engine's lag and timing figures."""
+        st = self.stats()
+        lag = np.array(self.lag_s or [0.0])
+        return {
+            **{k: st[k] for k in ("fallbacks", "last_error", "reports_sent", "reports_dropped")},
+            "error_messages": dict(self.error_messages),
+            "lag_p99_ms": float(np.percentile(lag, 99) * 1e3),
+            "late_fraction": float(np.mean(lag > 0.005)),
+            "sleep_s": self.sleep_s,
+            "decide_s": self.decide_s,
+            "max_decide_ms": self.max_decide_s * 1e3,
+            "max_between_ms": self.max_between_s * 1e3,
+        }
 
 
 def run_engine(job: EngineJob, counters: Any = None, on_ready: Callable[[], None] | None = None) -> dict[str, Any]:
@@ -198,17 +191,13 @@ def run_engine(job: EngineJob, counters: Any = None, on_ready: Callable[[], None
     settings = AdapterSettings(policy=job.policy, profile=profile.key, deadline_ms=job.deadline_ms,
                                engine_id=f"fleet-{job.index}", report_inline=not job.target)
     samples: dict[str, list[int]] = {"rtt_us": [], "server_us": [], "policy_us": []}
-    backend: SchedulerBackend
-    if job.target:
-        backend = _measured_backend(job, settings, samples)
-    else:
-        backend = InProcessBackend(settings, pred)
-    cls = _make_paced_adapter(AdapterCore, job.speedup if job.target else 0.0, counters, job.index)
-    adapter = cls(backend, settings, pred)
-    engine = SimulatedEngine(w, load_ground_truth(job.profile), profile, adapter,
-                             EngineConfig(noise_seed=job.seed))
-    if counters is not None:
-        def hook(eng: SimulatedEngine, _snap: Any, _d: Any) -> None:
+    backend = _measured_backend(job, settings, samples) if job.target else InProcessBackend(settings, pred)
+    adapter = PacedAdapter(backend, settings, pred, job.speedup if job.target else 0.0)
+    engine = SimulatedEngine(w, load_ground_truth(job.profile), profile, adapter, EngineConfig(noise_seed=job.seed))
+    if counters is not None:  # the progress line's: decisions, fallbacks, requests done
+        def hook(eng: SimulatedEngine, _snap: Any, d: Any) -> None:
+            counters[3 * job.index] += 1
+            counters[3 * job.index + 1] += int(d.source != "remote")
             counters[3 * job.index + 2] = int(eng.done.sum())
 
         engine.on_iteration = hook
@@ -222,7 +211,6 @@ def run_engine(job: EngineJob, counters: Any = None, on_ready: Callable[[], None
         adapter.close()
     done = engine.done
     return {
-        "index": job.index,
         "requests": len(w),
         "completed": res.completed,
         "violated": int(res.violated.sum()),
@@ -231,9 +219,8 @@ def run_engine(job: EngineJob, counters: Any = None, on_ready: Callable[[], None
         "iterations": res.iterations,
         "decisions": len(res.decision_us),
         "wall_s": res.wall_time_s,
-        "sim_s": res.sim_time_s,
         "cpu_s": time.process_time() - cpu0,
-        **_adapter_figures(adapter),
+        **adapter.figures(),
         **{k: np.array(v, dtype=np.int64) for k, v in samples.items()},
     }
 
@@ -252,37 +239,13 @@ def _measured_backend(job: EngineJob, settings: AdapterSettings, samples: dict[s
             return plan
 
     backend = Measured(job.target, settings, channel_factory=_channel_factory(job.target, samples["server_us"]))
-    warm = Snapshot.from_columns(
-        now=0.0, max_batch_tokens=64, max_num_seqs=4, ids=["warm"], arrival=np.zeros(1),
-        prompt_tokens=np.array([8]), computed_tokens=np.zeros(1, dtype=np.int64),
-        output_tokens=np.zeros(1, dtype=np.int64), ttft_slo=np.ones(1), tbt_slo=np.ones(1),
-        protected=np.zeros(1, dtype=bool), profile=settings.profile)
-    backend.schedule(warm, 30.0)
+    backend.schedule(Snapshot.from_columns(
+        now=0.0, max_batch_tokens=64, max_num_seqs=4, ids=["warm"], arrival=[0.0], prompt_tokens=[8],
+        computed_tokens=[0], output_tokens=[0], ttft_slo=[1.0], tbt_slo=[1.0], protected=[False],
+        profile=settings.profile), 30.0)
     for v in samples.values():
         v.clear()
     return backend
-
-
-def _adapter_figures(adapter: Any) -> dict[str, Any]:
-    """The adapter's counters and the paced adapter's lag and timing figures."""
-    st = adapter.stats()
-    lag = np.array(getattr(adapter, "lag_s", []) or [0.0])
-    return {
-        "remote": st["remote_decisions"],
-        "fallbacks": st["fallbacks"],
-        "last_error": st["last_error"],
-        "error_messages": dict(getattr(adapter, "error_messages", {})),
-        "reports_sent": st["reports_sent"],
-        "reports_dropped": st["reports_dropped"],
-        "report_errors": st["report_errors"],
-        "lag_p99_ms": float(np.percentile(lag, 99) * 1e3),
-        "lag_ms": (lag * 1e3).astype(np.float32),
-        "sleep_s": getattr(adapter, "sleep_s", 0.0),
-        "decide_s": getattr(adapter, "decide_s", 0.0),
-        "max_decide_ms": getattr(adapter, "max_decide_s", 0.0) * 1e3,
-        "max_between_ms": getattr(adapter, "max_between_s", 0.0) * 1e3,
-        "late_fraction": float(np.mean(lag > 0.005)),
-    }
 
 
 def _engine_process(job: EngineJob, counters: Any, events: Any, start: Any) -> None:
@@ -300,75 +263,49 @@ def _engine_process(job: EngineJob, counters: Any, events: Any, start: Any) -> N
 
 
 def _reference(job: EngineJob) -> dict[str, Any]:
-    r = run_engine(replace(job, target="", speedup=0.0))
-    return {k: r[k] for k in ("index", "requests", "completed", "violated", "iterations")}
+    r = run_engine(replace(job, target=""))
+    return {k: r[k] for k in ("requests", "violated")}
 
 
 # ------------------------------------------------------------------ the service
-def _worker_pid(ch: grpc.Channel) -> str:
-    """The pid of the worker process behind ``ch``'s connection (GetPredictor's trailer)."""
+def worker_channel(target: str) -> tuple[grpc.Channel, str]:
+    """A connection of its own (no shared subchannel: the kernel picks the worker it reaches)
+    and the pid of the worker behind it (GetPredictor's trailer)."""
+    ch = grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
     _, call = pb_grpc.SchedulerServiceStub(ch).GetPredictor.with_call(pb.GetPredictorRequest(), timeout=30)
-    return str(dict(call.trailing_metadata()).get(WORKER_PID_KEY, ""))
+    return ch, str(dict(call.trailing_metadata()).get(WORKER_PID_KEY, ""))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Service:
+class Service(ServiceProcess):
     """``slidingserve serve`` in a subprocess on a loopback port, with the offline predictor
-    of the engines' profile as its bootstrap (as in the in-process reference)."""
+    of the engines' profile as its bootstrap (as in the in-process reference); started, every
+    worker up and warmed."""
 
     def __init__(self, predictor_json: str, engines: int, workdir: Path, workers: int = 1) -> None:
-        self.port = _free_port()
-        self.target = f"127.0.0.1:{self.port}"
-        self.workers = workers
         pfile = workdir / "predictor.json"
         pfile.write_text(predictor_json)
-        cfg = workdir / "server.json"
         # One worker thread per open stream (a ScheduleStream per engine, plus report streams).
-        cfg.write_text(json.dumps({"host": "127.0.0.1", "port": self.port, "log_level": "info",
-                                   "predictor_file": str(pfile), "grace_s": 0.5, "workers": workers,
-                                   "max_workers": max(32, 3 * engines + 8)}))
-        self.log = (workdir / "server.log").open("w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "clients.cli", "serve", "--config", str(cfg)], cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=self.log, stderr=subprocess.STDOUT,
-        )
-        self._wait_serving()
+        super().__init__(workdir, log_level="info", predictor_file=str(pfile), grace_s=0.5, workers=workers,
+                         max_workers=max(32, 3 * engines + 8))
+        self.workers = workers
+        self.start(240.0)  # a cold kernel cache compiles first
+        self.log = workdir / f"server-{self.starts}.log"
         self._wait_all_workers()
-        self._first_refit()
+        #: The workers' pids, in the order they were warmed.
+        self.worker_pids = self._first_refit()
 
     def _wait_all_workers(self, timeout: float = 180.0) -> None:
         """With several workers the port answers once the first is up; the supervisor logs
         ``server_started`` with ``workers`` once every one is."""
-        if self.workers == 1:
-            return
         end = time.monotonic() + timeout
-        path = Path(self.log.name)
-        while '"workers": ' not in path.read_text() or '"server_started"' not in path.read_text():
+        while self.workers > 1 and not all(s in self.log.read_text() for s in ('"workers": ', '"server_started"')):
             if self.proc.poll() is not None or time.monotonic() > end:
-                raise SystemExit(f"the {self.workers} workers did not start; see {self.log.name}")
+                raise SystemExit(f"the {self.workers} workers did not start; see {self.log}")
             time.sleep(0.1)
 
-    def _wait_serving(self, timeout: float = 240.0) -> None:  # a cold kernel cache compiles first
-        end = time.monotonic() + timeout
-        with grpc.insecure_channel(self.target) as ch:
-            stub = health_pb2_grpc.HealthStub(ch)
-            while time.monotonic() < end:
-                if self.proc.poll() is not None:
-                    raise SystemExit(f"the service exited with {self.proc.returncode}; see {self.log.name}")
-                with contextlib.suppress(grpc.RpcError):
-                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == \
-                            health_pb2.HealthCheckResponse.SERVING:
-                        return
-                time.sleep(0.1)
-        raise SystemExit(f"the service did not become SERVING within {timeout:.0f} s")
-
-    def _first_refit(self, timeout: float = 60.0) -> None:
-        """Make the service refit once, under a profile no engine uses, before the clock starts.
+    def _first_refit(self, timeout: float = 60.0) -> list[str]:
+        """Make every worker refit once, under a profile no engine uses, before the clock starts;
+        the workers' pids.
 
         The first refit of a fresh process imports scikit-learn (about 1 s, mostly holding the
         GIL), which would stall every decision of the first phase seconds once and then never
@@ -380,23 +317,23 @@ class Service:
             c = rng.integers(1, 512, rng.integers(1, 32))
             u = rng.integers(0, 2048, len(c))
             reports.append(IterationReport(latency_ms=5.0 + 0.02 * float(c.sum()) + 1e-4 * float(u.sum()), c=c, u=u))
-        warmed: set[str] = set()
+        warmed: list[str] = []
         end = time.monotonic() + timeout
         while len(warmed) < self.workers:  # one connection per worker (the kernel picks it)
             if time.monotonic() > end:
                 raise SystemExit(f"warm-up reports reached only {len(warmed)} of {self.workers} workers")
-            ch = grpc.insecure_channel(self.target, options=[("grpc.use_local_subchannel_pool", 1)])
+            ch, pid = worker_channel(self.target)
             with SchedulerClient(self.target, timeout_s=30.0, channel=ch) as client:
-                pid = _worker_pid(ch)
                 if pid in warmed:
                     continue
-                profile = f"fleet-load-warmup-{len(warmed)}"
-                client.report([replace(r, profile=EngineProfile(model=profile)) for r in reports])
-                while client.get_predictor(EngineProfile(model=profile)).refits < 1:
+                profile = EngineProfile(model=f"fleet-load-warmup-{len(warmed)}")
+                client.report([replace(r, profile=profile) for r in reports])
+                while client.get_predictor(profile).refits < 1:
                     if time.monotonic() > end:
                         raise SystemExit("the service did not refit its warm-up profile")
                     time.sleep(0.1)
-                warmed.add(pid)
+                warmed.append(pid)
+        return warmed
 
     def pids(self) -> list[int]:
         """The service's processes: the supervisor and its workers (or the one server)."""
@@ -419,16 +356,6 @@ class Service:
 
     def threads(self) -> int:
         return sum(len(os.listdir(f"/proc/{pid}/task")) for pid in self.pids() if Path(f"/proc/{pid}").exists())
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
 
 
 # ------------------------------------------------------------------ py-spy attribution
@@ -454,16 +381,10 @@ def attribute(collapsed: str) -> dict[str, float]:
     counts: collections.Counter[str] = collections.Counter()
     for line in collapsed.splitlines():
         stack, _, n = line.rpartition(" ")
-        if not stack or not n.isdigit():
-            continue
-        frames = stack.split(";")[::-1]
-        cat = "other"
-        for frame in frames:
-            hit = next((c for c, keys in CATEGORIES if any(k in frame for k in keys)), None)
-            if hit is not None:
-                cat = hit
-                break
-        counts[cat] += int(n)
+        if stack and n.isdigit():
+            frames = stack.split(";")[::-1]
+            cat = next((c for f in frames for c, keys in CATEGORIES if any(k in f for k in keys)), "other")
+            counts[cat] += int(n)
     total = sum(counts.values()) or 1
     return {k: round(v / total, 3) for k, v in counts.most_common()} | {"_samples": sum(counts.values())}
 
@@ -473,11 +394,9 @@ def profiled(service: Service, seconds: float, out: Path | None) -> Iterator[dic
     """Sample the service with py-spy while the body runs (when ``out`` is given)."""
     result: dict[str, Any] = {}
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-    if out is None:
-        yield result
-        return
-    if not Path(spy).exists():
-        print("  (--profile-server: py-spy not found; install the PyPI package py-spy)", file=sys.stderr)
+    if out is None or not Path(spy).exists():
+        if out is not None:
+            print("  (--profile-server: py-spy not found; install the PyPI package py-spy)", file=sys.stderr)
         yield result
         return
     rate, duration = 250, max(2, int(seconds))
@@ -512,10 +431,6 @@ class Phase:
     workers: int = 1
 
 
-def _pct(a: np.ndarray, q: float) -> float:
-    return float(np.percentile(a, q)) if len(a) else float("nan")
-
-
 def run_phase(phase: Phase, base: EngineJob, workdir: Path, spy_dir: Path | None) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     service = Service(base.predictor_json, phase.engines, workdir, phase.workers)
@@ -548,22 +463,17 @@ def run_phase(phase: Phase, base: EngineJob, workdir: Path, spy_dir: Path | None
                 p.terminate()
             p.join(5)
         service.stop()
-    rs = [results[i] for i in sorted(results)]
-    out = _phase_figures(phase, rs, failures, wall, cpu, threads)
+    out = _phase_figures(phase, [results[i] for i in sorted(results)], failures, wall, cpu, threads)
     if spy:
         out["server_profile_gil"] = spy
-    out["_engines"] = rs  # raw per-engine results (samples included); not written to --out
     return out
 
 
 def _wait_ready(events: Any, n: int) -> None:
     """Wait until ``n`` engines have said they are ready; SystemExit when one failed."""
-    ready = 0
-    while ready < n:
+    for _ in range(n):
         kind, i, payload = events.get(timeout=120)
-        if kind == "ready":
-            ready += 1
-        else:  # failed before the start
+        if kind != "ready":  # failed before the start
             raise SystemExit(f"engine {i} failed to start:\n{payload}")
 
 
@@ -573,14 +483,9 @@ def _collect(events: Any, counters: Any, results: dict[int, dict[str, Any]], fai
     SystemExit when they take more than three times the expected wall time."""
     last = t0
     while len(results) + len(failures) < n:
-        try:
+        with contextlib.suppress(queue.Empty):
             kind, i, payload = events.get(timeout=1.0)
-        except queue.Empty:
-            kind = ""
-        if kind == "done":
-            results[i] = payload
-        elif kind == "failed":
-            failures[i] = payload
+            (results if kind == "done" else failures)[i] = payload
         now = time.perf_counter()
         if now - last >= 5.0 or len(results) + len(failures) == n:
             last = now
@@ -597,9 +502,7 @@ def _phase_figures(phase: Phase, rs: list[dict[str, Any]], failures: dict[int, s
     """A phase's figures from its engines' results and the service's CPU time."""
     decisions = sum(r["decisions"] for r in rs)
     out: dict[str, Any] = {
-        "engines": phase.engines,
-        "speedup": phase.speedup,
-        "workers": phase.workers,
+        **asdict(phase),
         "wall_s": round(wall, 2),
         **_latency_figures(rs),
         **_fallback_figures(rs, failures, decisions),
@@ -624,53 +527,51 @@ def _phase_figures(phase: Phase, rs: list[dict[str, Any]], failures: dict[int, s
     return out
 
 
+def _mean(xs: list[float]) -> float:
+    return float(np.mean(xs)) if xs else 0.0
+
+
 def _latency_figures(rs: list[dict[str, Any]]) -> dict[str, Any]:
     """Decisions and their rate; service, policy and round-trip times (ms)."""
-    def cat(key: str) -> np.ndarray:
-        return np.concatenate([r[key] for r in rs]) if rs else np.zeros(0)
+    def pcts(key: str, *qs: str) -> dict[str, float]:
+        a = np.concatenate([r[key] for r in rs]) / 1e3 if rs else np.zeros(0)
+        return {q: float(np.percentile(a, {"p50": 50, "p99": 99, "max": 100}[q])) if len(a) else float("nan")
+                for q in qs}
 
-    srv, rtt, pol = cat("server_us") / 1e3, cat("rtt_us") / 1e3, cat("policy_us") / 1e3
     return {
         "decisions": sum(r["decisions"] for r in rs),
         "decisions_per_s": round(sum(r["decisions"] / r["wall_s"] for r in rs), 1),
-        "per_engine_iterations_per_s": round(float(np.mean([r["iterations"] / r["wall_s"] for r in rs])), 1)
-        if rs else 0.0,
-        "service_ms": {"p50": _pct(srv, 50), "p99": _pct(srv, 99), "max": _pct(srv, 100)},
-        "policy_ms": {"p50": _pct(pol, 50), "p99": _pct(pol, 99)},
-        "round_trip_ms": {"p50": _pct(rtt, 50), "p99": _pct(rtt, 99), "max": _pct(rtt, 100)},
+        "per_engine_iterations_per_s": round(_mean([r["iterations"] / r["wall_s"] for r in rs]), 1),
+        "service_ms": pcts("server_us", "p50", "p99", "max"),
+        "policy_ms": pcts("policy_us", "p50", "p99"),
+        "round_trip_ms": pcts("rtt_us", "p50", "p99", "max"),
     }
 
 
 def _fallback_figures(rs: list[dict[str, Any]], failures: dict[int, str], decisions: int) -> dict[str, Any]:
     """Fallbacks by reason and their rate, errors and the engines' last error messages."""
-    fb: collections.Counter[str] = collections.Counter()
-    for r in rs:
-        fb.update(r["fallbacks"])
+    fb = sum((collections.Counter(r["fallbacks"]) for r in rs), collections.Counter())
+    messages = sum((collections.Counter(r["error_messages"]) for r in rs), collections.Counter())
     return {
         "fallbacks": dict(fb),
         "fallback_rate": sum(fb.values()) / max(decisions, 1),
         "errors": fb.get("error", 0) + len(failures),
         "engine_failures": failures,
         "last_errors": sorted({r["last_error"] for r in rs if r["last_error"]})[:3],
-        "error_messages": dict(sum((collections.Counter(r["error_messages"]) for r in rs),
-                                   collections.Counter()).most_common(5)),
+        "error_messages": dict(messages.most_common(5)),
     }
 
 
 def _pace_figures(rs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Whether the engines kept real time: lag, late share, and where their wall time went."""
+    """Whether the engines kept real time: lag, late share, and where their wall time went:
+    pacing sleep, decide() (mostly the round trip), and the rest (their own simulation work,
+    reports, waiting for a CPU).  Little sleep means the engines, not the service, set the pace."""
     return {
         "lag_p99_ms": max((r["lag_p99_ms"] for r in rs), default=0.0),
-        "late_fraction": float(np.mean([r["late_fraction"] for r in rs])) if rs else 0.0,
-        # Where an engine's wall time went: pacing sleep, decide() (mostly the round trip), and
-        # the rest (its own simulation work, reports, and waiting for a CPU).  Little sleep
-        # means the engines, not the service, set the pace.
-        "engine_max_decide_ms": max((r["max_decide_ms"] for r in rs), default=0.0),
-        "engine_max_between_ms": max((r["max_between_ms"] for r in rs), default=0.0),
-        "engine_wall_split": {
-            "sleep": round(float(np.mean([r["sleep_s"] / r["wall_s"] for r in rs])), 3) if rs else 0.0,
-            "decide": round(float(np.mean([r["decide_s"] / r["wall_s"] for r in rs])), 3) if rs else 0.0,
-        },
+        "late_fraction": _mean([r["late_fraction"] for r in rs]),
+        **{f"engine_{k}": max((r[k] for r in rs), default=0.0) for k in ("max_decide_ms", "max_between_ms")},
+        "engine_wall_split": {k: round(_mean([r[f"{k}_s"] / r["wall_s"] for r in rs]), 3)
+                              for k in ("sleep", "decide")},
     }
 
 
@@ -714,38 +615,27 @@ def _positive(text: str) -> float:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
-
-    profile = args.profile or DEFAULT_PROFILE
-    if profile not in PROFILES:
-        ap.error(f"unknown --profile {profile!r}; valid: {', '.join(PROFILES)}")
-    if args.policy not in registry.names():
-        ap.error(f"unknown --policy {args.policy!r}; valid: {', '.join(registry.names())}")
     if args.workload not in MIXES and not Path(args.workload).is_file():
         ap.error(f"unknown --workload {args.workload!r}; valid: {', '.join(MIXES)} or a CSV path")
-
     requests = max(1, round(args.rate * args.duration))
     base = EngineJob(index=0, workload=args.workload, requests=requests, rate=args.rate, seed=args.seed,
-                     profile=profile, policy=args.policy, deadline_ms=args.deadline_ms,
-                     predictor_json=profile_predictor(profile).to_json())
+                     profile=args.profile, policy=args.policy, deadline_ms=args.deadline_ms,
+                     predictor_json=profile_predictor(args.profile).to_json())
     print(f"fleet load: {args.workload} at {args.rate:g} rps per engine, {requests} requests each "
           f"(~{args.duration:g} simulated s), policy {args.policy}, deadline {args.deadline_ms:g} ms, "
-          f"profile {profile}; service workers {','.join(map(str, args.workers))}; {os.cpu_count()} CPUs, "
-          f"load {os.getloadavg()[0]:.1f}",
-          file=sys.stderr)
+          f"profile {args.profile}; service workers {','.join(map(str, args.workers))}; {os.cpu_count()} CPUs, "
+          f"load {os.getloadavg()[0]:.1f}", file=sys.stderr)
     phases: list[dict[str, Any]] = []
     if args.out:
         Path(args.out).resolve().parent.mkdir(parents=True, exist_ok=True)
-    # py-spy's raw stacks are kept beside --out (else in the temporary folder).
-    spy_dir = None if not args.profile_server else Path(args.out).resolve().parent if args.out else None
     with tempfile.TemporaryDirectory(prefix="fleet-load-") as tmp:
-        if args.profile_server and spy_dir is None:
-            spy_dir = Path(tmp)
+        # py-spy's raw stacks are kept beside --out (else in the temporary folder).
+        spy_dir = (Path(args.out).resolve().parent if args.out else Path(tmp)) if args.profile_server else None
 
         def go(ph: Phase) -> dict[str, Any]:
-            res = run_phase(ph, base, Path(tmp), spy_dir)
-            phases.append(res)
-            print(row(res), file=sys.stderr)
-            return res
+            phases.append(run_phase(ph, base, Path(tmp), spy_dir))
+            print(row(phases[-1]), file=sys.stderr)
+            return phases[-1]
 
         for w in args.workers:
             for n in args.engines:
@@ -757,15 +647,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.saturate:
         print(f"saturation: {saturation or 'not reached up to speedup ' + format(args.max_speedup, 'g')}")
     if args.out:
-        Path(args.out).write_text(json.dumps({"config": {**vars(args), "profile": profile,
-                                                          "requests_per_engine": requests},
-                                              "target": {"service_p99_ms": TARGET_P99_MS,
-                                                         "fallback_rate": TARGET_FALLBACK},
-                                              "phases": [{k: v for k, v in p.items() if not k.startswith("_")}
-                                                         for p in phases],
-                                              "saturation": saturation,
-                                              "cpus": os.cpu_count(), "base_job": asdict(base) | {
-                                                  "predictor_json": "<offline fit>"}}, indent=2))
+        Path(args.out).write_text(json.dumps({
+            "config": {**vars(args), "requests_per_engine": requests},
+            "target": {"service_p99_ms": TARGET_P99_MS, "fallback_rate": TARGET_FALLBACK},
+            "phases": phases, "saturation": saturation, "cpus": os.cpu_count(),
+            "base_job": asdict(base) | {"predictor_json": "<offline fit>"}}, indent=2))
         print(f"wrote {args.out}")
     return 0
 
@@ -778,8 +664,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--speedup", type=_positive, default=1.0, help="simulated seconds per wall second")
     ap.add_argument("--rate", type=_positive, default=1.6, help="arrivals per second per engine")
     ap.add_argument("--workload", default="mixed-v1")
-    ap.add_argument("--policy", default="slidingserve")
-    ap.add_argument("--profile", default="", help="GPU profile (default: the simulator's default)")
+    ap.add_argument("--policy", default="slidingserve", choices=registry.names())
+    ap.add_argument("--profile", default=DEFAULT_PROFILE, choices=list(PROFILES),
+                    help="GPU profile (default: the simulator's default)")
     ap.add_argument("--deadline-ms", type=_positive, default=20.0)
     ap.add_argument("--workers", type=_ints, default=[1],
                     help="service worker processes per phase, e.g. 1,2 (every engine count runs with each)")

@@ -2,33 +2,31 @@
 
     .venv/bin/python -m benchmarks.grpc_latency [--iters 500] [--seeds 3] [--in-process] [--workers N]
 
-The snapshot is a loaded engine's: 256 decodes + 512 waiting/prefilling requests with
-ShareGPT lengths (``benchmarks.snapshots.busy_snapshot``, seeded).  The server runs in a
-separate process by default (as in production, the engine and the service do not share a
-GIL); ``--in-process`` embeds it instead.  Figures:
+The snapshot is a loaded engine's: 256 decodes + 512 waiting/prefilling requests with ShareGPT
+lengths (``benchmarks.snapshots.busy_snapshot``, seeded).  The server (``slidingserve serve``)
+runs in a separate process by default (as in production, engine and service share no GIL);
+``--in-process`` embeds it instead.  Figures:
 
-* encode (core Snapshot → protobuf bytes) and decode (bytes → validated core Snapshot)
-  per encoding, plus the message size — the choice of wire encoding;
-* per field of the columnar snapshot and of the plan: bytes on the wire and the time to
-  decode it (server) or encode it (client / server);
+* per wire encoding: encode (core Snapshot → protobuf bytes), decode (bytes → validated core
+  Snapshot) and the message size;
+* per field of the columnar snapshot and of the plan: bytes on the wire and the time to decode
+  it (server) or encode it (client / server);
 * the server side of a call step by step, in this process with the server's own functions:
-  parse (protobuf bytes → message), decode (message → numpy columns), validate
-  (``Snapshot.from_arrays``), plan, encode (plan → response bytes); then decode + validate
-  and plan encode before the columnar path (``np.array`` + ``Snapshot.from_columns``, list
-  ``extend``) and after it, interleaved call by call;
-* with ``--throughput 1,2``: decisions/s of ``--workers`` 1 and 2 under closed-loop streams;
+  parse (bytes → message), decode (message → numpy columns), validate (``Snapshot.from_arrays``),
+  plan, encode (plan → response bytes); then decode + validate and plan encode before the
+  columnar path (``np.array`` + ``Snapshot.from_columns``, list ``extend``) and after it,
+  interleaved call by call;
 * end-to-end p50/p99 of ``SchedulerClient.schedule`` (unary) and of one long-lived
-  ``ScheduleStream``, each including client encode and plan decode, with policy
-  slidingserve; ``server`` is the server-side time from the response (decode, validate,
-  plan, encode), so ``e2e - server`` is the transport and client cost.
+  ``ScheduleStream``, client encode and plan decode included; ``server`` is the server-side time
+  from the response (decode, validate, plan, encode), so ``e2e - server`` is transport and client;
+* with ``--throughput 1,2``: decisions/s of ``--workers`` 1 and 2 under closed-loop streams.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -40,16 +38,14 @@ import grpc
 import numpy as np
 
 from benchmarks.snapshots import busy_snapshot
+from engine_adapter.faults import ServiceProcess
 from scheduler_service.client import SchedulerClient
 from scheduler_service.core import Plan, Snapshot, default_predictor, registry
 from scheduler_service.core.snapshot import COLUMN_DTYPES
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
 from scheduler_service.gen.slidingserve.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler_service.server import SchedulerServer, ServerConfig
-from scheduler_service.server.workers import MultiProcessServer
 from scheduler_service.wire.convert import columns_to_arrays, plan_to_pb, snapshot_from_pb, snapshot_to_pb
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def pct(xs: list[float]) -> tuple[float, float]:
@@ -68,22 +64,14 @@ def timed(fn: Callable[[Any], object], items: Sequence[Any], iters: int) -> list
     return out
 
 
-def _encode(snap: Snapshot, encoding: str) -> bytes:
-    return snapshot_to_pb(snap, encoding=encoding).SerializeToString()
-
-
 def bench_codec(snaps: list[Snapshot], iters: int) -> list[tuple[str, float, float, float, float, int]]:
     rows = []
     for enc in ("columns", "rows"):
         blobs = [snapshot_to_pb(s, encoding=enc).SerializeToString() for s in snaps]
-        e = timed(partial(_encode, encoding=enc), snaps, iters)
+        e = timed(lambda s, enc=enc: snapshot_to_pb(s, encoding=enc).SerializeToString(), snaps, iters)
         d = timed(lambda b: snapshot_from_pb(pb.Snapshot.FromString(b), max_requests=100_000), blobs, iters)
         rows.append((enc, *pct(e), *pct(d), len(blobs[0])))
     return rows
-
-
-COLUMN_FIELDS = ("ids", "arrival", "prompt_tokens", "computed_tokens", "output_tokens", "ttft_slo", "tbt_slo",
-                 "protected")
 
 
 def _decode_field(c: pb.RequestColumns, name: str) -> object:
@@ -100,23 +88,22 @@ def bench_fields(snaps: list[Snapshot], plan: Plan, iters: int) -> list[tuple[st
     decode is the server's conversion of the parsed field to numpy (or the id tuple),
     encode the client's (snapshot) or server's (plan) filling of the field."""
     msgs = [pb.Snapshot.FromString(snapshot_to_pb(s).SerializeToString()).columns for s in snaps]
+    parsed = pb.Plan.FromString(plan_to_pb(plan).SerializeToString())
+    # (label, message class, field, parsed messages, server decode, values the sender fills in)
+    cases: list[tuple[str, Any, str, list[Any], Callable[[Any], object], list[Any]]] = [
+        (f"snapshot.columns.{name}", pb.RequestColumns, name, msgs, partial(_decode_field, name=name),
+         [list(s.ids) if name == "ids" else getattr(s, name).tolist() for s in snaps])
+        for name in ("ids", *COLUMN_DTYPES)]
+    cases += [(f"plan.{name}", pb.Plan, name, [parsed], lambda m, name=name: list(getattr(m, name)), [values])
+              for name, values in (("allocation_ids", [a.id for a in plan.allocations]),
+                                   ("allocation_tokens", [a.tokens for a in plan.allocations]))]
     rows = []
-    for name in COLUMN_FIELDS:
-        size = pb.RequestColumns(**{name: getattr(msgs[0], name)}).ByteSize()
-        dec = timed(lambda c, name=name: _decode_field(c, name), msgs, iters)
-        values = [list(s.ids) if name == "ids" else getattr(s, name).tolist() for s in snaps]
-        enc = timed(lambda v, name=name: pb.RequestColumns(**{name: v}), values, iters)
-        rows.append((f"snapshot.columns.{name}", size, pct(dec)[0] * 1e3, pct(enc)[0] * 1e3))
-    pm = plan_to_pb(plan)
-    parsed = pb.Plan.FromString(pm.SerializeToString())
-    ids, toks = [a.id for a in plan.allocations], [a.tokens for a in plan.allocations]
-    for name, values in (("allocation_ids", ids), ("allocation_tokens", toks)):
-        size = pb.Plan(**{name: values}).ByteSize()
-        dec = timed(lambda m, name=name: list(getattr(m, name)), [parsed], iters)
-        enc = timed(lambda v, name=name: pb.Plan(**{name: v}), [values], iters)
-        rows.append((f"plan.{name}", size, pct(dec)[0] * 1e3, pct(enc)[0] * 1e3))
-    rest = pm.ByteSize() - sum(r[1] for r in rows[-2:])
-    rows.append(("plan (other fields)", rest, 0.0, 0.0))
+    for label, cls, name, parsed_msgs, decode, values in cases:
+        size = cls(**{name: getattr(parsed_msgs[0], name)}).ByteSize()
+        dec = timed(decode, parsed_msgs, iters)
+        enc = timed(lambda v, cls=cls, name=name: cls(**{name: v}), values, iters)
+        rows.append((label, size, pct(dec)[0] * 1e3, pct(enc)[0] * 1e3))
+    rows.append(("plan (other fields)", parsed.ByteSize() - sum(r[1] for r in rows[-2:]), 0.0, 0.0))
     return rows
 
 
@@ -198,34 +185,12 @@ def bench_before_after(snaps: list[Snapshot], policy: str, iters: int) -> list[t
     return out
 
 
-def serve_child(port_file: str, workers: int) -> None:
-    """Child process: serve until stdin closes (one server, or a supervisor of ``workers``)."""
-    cfg = ServerConfig(host="127.0.0.1", port=0, log_level="warning", workers=workers)
-    with (SchedulerServer(cfg) if workers == 1 else MultiProcessServer(cfg)) as srv:
-        Path(port_file).write_text(str(srv.port))
-        sys.stdin.read()
-
-
-def start_server(in_process: bool, workers: int = 1) -> tuple[str, Callable[[], None]]:
+def server(in_process: bool, workers: int = 1) -> SchedulerServer | ServiceProcess:
+    """The benchmark server, to start with ``with``: embedded in this process, or
+    ``slidingserve serve`` (one server, or a supervisor of ``workers``) in a subprocess."""
     if in_process:
-        srv = SchedulerServer(ServerConfig(host="127.0.0.1", port=0, log_level="warning")).start()
-        return srv.target, lambda: srv.stop(0)
-    port_file = Path(tempfile.mkdtemp()) / "port"
-    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.grpc_latency", "--serve-child", str(port_file),
-                             "--workers", str(workers)],
-                            cwd=ROOT, stdin=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    deadline = time.monotonic() + 180
-    while not (port_file.exists() and port_file.read_text()):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit("benchmark server did not start")
-        time.sleep(0.05)
-
-    def stop() -> None:
-        assert proc.stdin is not None
-        proc.stdin.close()
-        proc.wait(10)
-
-    return f"127.0.0.1:{port_file.read_text()}", stop
+        return SchedulerServer(ServerConfig(host="127.0.0.1", port=0, log_level="warning", grace_s=0.0))
+    return ServiceProcess(Path(tempfile.mkdtemp(prefix="grpc-latency-")), log_level="warning", workers=workers)
 
 
 # ------------------------------------------------------------- decisions per second
@@ -238,11 +203,11 @@ def _load_client(target: str, pid: str, blobs: list[bytes], seconds: float, out:
     ways so that the client spends as little CPU as possible; puts its decision count."""
     import queue  # deferred: only the load clients need these
 
-    from benchmarks.fleet_load import _worker_pid  # fleet_load imports the engine adapter
+    from benchmarks.fleet_load import worker_channel  # fleet_load imports the engine adapter
 
     for _ in range(256):
-        ch = grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
-        if _worker_pid(ch) == pid:
+        ch, got = worker_channel(target)
+        if got == pid:
             break
         ch.close()
     call = ch.stream_stream(SCHEDULE_STREAM, request_serializer=None, response_deserializer=None)
@@ -263,22 +228,16 @@ def bench_throughput(snaps: list[Snapshot], workers: int, clients: int, seconds:
     cores the service's processes used)."""
     import multiprocessing as mp  # deferred: only this figure uses it
 
-    from benchmarks.fleet_load import Service, _worker_pid
+    from benchmarks.fleet_load import Service
 
     blobs = [pb.ScheduleRequest(snapshot=snapshot_to_pb(s), policy=policy).SerializeToString() for s in snaps]
     with tempfile.TemporaryDirectory(prefix="grpc-throughput-") as tmp:
         service = Service(default_predictor().to_json(), clients, Path(tmp), workers)
         try:
-            pids: list[str] = []
-            while len(pids) < workers:
-                with grpc.insecure_channel(service.target, options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
-                    pid = _worker_pid(ch)
-                if pid not in pids:
-                    pids.append(pid)
             ctx = mp.get_context("spawn")
             out, start = ctx.Queue(), ctx.Barrier(clients + 1)
-            procs = [ctx.Process(target=_load_client,
-                                 args=(service.target, pids[i % workers], blobs, seconds, out, start))
+            procs = [ctx.Process(target=_load_client, args=(service.target, service.worker_pids[i % workers],
+                                                            blobs, seconds, out, start))
                      for i in range(clients)]
             for p in procs:
                 p.start()
@@ -314,10 +273,6 @@ def free_cores(seconds: float = 2.0) -> float:
 
 def main() -> None:
     args = _parser().parse_args()
-    if args.serve_child:
-        serve_child(args.serve_child, args.workers)
-        return
-
     snaps = [busy_snapshot(args.decodes, args.queued, seed=s) for s in range(args.seeds)]
     print(f"snapshot: {args.decodes} decodes + {args.queued} waiting/prefilling (ShareGPT lengths), "
           f"{args.seeds} seeds, {args.iters} calls each; policy {args.policy}; "
@@ -328,11 +283,9 @@ def main() -> None:
     fresh = [snapshot_from_pb(snapshot_to_pb(s), max_requests=100_000)[0] for s in snaps for _ in range(50)]
     inproc = timed(lambda s: pol.plan(s, pred), fresh, min(args.iters, len(fresh)))
     results, srv_times = _end_to_end(snaps, args)
-
     print("\nend to end (client encode → gRPC → plan → client decode)   p50 ms   p99 ms")
-    print(f"  {'in-process policy.plan, fresh snapshots (no gRPC)':52s}  {pct(inproc)[0]:7.3f}  {pct(inproc)[1]:7.3f}")
-    print(f"  {'server-side (decode+validate+plan+encode)':52s}  {pct(srv_times)[0]:7.3f}  {pct(srv_times)[1]:7.3f}")
-    for name, p50, p99 in results:
+    for name, p50, p99 in [("in-process policy.plan, fresh snapshots (no gRPC)", *pct(inproc)),
+                           ("server-side (decode+validate+plan+encode)", *pct(srv_times)), *results]:
         print(f"  {name:52s}  {p50:7.3f}  {p99:7.3f}")
     if args.throughput:
         _print_throughput(snaps, args)
@@ -350,7 +303,6 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--throughput", metavar="N,N", help="also measure decisions/s with these worker counts, e.g. 1,2")
     ap.add_argument("--clients", type=int, default=4, help="closed-loop streams for --throughput")
     ap.add_argument("--seconds", type=float, default=20.0, help="duration of each --throughput run")
-    ap.add_argument("--serve-child", help=argparse.SUPPRESS)
     return ap
 
 
@@ -372,26 +324,20 @@ def _print_in_process(snaps: list[Snapshot], plan: Plan, args: argparse.Namespac
 
 def _end_to_end(snaps: list[Snapshot], args: argparse.Namespace) -> tuple[list[tuple[Any, ...]], list[float]]:
     """Unary and stream calls through the client (both encodings): (name, p50, p99) rows;
-    and the server-side times the responses report."""
-    target, stop = start_server(args.in_process, args.workers)
+    and the server-side times the responses report (columnar)."""
     results: list[tuple[Any, ...]] = []
-    try:
+    with server(args.in_process, args.workers) as srv:
         for enc in ("columns", "rows"):
-            with SchedulerClient(target, timeout_s=5.0, encoding=enc) as cl:
-                unary = partial(cl.schedule, policy=args.policy)
-                timed(unary, snaps, 60)  # warm-up: connection, caches
-                results.append((f"unary ({enc})", *pct(timed(unary, snaps, args.iters))))
-                with cl.stream() as st:
-                    stream = partial(st.schedule, policy=args.policy)
-                    timed(stream, snaps, 60)
-                    results.append((f"stream ({enc})", *pct(timed(stream, snaps, args.iters))))
-        # Server-side time, as reported in the responses (columnar).
-        with grpc.insecure_channel(target) as ch:
+            with SchedulerClient(srv.target, timeout_s=5.0, encoding=enc) as cl:
+                for kind in ("unary", "stream"):
+                    with cl.stream() if kind == "stream" else contextlib.nullcontext(cl) as c:
+                        fn = partial(c.schedule, policy=args.policy)
+                        timed(fn, snaps, 60)  # warm-up: connection, caches
+                        results.append((f"{kind} ({enc})", *pct(timed(fn, snaps, args.iters))))
+        with grpc.insecure_channel(srv.target) as ch:
             stub = pb_grpc.SchedulerServiceStub(ch)
             reqs = [pb.ScheduleRequest(snapshot=snapshot_to_pb(s), policy=args.policy) for s in snaps]
             srv_times = [stub.Schedule(reqs[i % len(reqs)]).server_us * 1e-6 for i in range(args.iters)]
-    finally:
-        stop()
     return results, srv_times
 
 
