@@ -135,50 +135,44 @@ def _channel_factory(target: str, sink: list[int]) -> Callable[[], Any]:
 
 class PacedAdapter(AdapterCore):
     """AdapterCore whose ``decide`` first waits for the iteration's wall time (``speedup`` > 0)
-    and times where the engine's wall time goes."""
+    and records where the engine's wall time goes."""
 
     def __init__(self, backend: SchedulerBackend, settings: AdapterSettings, pred: BatchLatencyPredictor,
                  speedup: float) -> None:
         super().__init__(backend, settings, pred)
         self._pacer = WallClockPacer(speedup) if speedup > 0 else None
-        #: Seconds each decision was asked later than its real-time schedule.
-        self.lag_s: list[float] = []
-        #: Wall seconds asleep (pacing) and in decide() (round trip, plan check); the longest
-        #: decide() and the longest stretch between two decisions outside it.
-        self.sleep_s = self.decide_s = self.max_decide_s = self.max_between_s = 0.0
-        self._last_end: float | None = None
+        #: Per decision: when decide() was called, when pacing let it go and when it returned (wall
+        #: seconds), and the pacer's answer (> 0: seconds slept; < 0: how late it was asked).
+        self.times: list[tuple[float, float, float, float]] = []
         #: Messages of the remote failures counted as "error" (AdapterCore keeps only the last).
         self.error_messages: collections.Counter[str] = collections.Counter()
 
     def decide(self, snapshot: Any) -> Any:
-        if self._last_end is not None:
-            self.max_between_s = max(self.max_between_s, time.perf_counter() - self._last_end)
-        if self._pacer is not None:
-            left = self._pacer.wait(snapshot.now)
-            self.sleep_s += max(0.0, left)
-            self.lag_s.append(max(0.0, -left))
+        called = time.perf_counter()
+        left = self._pacer.wait(snapshot.now) if self._pacer is not None else 0.0
         t0 = time.perf_counter()
         d = super().decide(snapshot)
-        self._last_end = time.perf_counter()
-        self.decide_s += self._last_end - t0
-        self.max_decide_s = max(self.max_decide_s, self._last_end - t0)
+        self.times.append((called, t0, time.perf_counter(), left))
         if d.reason == "error":
             self.error_messages[self.last_error[:160]] += 1
         return d
 
     def figures(self) -> dict[str, Any]:
-        """The adapter's counters, and its engine's lag and timing figures."""
+        """The adapter's counters; the lag (how late decisions were asked vs real time); the wall
+        seconds asleep (pacing) and in decide() (round trip, plan check), the longest decide()
+        and the longest stretch between two decisions outside it."""
         st = self.stats()
-        lag = np.array(self.lag_s or [0.0])
+        called, t0, t1, left = np.array(self.times or [(0.0, 0.0, 0.0, 0.0)]).T
+        lag = np.maximum(0.0, -left)
         return {
             **{k: st[k] for k in ("fallbacks", "last_error", "reports_sent", "reports_dropped")},
             "error_messages": dict(self.error_messages),
             "lag_p99_ms": float(np.percentile(lag, 99) * 1e3),
             "late_fraction": float(np.mean(lag > 0.005)),
-            "sleep_s": self.sleep_s,
-            "decide_s": self.decide_s,
-            "max_decide_ms": self.max_decide_s * 1e3,
-            "max_between_ms": self.max_between_s * 1e3,
+            "sleep_s": float(np.maximum(0.0, left).sum()),
+            "decide_s": float((t1 - t0).sum()),
+            "max_decide_ms": float((t1 - t0).max()) * 1e3,
+            "max_between_ms": float((called[1:] - t1[:-1]).max(initial=0.0)) * 1e3,
         }
 
 
