@@ -27,6 +27,7 @@ import time
 from collections.abc import AsyncIterable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -49,20 +50,9 @@ from scheduler_service.wire.convert import (
 from scheduler_service.wire.profile import EngineProfile
 from scheduler_service.wire.status import violations_from_status
 
-__all__ = [
-    "AsyncSchedulerClient",
-    "ClientSecurity",
-    "DeploymentInfo",
-    "EngineProfile",
-    "IterationReport",
-    "PolicyInfo",
-    "PolicyList",
-    "PolicyParamInfo",
-    "PredictorInfo",
-    "ReportSummary",
-    "SchedulerClient",
-    "SchedulerError",
-]
+__all__ = ["AsyncSchedulerClient", "ClientSecurity", "DeploymentInfo", "EngineProfile", "IterationReport",
+           "PolicyInfo", "PolicyList", "PolicyParamInfo", "PredictorInfo", "ReportSummary", "SchedulerClient",
+           "SchedulerError"]
 
 SnapshotLike = Snapshot | pb.Snapshot | Mapping[str, Any]
 ProfileLike = EngineProfile | str | None
@@ -159,18 +149,15 @@ class PolicyInfo:
     params: tuple[PolicyParamInfo, ...]
 
 
+#: A parameter default from its wire text back to the type the registry reports (text otherwise).
+_PARSE: dict[str, Callable[[str], Any]] = {"int": int, "float": float, "bool": lambda t: t.lower() == "true"}
+
+
 def _typed(type_name: str, text: str) -> Any:
-    """A parameter default back from its wire text to the type the registry reports."""
     try:
-        if type_name == "int":
-            return int(text)
-        if type_name == "float":
-            return float(text)
-        if type_name == "bool":
-            return text.lower() == "true"
+        return _PARSE.get(type_name, str)(text)
     except ValueError:
-        pass
-    return text
+        return text
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,26 +197,17 @@ class PolicyList:
         """Same shape as the offline ``{"default": ..., "policies": [registry.describe(n)...]}``,
         plus ``deployments``/``shadow``/``config_digest`` when the server has a policy config
         (and ``versions``, the same list under its pre-rename key, for existing scripts)."""
-        out = self._registry_dict()
+        out: dict[str, Any] = {"default": self.default_policy, "policies": [
+            {"name": p.name, "version": p.version, "doc": p.doc,
+             "params": [{"name": q.name, "type": q.type, "default": _typed(q.type, q.default), "min": q.min,
+                         "max": q.max, "choices": list(q.choices) or None, "doc": q.doc} for q in p.params]}
+            for p in self.policies]}
         if self.deployments:
-            out["deployments"] = [{"name": d.name, "policy": d.policy, "params": dict(d.params),
-                                   "policy_version": d.policy_version} for d in self.deployments]
-            out["versions"] = out["deployments"]
-            out["shadow"] = self.shadow
-            out["config_digest"] = self.config_digest
+            deployments = [{"name": d.name, "policy": d.policy, "params": dict(d.params),
+                            "policy_version": d.policy_version} for d in self.deployments]
+            out.update(deployments=deployments, versions=deployments, shadow=self.shadow,
+                       config_digest=self.config_digest)
         return out
-
-    def _registry_dict(self) -> dict[str, Any]:
-        return {
-            "default": self.default_policy,
-            "policies": [
-                {"name": p.name, "version": p.version, "doc": p.doc,
-                 "params": [{"name": q.name, "type": q.type, "default": _typed(q.type, q.default), "min": q.min,
-                             "max": q.max, "choices": list(q.choices) or None, "doc": q.doc}
-                            for q in p.params]}
-                for p in self.policies
-            ],
-        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,7 +223,8 @@ class PredictorInfo:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "profile_key": self.profile_key, "version": self.version, "sample_counts": dict(self.sample_counts),
+            "profile_key": self.profile_key, "version": self.version,
+            "sample_counts": dict(self.sample_counts),
             "reports_accepted": self.reports_accepted, "buffered_samples": self.buffered_samples,
             "refits": self.refits, "published": self.published, "predictor": self.predictor.to_dict(),
         }
@@ -304,7 +283,8 @@ class ClientSecurity:
         return bool(self.token or self.token_file)
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, prefix: str = "SLIDINGSERVE_") -> ClientSecurity | None:
+    def from_env(cls, env: Mapping[str, str] | None = None,
+                 prefix: str = "SLIDINGSERVE_") -> ClientSecurity | None:
         """From ``SLIDINGSERVE_TLS_CA``, ``_TLS_CERT``, ``_TLS_KEY``, ``_TOKEN``,
         ``_TOKEN_FILE``, ``_TLS_SERVER_NAME`` (the vLLM adapter's names); None if none is set."""
         env = os.environ if env is None else env
@@ -316,18 +296,13 @@ class ClientSecurity:
                 raise ValueError(f"{prefix}{names[k]}: no such file {values[k]!r}")
         return cls(**values) if any(values.values()) else None
 
-    def _read(self, path: str) -> bytes | None:
-        if not path:
-            return None
-        with open(path, "rb") as fh:
-            return fh.read()
-
     def options(self) -> list[tuple[str, Any]]:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
 
     def credentials(self) -> grpc.ChannelCredentials:
-        return grpc.ssl_channel_credentials(self._read(self.ca_file), self._read(self.key_file),
-                                            self._read(self.cert_file))
+        paths = (self.ca_file, self.key_file, self.cert_file)
+        ca, key, cert = (Path(p).read_bytes() if p else None for p in paths)
+        return grpc.ssl_channel_credentials(ca, key, cert)
 
     def channel(self, target: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
         opts = [*options, *self.options()]
@@ -343,11 +318,8 @@ class ClientSecurity:
 
     def metadata(self) -> Metadata | None:
         """Call metadata carrying the token, or None when there is no token."""
-        if self.token:
-            return (("authorization", f"Bearer {self.token}"),)
-        if self._token_reader is None:
-            return None
-        return (("authorization", f"Bearer {self._token_reader.read()}"),)
+        token = self.token if self._token_reader is None else self._token_reader.read()
+        return (("authorization", f"Bearer {token}"),) if token else None
 
 
 class _TokenFile:
@@ -362,23 +334,20 @@ class _TokenFile:
         self._lock = threading.Lock()
 
     def read(self) -> str:
-        try:
-            with self._lock:
-                if self._watch.changed():
-                    try:
-                        with open(self.path) as fh:
-                            token = fh.read().strip()
-                        _check_token(token, f"token_file {self.path!r}")
-                    except (OSError, ValueError):
-                        self._watch.forget()  # a missing or bad file is read again next call
-                        raise
-                    self._token = token
-                return self._token
-        except OSError as e:
-            raise SchedulerError(grpc.StatusCode.UNAUTHENTICATED,
-                                 f"cannot read token_file {self.path!r}: {e.strerror or e}") from None
-        except ValueError as e:
-            raise SchedulerError(grpc.StatusCode.UNAUTHENTICATED, str(e)) from None
+        """The token; a missing, unreadable or bad file is a SchedulerError UNAUTHENTICATED."""
+        with self._lock:
+            if self._watch.changed():
+                try:
+                    with open(self.path) as fh:
+                        token = fh.read().strip()
+                    _check_token(token, f"token_file {self.path!r}")
+                except (OSError, ValueError) as e:
+                    self._watch.forget()  # a missing or bad file is read again next call
+                    why = (f"cannot read token_file {self.path!r}: {e.strerror or e}"
+                           if isinstance(e, OSError) else str(e))
+                    raise SchedulerError(grpc.StatusCode.UNAUTHENTICATED, why) from None
+                self._token = token
+            return self._token
 
 
 def _check_token(token: str, what: str) -> None:
@@ -387,7 +356,7 @@ def _check_token(token: str, what: str) -> None:
         raise ValueError(f"{what}: a token must be non-empty printable ASCII without spaces")
 
 
-# --------------------------------------------------------------- encoding
+# -------------------------------------------------- requests and replies
 def _profile(p: ProfileLike) -> EngineProfile | None:
     if p is None or isinstance(p, EngineProfile):
         return p
@@ -395,23 +364,21 @@ def _profile(p: ProfileLike) -> EngineProfile | None:
 
 
 def _params_text(params: Mapping[str, Any] | None) -> dict[str, str]:
-    if not params:
-        return {}
-    return {str(k): param_text(v) for k, v in params.items()}
+    return {str(k): param_text(v) for k, v in (params or {}).items()}
 
 
 @dataclass(slots=True)
 class _Encoder:
-    """Builds ScheduleRequests and call metadata; shared by the sync and async clients."""
+    """Builds every call's request and metadata; shared by the sync and async clients."""
 
     profile: EngineProfile | None
     engine_id: str
     encoding: str
-    security: ClientSecurity | None = None
+    security: ClientSecurity
     _ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
 
     def md(self) -> Metadata | None:
-        return self.security.metadata() if self.security is not None else None
+        return self.security.metadata()
 
     def request(self, snapshot: SnapshotLike, policy: str | None, params: Mapping[str, Any] | None,
                 request_id: str | None, explain: bool = False) -> pb.ScheduleRequest:
@@ -432,18 +399,14 @@ class _Encoder:
             msg.engine_id = self.engine_id
         return msg
 
-    def reports(self, items: Iterable[IterationReport | pb.IterationReport]) -> Iterator[pb.IterationReport]:
-        for r in items:
-            yield self.report(r)
+    def predictor_request(self, profile: ProfileLike) -> pb.GetPredictorRequest:
+        prof = _profile(profile) or self.profile or EngineProfile()
+        return pb.GetPredictorRequest(engine_profile=profile_to_pb(prof))
 
-
-def _whatif_request(deployments: Sequence[str], loads: Sequence[float], engine_id: str) -> pb.WhatIfRequest:
-    return pb.WhatIfRequest(deployments=list(deployments), loads=list(loads), engine_id=engine_id)
-
-
-def _whatif_answer(resp: pb.WhatIfResponse) -> dict[str, Any]:
-    out: dict[str, Any] = json.loads(resp.result_json)
-    return out
+    @staticmethod
+    def whatif_request(deployments: Sequence[str], loads: Sequence[float],
+                       engine_id: str) -> pb.WhatIfRequest:
+        return pb.WhatIfRequest(deployments=list(deployments), loads=list(loads), engine_id=engine_id)
 
 
 def _ids(snapshot: Any) -> Sequence[str] | None:
@@ -459,32 +422,32 @@ def _plan(resp: pb.ScheduleResponse, ids: Sequence[str] | None = None) -> Plan:
 
 
 def _summary(msg: pb.ReportSummary) -> ReportSummary:
-    return ReportSummary(int(msg.accepted), int(msg.rejected), msg.predictor_version, tuple(msg.rejection_reasons))
+    return ReportSummary(int(msg.accepted), int(msg.rejected), msg.predictor_version,
+                         tuple(msg.rejection_reasons))
 
 
 def _policy_list(msg: pb.ListPoliciesResponse) -> PolicyList:
-    return PolicyList(
-        msg.default_policy,
-        tuple(
-            PolicyInfo(p.name, p.version, p.doc, tuple(
-                PolicyParamInfo(q.name, q.type, q.default_value,
-                                q.min if q.HasField("min") else None,
-                                q.max if q.HasField("max") else None,
-                                tuple(q.choices), q.doc)
-                for q in p.params))
-            for p in msg.policies
-        ),
-        # the wire field keeps its pre-rename name ``versions`` (the proto is frozen)
-        tuple(DeploymentInfo(d.name, d.policy, dict(d.params), d.policy_version) for d in msg.versions),
-        msg.shadow,
-        msg.config_digest,
-    )
+    def param(q: Any) -> PolicyParamInfo:
+        return PolicyParamInfo(q.name, q.type, q.default_value, q.min if q.HasField("min") else None,
+                               q.max if q.HasField("max") else None, tuple(q.choices), q.doc)
+
+    policies = tuple(PolicyInfo(p.name, p.version, p.doc, tuple(map(param, p.params))) for p in msg.policies)
+    # the wire field keeps its pre-rename name ``versions`` (the proto is frozen)
+    deployments = tuple(DeploymentInfo(d.name, d.policy, dict(d.params), d.policy_version)
+                        for d in msg.versions)
+    return PolicyList(msg.default_policy, policies, deployments, msg.shadow, msg.config_digest)
 
 
 def _predictor_info(msg: pb.GetPredictorResponse) -> PredictorInfo:
     p = BatchLatencyPredictor.from_json(msg.predictor_json)
-    return PredictorInfo(p, msg.version, msg.profile_key, dict(msg.sample_counts) or predictor_sample_counts(p),
-                         msg.reports_accepted, msg.buffered_samples, msg.refits, msg.published)
+    counts = dict(msg.sample_counts) or predictor_sample_counts(p)
+    return PredictorInfo(p, msg.version, msg.profile_key, counts, msg.reports_accepted, msg.buffered_samples,
+                         msg.refits, msg.published)
+
+
+def _whatif_answer(resp: pb.WhatIfResponse) -> dict[str, Any]:
+    out: dict[str, Any] = json.loads(resp.result_json)
+    return out
 
 
 def _channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
@@ -506,25 +469,20 @@ def _channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
 # ------------------------------------------------------------ shared bases
 class _BaseClient:
     """What :class:`SchedulerClient` and :class:`AsyncSchedulerClient` share: configuration,
-    security and metadata, request encoding, reply decoding and error mapping.  The two
-    differ only in I/O: which channel they open and whether a call is awaited."""
+    security, the requests (:class:`_Encoder`) and the decoding of the replies (``_plan``,
+    ``_summary``...).  The two differ only in I/O: their channel, and whether a call is awaited."""
 
     def __init__(self, target: str, timeout_s: float, profile: ProfileLike, engine_id: str, encoding: str,
-                 max_message_bytes: int, security: ClientSecurity | None) -> None:
+                 security: ClientSecurity | None) -> None:
         self.target = target
         self.timeout_s = timeout_s
-        self._enc = _Encoder(_profile(profile), engine_id, encoding, security)
         #: without security, a plain one: an insecure channel and no metadata
         self._security = security or ClientSecurity()
-        self._options = _channel_options(max_message_bytes)
+        self._enc = _Encoder(_profile(profile), engine_id, encoding, self._security)
 
     def _kwargs(self, timeout_s: float | None) -> dict[str, Any]:
         """A unary call's deadline and metadata."""
         return {"timeout": self.timeout_s if timeout_s is None else timeout_s, "metadata": self._enc.md()}
-
-    def _predictor_request(self, profile: ProfileLike) -> pb.GetPredictorRequest:
-        prof = _profile(profile) or self._enc.profile or EngineProfile()
-        return pb.GetPredictorRequest(engine_profile=profile_to_pb(prof))
 
 
 class _BaseStream(abc.ABC):
@@ -551,6 +509,14 @@ class _BaseStream(abc.ABC):
                                  f"expected {req.request_id!r}")
         return _plan(resp, _ids(snapshot))
 
+    def _fail(self, err: grpc.RpcError | None = None, late: float | None = None) -> SchedulerError:
+        """Drop the stream after a failed call; the error to raise: the deadline of ``late``
+        seconds missed, else ``err`` converted, else the server closed the stream."""
+        self._drop()
+        if late is not None:
+            return self._late(late)
+        return self._server_closed() if err is None else SchedulerError.from_rpc_error(err)
+
     @staticmethod
     def _late(timeout: float) -> SchedulerError:
         return SchedulerError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply within {timeout:g} s")
@@ -564,13 +530,14 @@ class _BaseStream(abc.ABC):
 class SchedulerClient(_BaseClient):
     """Blocking client.  ``profile`` and ``engine_id`` are defaults for snapshots and
     reports that carry none; ``encoding`` is "columns" (faster) or "rows"; ``security``
-    adds TLS and a token (with ``channel`` given, only its token is used)."""
+    adds TLS and a token (with ``channel`` given, only its token is used).  ``timeout_s``
+    of a call defaults to the client's; a failed call raises :class:`SchedulerError`."""
 
     def __init__(self, target: str, timeout_s: float = 1.0, *, profile: ProfileLike = None,
                  engine_id: str = "", encoding: str = "columns", max_message_bytes: int = 64 << 20,
                  channel: grpc.Channel | None = None, security: ClientSecurity | None = None) -> None:
-        super().__init__(target, timeout_s, profile, engine_id, encoding, max_message_bytes, security)
-        self._channel = channel or self._security.channel(target, self._options)
+        super().__init__(target, timeout_s, profile, engine_id, encoding, security)
+        self._channel = channel or self._security.channel(target, _channel_options(max_message_bytes))
         self._stub = pb_grpc.SchedulerServiceStub(self._channel)
 
     def _unary(self, method: Any, req: Any, timeout_s: float | None, decode: Callable[[Any], T]) -> T:
@@ -579,10 +546,13 @@ class SchedulerClient(_BaseClient):
         except grpc.RpcError as e:
             raise SchedulerError.from_rpc_error(e) from None
 
-    def schedule(self, snapshot: SnapshotLike, policy: str | None = None, params: Mapping[str, Any] | None = None,
-                 timeout_s: float | None = None, *, request_id: str | None = None, explain: bool = False) -> Plan:
-        """One decision.  ``explain``: ask for its reasons (``Plan.reasons``, docs/reasons.md);
-        the decision is the same, and a service older than the field ignores it."""
+    def schedule(self, snapshot: SnapshotLike, policy: str | None = None,
+                 params: Mapping[str, Any] | None = None, timeout_s: float | None = None, *,
+                 request_id: str | None = None, explain: bool = False) -> Plan:
+        """One decision: the :class:`Plan` for ``snapshot`` under ``policy`` (default: the
+        server's) with ``params``.  ``explain``: ask for its reasons (``Plan.reasons``,
+        docs/reasons.md); the decision is the same, and a service older than the field ignores
+        it.  Raises :class:`SchedulerError`, for an error reply too."""
         req = self._enc.request(snapshot, policy, params, request_id, explain)
         return self._unary(self._stub.Schedule, req, timeout_s, partial(_plan, ids=_ids(snapshot)))
 
@@ -592,21 +562,30 @@ class SchedulerClient(_BaseClient):
 
     def report(self, reports: Iterable[IterationReport | pb.IterationReport],
                timeout_s: float | None = None) -> ReportSummary:
-        return self._unary(self._stub.ReportIterations, self._enc.reports(reports), timeout_s, _summary)
+        """Send measured iterations (the service fits its latency predictor to them); the
+        :class:`ReportSummary` of what it took.  Raises :class:`SchedulerError`."""
+        return self._unary(self._stub.ReportIterations, map(self._enc.report, reports), timeout_s, _summary)
 
     def list_policies(self, timeout_s: float | None = None) -> PolicyList:
+        """The server's policies and policy config, a :class:`PolicyList`; raises :class:`SchedulerError`."""
         return self._unary(self._stub.ListPolicies, pb.ListPoliciesRequest(), timeout_s, _policy_list)
 
     def get_predictor(self, profile: ProfileLike = None, timeout_s: float | None = None) -> PredictorInfo:
-        return self._unary(self._stub.GetPredictor, self._predictor_request(profile), timeout_s, _predictor_info)
+        """The service's latency predictor for ``profile`` (default: the client's), a
+        :class:`PredictorInfo`; raises :class:`SchedulerError`."""
+        req = self._enc.predictor_request(profile)
+        return self._unary(self._stub.GetPredictor, req, timeout_s, _predictor_info)
 
     def whatif(self, deployments: Sequence[str] = (), loads: Sequence[float] = (), engine_id: str = "",
                timeout_s: float | None = None) -> dict[str, Any]:
         """A what-if on the service's recording (docs/operations.md, "Before you switch"): the
-        answer as ``slidingserve whatif --json`` gives it, its table under ``"table"``."""
-        return self._unary(self._stub.WhatIf, _whatif_request(deployments, loads, engine_id), timeout_s, _whatif_answer)
+        answer as ``slidingserve whatif --json`` gives it, its table under ``"table"``.  Raises
+        :class:`SchedulerError`."""
+        req = self._enc.whatif_request(deployments, loads, engine_id)
+        return self._unary(self._stub.WhatIf, req, timeout_s, _whatif_answer)
 
     def close(self) -> None:
+        """Close the channel (``with`` does on leaving)."""
         self._channel.close()
 
     def __enter__(self) -> SchedulerClient:
@@ -618,6 +597,8 @@ class SchedulerClient(_BaseClient):
 
 
 _END = object()
+#: The watchdog's deadline while no call is pending: (call number, due time, call).
+_NO_DEADLINE: tuple[int, float, Any] = (-1, math.inf, None)
 
 
 class ScheduleStream(_BaseStream):
@@ -626,10 +607,9 @@ class ScheduleStream(_BaseStream):
     The caller's thread reads the reply straight from the call (no reader thread: a thread
     hand-off per decision measurably costs latency on a loaded engine host).  Per-call
     deadlines are enforced by one watchdog thread that cancels the stream when a reply is
-    late; it sleeps until the pending deadline and is woken only for an earlier one (a call
-    with a shorter timeout than the last), so steady traffic costs it no wake-ups.  A
-    broken or cancelled stream is reopened on the next call, so an engine keeps one object
-    for its whole life.
+    late; it sleeps until the pending deadline and is woken only for an earlier one, so
+    steady traffic costs it no wake-ups.  A broken or cancelled stream is reopened on the
+    next call, so an engine keeps one object for its whole life.
     """
 
     def __init__(self, stub: pb_grpc.SchedulerServiceStub, enc: _Encoder, timeout_s: float) -> None:
@@ -638,30 +618,25 @@ class ScheduleStream(_BaseStream):
         self._cv = threading.Condition()
         self._send: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._seq = 0
-        self._deadline: tuple[int, float, Any] | None = None
+        self._deadline = _NO_DEADLINE
         #: when the watchdog wakes next (inf: idle, waiting for a deadline)
         self._watch_until = math.inf
         self._expired = -1
         self._closed = False
-        self._watchdog = threading.Thread(target=self._watch, name="schedule-stream-watchdog", daemon=True)
-        self._watchdog.start()
+        threading.Thread(target=self._watch, name="schedule-stream-watchdog", daemon=True).start()
 
     def _watch(self) -> None:
         with self._cv:
             while not self._closed:
-                d = self._deadline
-                if d is None:
-                    self._watch_until = math.inf
-                    self._cv.wait()
-                    continue
-                left = d[1] - time.monotonic()
+                seq, due, call = self._deadline
+                left = due - time.monotonic()
                 if left > 0:
-                    self._watch_until = d[1]
-                    self._cv.wait(left)
+                    self._watch_until = due
+                    self._cv.wait(None if call is None else left)
                     continue
-                self._deadline = None
-                self._expired = d[0]
-                d[2].cancel()
+                self._deadline = _NO_DEADLINE
+                self._expired = seq
+                call.cancel()
 
     def _arm(self, seq: int, due: float, call: Any) -> None:
         """Hand the watchdog this call's deadline."""
@@ -672,12 +647,8 @@ class ScheduleStream(_BaseStream):
 
     def _disarm(self, seq: int) -> None:
         with self._cv:
-            if self._deadline is not None and self._deadline[0] == seq:
-                self._deadline = None  # no notify: the watchdog finds out when it wakes
-
-    def _open(self) -> None:
-        self._send = queue.SimpleQueue()
-        self._call = self._stub.ScheduleStream(iter(self._send.get, _END), metadata=self._enc.md())
+            if self._deadline[0] == seq:
+                self._deadline = _NO_DEADLINE  # no notify: the watchdog finds out when it wakes
 
     def _drop(self) -> None:
         if self._call is not None:
@@ -685,15 +656,20 @@ class ScheduleStream(_BaseStream):
             self._call.cancel()
             self._call = None
 
-    def schedule(self, snapshot: SnapshotLike, policy: str | None = None, params: Mapping[str, Any] | None = None,
-                 timeout_s: float | None = None, *, request_id: str | None = None) -> Plan:
+    def schedule(self, snapshot: SnapshotLike, policy: str | None = None,
+                 params: Mapping[str, Any] | None = None, timeout_s: float | None = None, *,
+                 request_id: str | None = None) -> Plan:
+        """The next decision, as :meth:`SchedulerClient.schedule` gives it.  Raises
+        :class:`SchedulerError`: DEADLINE_EXCEEDED when no reply came within ``timeout_s``
+        (the next call reopens the stream), CANCELLED once the stream is closed."""
         req = self._enc.request(snapshot, policy, params, request_id)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
             if self._closed:
                 raise SchedulerError(grpc.StatusCode.CANCELLED, "the stream is closed")
             if self._call is None:
-                self._open()
+                self._send = queue.SimpleQueue()
+                self._call = self._stub.ScheduleStream(iter(self._send.get, _END), metadata=self._enc.md())
             self._seq += 1
             seq, call = self._seq, self._call
             self._arm(seq, time.monotonic() + timeout, call)
@@ -701,13 +677,9 @@ class ScheduleStream(_BaseStream):
                 self._send.put(req)
                 resp = next(call)
             except StopIteration:
-                self._drop()
-                raise self._server_closed() from None
+                raise self._fail() from None
             except grpc.RpcError as e:
-                self._drop()
-                if self._expired == seq:
-                    raise self._late(timeout) from None
-                raise SchedulerError.from_rpc_error(e) from None
+                raise self._fail(e, timeout if self._expired == seq else None) from None
             finally:
                 self._disarm(seq)
             if self._expired == seq:
@@ -718,6 +690,7 @@ class ScheduleStream(_BaseStream):
             return self._answer(resp, req, snapshot)
 
     def close(self) -> None:
+        """End the stream and its watchdog (``with`` does on leaving)."""
         with self._lock:
             self._closed = True
             if self._call is not None:
@@ -736,13 +709,14 @@ class ScheduleStream(_BaseStream):
 
 # ----------------------------------------------------------- async client
 class AsyncSchedulerClient(_BaseClient):
-    """asyncio twin of :class:`SchedulerClient` (grpc.aio); create it inside a running loop."""
+    """asyncio twin of :class:`SchedulerClient` (grpc.aio), whose methods it awaits with the
+    same results and errors; create it inside a running loop."""
 
     def __init__(self, target: str, timeout_s: float = 1.0, *, profile: ProfileLike = None,
                  engine_id: str = "", encoding: str = "columns", max_message_bytes: int = 64 << 20,
                  security: ClientSecurity | None = None) -> None:
-        super().__init__(target, timeout_s, profile, engine_id, encoding, max_message_bytes, security)
-        self._channel = self._security.aio_channel(target, self._options)
+        super().__init__(target, timeout_s, profile, engine_id, encoding, security)
+        self._channel = self._security.aio_channel(target, _channel_options(max_message_bytes))
         self._stub = pb_grpc.SchedulerServiceStub(self._channel)
 
     async def _unary(self, method: Any, req: Any, timeout_s: float | None, decode: Callable[[Any], T]) -> T:
@@ -754,41 +728,44 @@ class AsyncSchedulerClient(_BaseClient):
     async def schedule(self, snapshot: SnapshotLike, policy: str | None = None,
                        params: Mapping[str, Any] | None = None, timeout_s: float | None = None, *,
                        request_id: str | None = None, explain: bool = False) -> Plan:
+        """:meth:`SchedulerClient.schedule`: the :class:`Plan`; raises :class:`SchedulerError`."""
         req = self._enc.request(snapshot, policy, params, request_id, explain)
         return await self._unary(self._stub.Schedule, req, timeout_s, partial(_plan, ids=_ids(snapshot)))
 
     def stream(self) -> AsyncScheduleStream:
+        """One long-lived AsyncScheduleStream (use with ``async with``, or ``await close()`` it)."""
         return AsyncScheduleStream(self._stub, self._enc, self.timeout_s)
 
     async def report(self, reports: Iterable[IterationReport | pb.IterationReport]
                      | AsyncIterable[IterationReport | pb.IterationReport],
                      timeout_s: float | None = None) -> ReportSummary:
+        """:meth:`SchedulerClient.report`, ``reports`` also an async iterable: the
+        :class:`ReportSummary`; raises :class:`SchedulerError`."""
         enc = self._enc
-
-        async def gen() -> Any:
-            if isinstance(reports, AsyncIterable):
-                async for r in reports:
-                    yield enc.report(r)
-            else:
-                for m in enc.reports(reports):
-                    yield m
-
-        return await self._unary(self._stub.ReportIterations, gen(), timeout_s, _summary)
+        if isinstance(reports, AsyncIterable):
+            reqs: Any = (enc.report(r) async for r in reports)
+        else:
+            reqs = map(enc.report, reports)
+        return await self._unary(self._stub.ReportIterations, reqs, timeout_s, _summary)
 
     async def whatif(self, deployments: Sequence[str] = (), loads: Sequence[float] = (), engine_id: str = "",
                      timeout_s: float | None = None) -> dict[str, Any]:
-        """:meth:`SchedulerClient.whatif`."""
-        return await self._unary(self._stub.WhatIf, _whatif_request(deployments, loads, engine_id), timeout_s,
-                                 _whatif_answer)
+        """:meth:`SchedulerClient.whatif`: the answer; raises :class:`SchedulerError`."""
+        req = self._enc.whatif_request(deployments, loads, engine_id)
+        return await self._unary(self._stub.WhatIf, req, timeout_s, _whatif_answer)
 
     async def list_policies(self, timeout_s: float | None = None) -> PolicyList:
+        """:meth:`SchedulerClient.list_policies`: the :class:`PolicyList`; raises :class:`SchedulerError`."""
         return await self._unary(self._stub.ListPolicies, pb.ListPoliciesRequest(), timeout_s, _policy_list)
 
-    async def get_predictor(self, profile: ProfileLike = None, timeout_s: float | None = None) -> PredictorInfo:
-        return await self._unary(self._stub.GetPredictor, self._predictor_request(profile), timeout_s,
-                                 _predictor_info)
+    async def get_predictor(self, profile: ProfileLike = None,
+                            timeout_s: float | None = None) -> PredictorInfo:
+        """:meth:`SchedulerClient.get_predictor`: the PredictorInfo; raises :class:`SchedulerError`."""
+        req = self._enc.predictor_request(profile)
+        return await self._unary(self._stub.GetPredictor, req, timeout_s, _predictor_info)
 
     async def close(self) -> None:
+        """Close the channel (``async with`` does on leaving)."""
         await self._channel.close()
 
     async def __aenter__(self) -> AsyncSchedulerClient:
@@ -809,6 +786,8 @@ class AsyncScheduleStream(_BaseStream):
     async def schedule(self, snapshot: SnapshotLike, policy: str | None = None,
                        params: Mapping[str, Any] | None = None, timeout_s: float | None = None, *,
                        request_id: str | None = None) -> Plan:
+        """:meth:`ScheduleStream.schedule`: the :class:`Plan`; raises :class:`SchedulerError`
+        (DEADLINE_EXCEEDED when late; the next call reopens the stream)."""
         req = self._enc.request(snapshot, policy, params, request_id)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         async with self._lock:
@@ -820,17 +799,14 @@ class AsyncScheduleStream(_BaseStream):
                     await call.write(req)
                     resp = await call.read()
             except TimeoutError:
-                self._drop()
-                raise self._late(timeout) from None
+                raise self._fail(late=timeout) from None
             except grpc.RpcError as e:
-                self._drop()
-                raise SchedulerError.from_rpc_error(e) from None
+                raise self._fail(e) from None
             except asyncio.CancelledError:  # the reply may still come: it must not answer the next call
                 self._drop()
                 raise
             if resp is grpc.aio.EOF:
-                self._drop()
-                raise self._server_closed()
+                raise self._fail()
             return self._answer(resp, req, snapshot)
 
     def _drop(self) -> None:
@@ -839,6 +815,7 @@ class AsyncScheduleStream(_BaseStream):
             self._call = None
 
     async def close(self) -> None:
+        """Half-close the stream (``async with`` does on leaving); the next call opens a new one."""
         async with self._lock:
             if self._call is not None:
                 await self._call.done_writing()
