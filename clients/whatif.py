@@ -51,6 +51,9 @@ __all__ = ["MIN_ITERATIONS", "Candidate", "WhatIf", "fit_cost_model", "parse_can
 MIN_ITERATIONS = 200
 #: Fewest finished requests a replay is worth running on.
 MIN_REQUESTS = 20
+#: The served policy's replay error (points) past which the table warns: the replay's own
+#: error bounds the differences it can tell apart.
+TRUSTED_ERROR = 5.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -251,6 +254,13 @@ def run_whatif(rec: Recording, candidates: Sequence[Candidate], loads: Sequence[
     error.update({k: at_pace[k] - recorded[k] for k in ("ttft_p99_ms", "itl_mean_ms")})
     cached = int(rec.requests["cached"].sum())
     notes = [f"{cached} prompt tokens were prefix-cache hits on the engine; the replays compute them"] if cached else []
+    off = {k: v for k, v in (("formula (1)", error["attain_f1"]), ("TTFT+TPOT", error["attain_tpot"]))
+           if abs(v) > TRUSTED_ERROR}
+    if off:
+        worst = max(abs(v) for v in off.values())
+        notes.append(f"the replay of {served.label} misses what this engine recorded by "
+                     + ", ".join(f"{v:+.1f} points under {k}" for k, v in off.items())
+                     + f": read differences between policies smaller than {worst:.0f} points as noise")
     if len(rec.policies) > 1:
         mix = ", ".join(f"{k or '(unnamed)'}: {v}" for k, v in sorted(rec.policies.items()))
         notes.append(f"several policies served this traffic (requests: {mix}); it is replayed as {served.label}, "

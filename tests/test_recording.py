@@ -176,6 +176,7 @@ def test_whatif_replays_the_served_policy_close_to_its_recording(recorded: tuple
     w = run_whatif(read_recording(d), [Candidate("slidingserve", "slidingserve", {})], [1.0, 1.5])
     assert {r["policy"] for r in w.rows} == {"vllm-fcfs (served)", "slidingserve"}
     assert abs(w.error["attain_f1"]) <= 5 and abs(w.error["attain_tpot"]) <= 5
+    assert not any("misses what this engine recorded" in n for n in w.notes)
     at = {(r["policy"], r["load"]): r for r in w.rows}
     # more load, no more requests within SLO, for the same policy
     assert at[("vllm-fcfs (served)", 1.5)]["attain_f1"] <= at[("vllm-fcfs (served)", 1.0)]["attain_f1"]
@@ -245,3 +246,21 @@ def test_whatif_says_when_several_policies_served(recorded: tuple[Path, Workload
     assert rec.policies["vllm-fcfs"] + rec.policies["slidingserve"] == 240 and rec.policies["vllm-fcfs"] == 100
     w = run_whatif(rec, [], [1.0])
     assert w.served == "slidingserve (served)" and any("several policies" in n for n in w.notes)
+
+
+def test_whatif_warns_when_its_replay_misses_the_recording(recorded: tuple[Path, Workload, float],
+                                                           tmp_path: Path) -> None:
+    """Every third request recorded late (formula (1)) that the replay serves on time: the
+    answer names the replay's error and the differences it cannot tell apart."""
+    d, _, _ = recorded
+    lines = []
+    for k, ln in enumerate(sorted(d.glob("recording-*.jsonl"))[0].read_text().splitlines()):
+        doc = json.loads(ln)
+        if doc.get("t") == "request" and doc["finished"] and k % 3 == 0:
+            doc["late_s"] = 0.5
+        lines.append(json.dumps(doc))
+    (tmp_path / "recording-a.jsonl").write_text("\n".join(lines) + "\n")
+    w = run_whatif(read_recording(tmp_path), [], [1.0])
+    assert w.error["attain_f1"] > 5
+    note = next(n for n in w.notes if "misses what this engine recorded" in n)
+    assert f"{w.error['attain_f1']:+.1f} points under formula (1)" in note and "TTFT+TPOT" not in note
