@@ -25,7 +25,6 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import grpc
@@ -93,10 +92,7 @@ class SchedulerServer:
     @property
     def target(self) -> str:
         """Address a local client should dial."""
-        host = self.config.host
-        if host in ("0.0.0.0", "[::]", "::", ""):
-            host = "127.0.0.1"
-        return f"{host}:{self.port}"
+        return self.config.dial_target(self.port)
 
     def _set_health(self, status: int) -> None:
         for name in ("", SERVICE_NAME):
@@ -113,14 +109,20 @@ class SchedulerServer:
             log.warning("tokens_without_tls", hint="bearer tokens travel in plaintext; set tls_cert_file "
                         "unless every client is on loopback or a trusted network")
         predictors = self._start_predictors(bootstrap)
-        policies, servicer = self._start_policies(predictors)
-        server = self._bind(policies, servicer, predictors, tls)
-        if cfg.health_port:
-            self._start_health_server()
+        try:  # a bad policy config or a port taken fails the start, like a bad predictor
+            servicer = self._start_policies(predictors)
+            if self._reuse_port:  # one of several workers: the kernel gives new connections to
+                self._load()  # every socket on the port, so a worker binds only once it can decide
+            server = self._bind(servicer, tls)
+            if cfg.health_port:
+                self._start_health_server()
+        except Exception:
+            predictors.close()
+            raise
         server.start()
         self._server = server
         if not self._reuse_port:  # alone on the port: live (NOT_SERVING) while it loads
-            self._load_or_stop(policies)
+            self._load()
         self._start_side_services()
         servicer.ready.set()
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
@@ -133,40 +135,29 @@ class SchedulerServer:
     def _start_predictors(self, bootstrap: BatchLatencyPredictor) -> PredictorRegistry:
         """The predictor registry, and the board of refits shared with the other workers."""
         cfg = self.config
-        self.predictors = predictors = PredictorRegistry(
-            bootstrap,
-            RefitSettings(cfg.refit_every, cfg.refit_window, cfg.refit_holdout_fraction,
-                          cfg.refit_min_samples, cfg.max_profiles,
-                          max_profiles_per_tenant=cfg.max_profiles_per_tenant, min_gain=cfg.refit_min_gain,
-                          margin_quantile=cfg.refit_margin_quantile, max_margin=cfg.refit_max_margin,
-                          margin_hysteresis=cfg.refit_margin_hysteresis),
-            self.metrics,
-            on_publish=self._publish,
-        )
+        # each RefitSettings field is the config's refit_<field>, or max_profiles(_per_tenant) as is
+        refit = RefitSettings(**{n: getattr(cfg, f"refit_{n}") if hasattr(cfg, f"refit_{n}") else getattr(cfg, n)
+                                 for n in RefitSettings.__dataclass_fields__})
+        self.predictors = predictors = PredictorRegistry(bootstrap, refit, self.metrics, on_publish=self._publish)
         if cfg.predictor_dir:  # before serving: a restarted worker starts from the latest refits
             self.board = PredictorBoard(cfg.predictor_dir, predictors, cfg.predictor_sync_s)
             self.board.poll()
         return predictors
 
-    def _start_policies(self, predictors: PredictorRegistry) -> tuple[PolicyCache, SchedulerServicer]:
+    def _start_policies(self, predictors: PredictorRegistry) -> SchedulerServicer:
         """The policy cache, the deployments of the policy config, the shadow runner and the servicer."""
         cfg = self.config
         policies = PolicyCache()
-        # deployments (policy config): a bad config fails the start (before binding), like a bad predictor
-        try:
-            pconf = PolicyConfig.from_file(cfg.policy_config) if cfg.policy_config else None
-        except Exception:
-            predictors.close()
-            raise
+        pconf = PolicyConfig.from_file(cfg.policy_config) if cfg.policy_config else None
         self.policies = PolicySet(cfg.default_policy, policies, pconf)
         self.shadow = ShadowRunner(self.policies, self.metrics)
         self._note_policy_config(pconf)
         recorder = Recorder.within(cfg.record, cfg.record_max_mb, source="service") if cfg.record else None
         self.servicer = SchedulerServicer(cfg, predictors, self.metrics, policies,
                                           policyset=self.policies, shadow=self.shadow, recorder=recorder)
-        return policies, self.servicer
+        return self.servicer
 
-    def _bind(self, policies: PolicyCache, servicer: SchedulerServicer, predictors: PredictorRegistry,
+    def _bind(self, servicer: SchedulerServicer,
               tls: tuple[grpc.ServerCredentials, CertificateReloader] | None) -> grpc.Server:
         """The gRPC server with its services (scheduler, health, reflection), bound to the port."""
         cfg = self.config
@@ -179,22 +170,15 @@ class SchedulerServer:
             ],
             interceptors=[self.security] if self.security is not None else None,
         )
-        if self._reuse_port:
-            # One of several workers on the port: the kernel gives new connections to every
-            # socket listening there, so a worker joins only once it can decide (workers.py).
-            self._load_or_stop(policies)
         add_servicer(servicer, server)  # never-raising request decoding (handlers.py)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-        )
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         if tls is None:
             port = server.add_insecure_port(cfg.address)
         else:
             port = server.add_secure_port(cfg.address, tls[0])
             self.certificates = tls[1]
         if port == 0:
-            predictors.close()
             raise OSError(f"cannot bind {cfg.address}")
         self.port = port
         return server
@@ -224,8 +208,6 @@ class SchedulerServer:
         address = f"{self.config.host}:{self.config.health_port}"
         self.health_port = hs.add_insecure_port(address)
         if self.health_port == 0:
-            assert self.predictors is not None
-            self.predictors.close()
             raise OSError(f"cannot bind {address}")
         hs.start()
         self._health_server = hs
@@ -240,31 +222,28 @@ class SchedulerServer:
             self.metrics.policy_config.info({"digest": c.digest, "default": c.default, "shadow": c.shadow,
                                              "deployments": ",".join(sorted(c.deployments))})
 
-    def _load_or_stop(self, policies: PolicyCache) -> None:
+    def _load(self) -> None:
+        """Load the default policy and warm the decision path (first-call numpy costs); a
+        failure stops the server and raises."""
+        assert self.predictors is not None and self.policies is not None
         try:
-            self._load(policies)
+            policy, _ = self.policies.resolve("", {})
+            snap = Snapshot.from_columns(
+                now=1.0, max_batch_tokens=64, max_num_seqs=4, ids=["warm-d", "warm-p"],
+                arrival=np.array([0.0, 0.5]), prompt_tokens=np.array([8, 100]),
+                computed_tokens=np.array([8, 0]), output_tokens=np.array([2, 0]),
+                ttft_slo=np.array([1.0, 1.0]), tbt_slo=np.array([0.1, 0.1]), protected=np.array([False, False]),
+            )
+            # Compile (or load from the on-disk cache) the policy kernels now, before this
+            # process is SERVING or joins a shared port, never on an engine's first decision.
+            warm_kernels()
+            policy.plan(snap, self.predictors.bootstrap)
+            # The first refit would import scikit-learn (about a second, mostly holding the GIL)
+            # in the middle of serving; pay it here, before the server reports SERVING.
+            import sklearn.linear_model  # noqa: F401  (deliberately here: this is when it is paid)
         except Exception:
             self.stop(0)
             raise
-
-    def _load(self, policies: PolicyCache) -> None:
-        """Load the default policy and warm the decision path (first-call numpy costs)."""
-        assert self.predictors is not None
-        assert self.policies is not None
-        policy, _ = self.policies.resolve("", {})
-        snap = Snapshot.from_columns(
-            now=1.0, max_batch_tokens=64, max_num_seqs=4, ids=["warm-d", "warm-p"],
-            arrival=np.array([0.0, 0.5]), prompt_tokens=np.array([8, 100]),
-            computed_tokens=np.array([8, 0]), output_tokens=np.array([2, 0]),
-            ttft_slo=np.array([1.0, 1.0]), tbt_slo=np.array([0.1, 0.1]), protected=np.array([False, False]),
-        )
-        # Compile (or load from the on-disk cache) the policy kernels now, before this
-        # process is SERVING or joins a shared port, never on an engine's first decision.
-        warm_kernels()
-        policy.plan(snap, self.predictors.bootstrap)
-        # The first refit would import scikit-learn (about a second, mostly holding the GIL)
-        # in the middle of serving; pay it here, before the server reports SERVING.
-        import sklearn.linear_model  # noqa: F401  (deliberately here: this is when it is paid)
 
     def stop(self, grace: float | None = None) -> None:
         """Drain: NOT_SERVING, reject new calls, wait up to ``grace`` s for in-flight ones."""
@@ -277,16 +256,11 @@ class SchedulerServer:
             self._server.stop(g).wait()
         if self._health_server is not None:
             self._health_server.stop(0).wait()
-        if self.board is not None:
-            self.board.close()
-        if self.policy_watcher is not None:
-            self.policy_watcher.close()
-        if self.shadow is not None:
-            self.shadow.close()
-        if self.servicer is not None and self.servicer.recorder is not None:
-            self.servicer.recorder.close()
-        if self.predictors is not None:
-            self.predictors.close()
+        recorder = self.servicer.recorder if self.servicer is not None else None
+        parts: tuple[Any, ...] = (self.board, self.policy_watcher, self.shadow, recorder, self.predictors)
+        for part in parts:
+            if part is not None:
+                part.close()
         self.metrics.close()
         log.info("server_stopped", port=self.port)
 
@@ -298,8 +272,7 @@ class SchedulerServer:
     def __enter__(self) -> SchedulerServer:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
 

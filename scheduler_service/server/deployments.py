@@ -33,10 +33,12 @@ slow candidate can never slow down the served path or grow a queue.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import queue
 import random
+import re
 import threading
 import time
 from collections.abc import Mapping
@@ -65,15 +67,8 @@ __all__ = ["Deployment", "PolicyConfig", "PolicyConfigWatcher", "PolicySet", "Sh
 log = structlog.get_logger("slidingserve.server")
 
 #: Deployment names: short, printable, usable as a metric label and an env var value.
-_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 MAX_DEPLOYMENTS = 32
-
-#: The policy config's key for its named entries, and the older spelling still accepted.
-DEPLOYMENTS_KEY = "deployments"
-DEPLOYMENTS_ALIAS = "versions"
-#: The shadow's key naming its deployment, and the older spelling still accepted.
-SHADOW_KEY = "deployment"
-SHADOW_ALIAS = "version"
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,16 +105,12 @@ class PolicyConfig:
     @classmethod
     def from_mapping(cls, data: Any, source: str = "") -> PolicyConfig:
         """Validate ``data``; every problem is a :class:`FieldViolation` naming its key."""
-        errs: list[FieldViolation] = []
         if not isinstance(data, Mapping):
             raise ValidationError.single("policy_config", "must be a mapping with 'default' and 'deployments'")
-        unknown = sorted(set(map(str, data)) - {"default", DEPLOYMENTS_KEY, DEPLOYMENTS_ALIAS, "shadow"})
-        errs += [FieldViolation(k, "unknown key; valid: default, deployments (alias: versions), shadow")
-                 for k in unknown]
-        key = DEPLOYMENTS_ALIAS if DEPLOYMENTS_ALIAS in data and DEPLOYMENTS_KEY not in data else DEPLOYMENTS_KEY
-        if DEPLOYMENTS_KEY in data and DEPLOYMENTS_ALIAS in data:
-            errs.append(FieldViolation(DEPLOYMENTS_ALIAS, "'versions' is the old name of 'deployments'; "
-                                                          "give one of them, not both"))
+        unknown = sorted(set(map(str, data)) - {"default", "deployments", "versions", "shadow"})
+        errs = [FieldViolation(k, "unknown key; valid: default, deployments (alias: versions), shadow")
+                for k in unknown]
+        key = _spelling(data, "deployments", "versions", "", errs)
         raw_deployments = data.get(key)
         if not isinstance(raw_deployments, Mapping) or not raw_deployments:
             errs.append(FieldViolation(key, "must map deployment names to {policy, params}"))
@@ -154,9 +145,17 @@ class PolicyConfig:
     def from_file(cls, path: str | Path) -> PolicyConfig:
         return cls.from_mapping(read_document(path, "policy_config"), str(path))
 
+
+def _spelling(data: Mapping[Any, Any], key: str, alias: str, where: str, errs: list[FieldViolation]) -> str:
+    """The key ``data`` uses: ``key``, or ``alias`` (its pre-rename name) alone; both is an error."""
+    if key in data and alias in data:
+        errs.append(FieldViolation(where + alias, f"'{alias}' is the old name of '{key}'; give one of them, not both"))
+    return alias if alias in data and key not in data else key
+
+
 def _deployment(where: str, name: str, spec: Any, errs: list[FieldViolation]) -> tuple[Deployment, Policy] | None:
     """One entry of the config, built; None (its problems added to ``errs``) when invalid."""
-    if not name or len(name) > 64 or not set(name) <= _NAME_CHARS:
+    if not _NAME.fullmatch(name):
         errs.append(FieldViolation(where, "name must be 1-64 characters of [A-Za-z0-9._-]"))
         return None
     if name in registry.names() or name == "default":
@@ -191,16 +190,13 @@ def _shadow(raw_shadow: Any, deployments: Mapping[Any, Any], errs: list[FieldVio
     if raw_shadow is None:
         return shadow, sample
     if isinstance(raw_shadow, str):
-        raw_shadow = {SHADOW_KEY: raw_shadow}
+        raw_shadow = {"deployment": raw_shadow}
     if not isinstance(raw_shadow, Mapping):
         errs.append(FieldViolation("shadow", "must be a deployment name or {deployment, sample}"))
         return shadow, sample
-    extra = sorted(set(map(str, raw_shadow)) - {SHADOW_KEY, SHADOW_ALIAS, "sample"})
+    extra = sorted(set(map(str, raw_shadow)) - {"deployment", "version", "sample"})
     errs += [FieldViolation(f"shadow.{k}", "unknown key; valid: deployment (alias: version), sample") for k in extra]
-    skey = SHADOW_ALIAS if SHADOW_ALIAS in raw_shadow and SHADOW_KEY not in raw_shadow else SHADOW_KEY
-    if SHADOW_KEY in raw_shadow and SHADOW_ALIAS in raw_shadow:
-        errs.append(FieldViolation(f"shadow.{SHADOW_ALIAS}", "'version' is the old name of "
-                                                             "'deployment'; give one of them, not both"))
+    skey = _spelling(raw_shadow, "deployment", "version", "shadow.", errs)
     shadow = str(raw_shadow.get(skey, ""))
     if shadow not in deployments:
         errs.append(FieldViolation(f"shadow.{skey}", f"{shadow!r} is not a deployment"))
@@ -210,7 +206,6 @@ def _shadow(raw_shadow: Any, deployments: Mapping[Any, Any], errs: list[FieldVio
     else:
         sample = float(s)
     return shadow, sample
-
 
 
 class PolicySet:
@@ -321,8 +316,6 @@ class ShadowRunner:
         self._jobs: queue.Queue[_ShadowJob | None] = queue.Queue(maxsize=1)
         self._thread = threading.Thread(target=self._run, name="policy-shadow", daemon=True)
         self._thread.start()
-        self.compared = 0
-        self.dropped = 0
 
     def offer(self, snapshot: Snapshot, predictor: BatchLatencyPredictor, served: Plan,
               served_deployment: str) -> None:
@@ -334,7 +327,6 @@ class ShadowRunner:
         try:
             self._jobs.put_nowait(_ShadowJob(snapshot, predictor, served, served_deployment))
         except queue.Full:
-            self.dropped += 1
             self.metrics.shadow_decisions.labels(c.shadow, "dropped").inc()
 
     def _run(self) -> None:
@@ -351,32 +343,25 @@ class ShadowRunner:
         c = self.policies.config
         if c is None or not c.shadow:
             return
-        name = c.shadow
+        name, m = c.shadow, self.metrics
         t0 = time.perf_counter()
         try:
             plan = c.built[name].plan(job.snapshot, job.predictor)
         except Exception:
             log.exception("shadow_failed", deployment=name)
-            self.metrics.shadow_decisions.labels(name, "error").inc()
+            m.shadow_decisions.labels(name, "error").inc()
             return
-        self.metrics.shadow_decision_seconds.labels(name).observe(time.perf_counter() - t0)
-        self._compare(name, job, plan)
-
-    def _compare(self, name: str, job: _ShadowJob, plan: Plan) -> None:
-        served = job.served.tokens_by_id()
-        shadow = plan.tokens_by_id()
+        m.shadow_decision_seconds.labels(name).observe(time.perf_counter() - t0)
+        served, shadow = job.served.tokens_by_id(), plan.tokens_by_id()
         same = served == shadow
-        self.compared += 1
-        m = self.metrics
         m.shadow_decisions.labels(name, "same" if same else "different").inc()
         m.shadow_token_delta.labels(name).observe(plan.token_budget - job.served.token_budget)
         m.shadow_latency_delta_ms.labels(name).observe(plan.predicted_latency_ms - job.served.predicted_latency_ms)
         if not same:
-            only_served = sorted(set(served) - set(shadow))[:10]
-            only_shadow = sorted(set(shadow) - set(served))[:10]
             log.debug("shadow_differs", shadow=name, served=job.served_deployment or job.served.policy,
                       tokens=(job.served.token_budget, plan.token_budget),
-                      only_served=only_served, only_shadow=only_shadow)
+                      only_served=sorted(set(served) - set(shadow))[:10],
+                      only_shadow=sorted(set(shadow) - set(served))[:10])
 
     def wait_idle(self, timeout: float = 5.0) -> bool:
         """Tests: True once no shadow job is queued or running."""
@@ -388,8 +373,6 @@ class ShadowRunner:
         return True
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(queue.Full):
             self._jobs.put(None, timeout=1)
-        except queue.Full:
-            pass
         self._thread.join(timeout=5)

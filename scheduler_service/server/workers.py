@@ -59,11 +59,11 @@ RESTART_MAX_S = 30.0
 def reserve_port(host: str, port: int) -> socket.socket:
     """A bound (not listening) ``SO_REUSEPORT`` socket on ``host:port``; port 0 picks one.
     Workers bind the same port with ``grpc.so_reuseport``; this one holds it meanwhile."""
-    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    host = host.strip("[]")
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
-        sock.bind((host.strip("[]") or "0.0.0.0", port))
+        sock.bind((host or "0.0.0.0", port))
     except OSError:
         sock.close()
         raise
@@ -101,8 +101,10 @@ class _Worker:
     process: Any
     conn: Connection
     started: float
-    info: dict[str, Any] = field(default_factory=dict)
     failures: int = 0
+    info: dict[str, Any] = field(default_factory=dict)
+    #: When an exited worker is due to be restarted (monotonic seconds); None while it runs.
+    restart_at: float | None = None
 
 
 # ------------------------------------------------------------------ supervisor
@@ -118,12 +120,11 @@ class MultiProcessServer:
         self._own_dir = ""
         self._worker_config: dict[str, Any] = {}
         self._stopping = False
-        self._restart_at: dict[int, float] = {}
 
     @property
     def target(self) -> str:
-        host = self.config.host
-        return f"{'127.0.0.1' if host in ('0.0.0.0', '[::]', '::', '') else host}:{self.port}"
+        """Address a local client should dial."""
+        return self.config.dial_target(self.port)
 
     @property
     def workers(self) -> list[dict[str, Any]]:
@@ -155,7 +156,7 @@ class MultiProcessServer:
                  metrics_ports=[w.info["metrics_port"] for w in self._workers])
         return self
 
-    def _spawn(self, index: int) -> _Worker:
+    def _spawn(self, index: int, failures: int = 0) -> _Worker:
         cfg = dict(self._worker_config)
         if cfg["metrics_port"] > 0:
             cfg["metrics_port"] += index  # one scrape target per worker (docs/operations.md)
@@ -164,7 +165,7 @@ class MultiProcessServer:
                                  daemon=False)
         proc.start()
         child.close()
-        return _Worker(index, proc, parent, time.monotonic())
+        return _Worker(index, proc, parent, time.monotonic(), failures)
 
     def _await_ready(self, w: _Worker, timeout: float = START_TIMEOUT_S) -> None:
         ready = wait([w.conn, w.process.sentinel], timeout)
@@ -187,25 +188,19 @@ class MultiProcessServer:
         for i, w in enumerate(self._workers):
             if self._stopping or w.process.is_alive():
                 continue
-            if i not in self._restart_at:
+            if w.restart_at is None:
                 young = now - w.started < STABLE_S
                 w.failures = w.failures + 1 if young else 0
                 delay = min(RESTART_MAX_S, 2.0 ** (w.failures - 1)) if young else 0.0
-                self._restart_at[i] = now + delay
+                w.restart_at = now + delay
                 log.warning("worker_exited", index=w.index, pid=w.process.pid, exit_code=w.process.exitcode,
                             restart_in_s=delay)
-            if now >= self._restart_at[i]:
-                del self._restart_at[i]
-                self._restart(i, w.failures)
-
-    def _restart(self, i: int, failures: int) -> None:
-        fresh = self._spawn(i)
-        fresh.failures = failures
-        self._workers[i] = fresh
-        try:
-            self._await_ready(fresh)
-        except RuntimeError as e:  # retried with back-off by supervise()
-            log.error("worker_restart_failed", index=i, error=str(e))
+            if now >= w.restart_at:
+                self._workers[i] = fresh = self._spawn(i, w.failures)
+                try:
+                    self._await_ready(fresh)
+                except RuntimeError as e:  # retried with back-off by the next calls
+                    log.error("worker_restart_failed", index=i, error=str(e))
 
     def stop(self, grace: float | None = None) -> None:
         """SIGTERM every worker (each drains like a single server), wait, then SIGKILL."""
