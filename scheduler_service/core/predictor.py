@@ -1,15 +1,13 @@
 """Batch-latency predictor, formulas (4)–(6): the one owner of the linear model.
 
-The features x1..x7 of a batch and its scenario (decode-only, prefill-only or
-mixed) are defined in :mod:`.features`.  One linear model per scenario, with a
-global model used while a scenario has too few samples.  Fitting uses
-scikit-learn; inference is a numpy dot product over many candidate batches at
-once, because the schedulers evaluate hundreds of candidate budgets per
-decision.  For the schedulers' incremental forms (prefix sums over a queue of
-requests) a :class:`LinearModel` also weighs single pieces
-(:meth:`LinearModel.piece_ms`), so no caller re-derives the formula.  A
-predictor is immutable and versioned by a hash of its coefficients, so a plan
-names exactly the model that made it.
+The features x1..x7 of a batch and its scenario (decode-only, prefill-only or mixed) are defined in
+:mod:`.features`.  One linear model per scenario, with a global model used while a scenario has too
+few samples.  Fitting uses scikit-learn; inference is a numpy dot product over many candidate
+batches at once, because the schedulers evaluate hundreds of candidate budgets per decision.  For
+the schedulers' incremental forms (prefix sums over a queue of requests) a :class:`LinearModel` also
+weighs single pieces (:meth:`LinearModel.piece_ms`), so no caller re-derives the formula.  A
+predictor is immutable and versioned by a hash of its coefficients, so a plan names exactly the
+model that made it.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -39,21 +37,9 @@ from .features import (
 #: Bounds of a predictor's learned margin (:func:`learn_margin`).
 MARGIN_LO, MARGIN_HI = 1.0, 10.0
 
-__all__ = [
-    "DECODE",
-    "MIXED",
-    "N_FEATURES",
-    "PREFILL",
-    "SCENARIOS",
-    "BatchLatencyPredictor",
-    "LinearModel",
-    "batch_features",
-    "evaluate",
-    "fit_predictor",
-    "learn_margin",
-    "monotonicity_violations",
-    "scenario_codes",
-]
+__all__ = ["DECODE", "MIXED", "N_FEATURES", "PREFILL", "SCENARIOS", "BatchLatencyPredictor", "LinearModel",
+           "batch_features", "evaluate", "fit_predictor", "learn_margin", "monotonicity_violations",
+           "scenario_codes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,8 +71,7 @@ class LinearModel:
         return float(self.intercept_ms + acc)
 
     def base_ms(self, n_decodes: float, decode_u: float) -> float:
-        """Intercept plus the terms of ``n_decodes`` decodes of total context
-        ``decode_u`` (x3, x4, x5)."""
+        """Intercept plus the terms (x3, x4, x5) of ``n_decodes`` decodes of total context ``decode_u``."""
         return float(self.base_ms_many(n_decodes, decode_u))
 
     def base_ms_many(self, n_decodes: Any, decode_u: Any) -> Any:
@@ -111,9 +96,8 @@ class LinearModel:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class BatchLatencyPredictor:
-    """Scenario models with a global fallback.  ``version`` is derived from the
-    coefficients; ``meta`` (sample counts, fit errors, source) is informational
-    and not part of the version."""
+    """Scenario models with a global fallback.  ``version`` is derived from the coefficients; ``meta``
+    (sample counts, fit errors, source) is informational and not part of the version."""
 
     scenarios: Mapping[str, LinearModel | None]
     global_model: LinearModel
@@ -128,20 +112,15 @@ class BatchLatencyPredictor:
     _memo: dict[int, float] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        unknown = set(self.scenarios) - set(SCENARIOS)
-        if unknown:
+        if unknown := set(self.scenarios) - set(SCENARIOS):
             raise ValueError(f"unknown scenarios {sorted(unknown)}; valid: {list(SCENARIOS)}")
         if not MARGIN_LO <= self.margin <= MARGIN_HI:  # also rejects NaN
             raise ValueError(f"margin {self.margin} is not within [{MARGIN_LO:g}, {MARGIN_HI:g}]")
-        coef = np.empty((len(SCENARIOS), N_FEATURES + 1))
-        for k, name in enumerate(SCENARIOS):
-            m = self.scenarios.get(name) or self.global_model
-            coef[k, 0] = m.intercept_ms
-            coef[k, 1:] = m.weights
+        models = (self.scenarios.get(name) or self.global_model for name in SCENARIOS)
+        coef = np.array([[m.intercept_ms, *m.weights] for m in models], dtype=np.float64)
         coef.setflags(write=False)
         object.__setattr__(self, "_coef", coef)
-        models = tuple(LinearModel(float(w[0]), tuple(float(v) for v in w[1:])) for w in coef)
-        object.__setattr__(self, "_models", models)
+        object.__setattr__(self, "_models", tuple(LinearModel(w[0], tuple(w[1:])) for w in coef.tolist()))
         if not self.version:
             object.__setattr__(self, "version", self._content_version())
 
@@ -153,13 +132,11 @@ class BatchLatencyPredictor:
         return self._coef
 
     def model(self, scenario: int) -> LinearModel:
-        """The model that predicts batches of ``scenario`` (its own or the
-        global fallback)."""
+        """The model that predicts batches of ``scenario`` (its own or the global fallback)."""
         return self._models[scenario]
 
     def predict_ms(self, features: np.ndarray, scenario: np.ndarray | None = None) -> np.ndarray:
-        """Predicted latency (ms) of N batches: features (N, 7), scenario (N,)
-        (default: formula (5) on the features)."""
+        """Predicted latency (ms) of N batches: features (N, 7), scenario (N,) (default: formula (5))."""
         if scenario is None:
             scenario = scenarios(features)
         w = self._coef[np.asarray(scenario, dtype=np.intp)]
@@ -187,9 +164,7 @@ class BatchLatencyPredictor:
     def to_dict(self) -> dict[str, Any]:
         return {
             "version": self.version,
-            "scenarios": {
-                k: m.to_dict() for k in SCENARIOS if (m := self.scenarios.get(k)) is not None
-            },
+            "scenarios": self._scenario_dicts(),
             "global": self.global_model.to_dict(),
             **({"margin": self.margin} if self.margin != 1.0 else {}),
             "meta": dict(self.meta),
@@ -207,47 +182,24 @@ class BatchLatencyPredictor:
     def from_dict(cls, d: Any) -> BatchLatencyPredictor:
         """Parse the predictor JSON (docs/usage.md); the version is recomputed
         from the coefficients (a ``version`` key that disagrees is an error)."""
-        errs: list[FieldViolation] = []
         if not isinstance(d, Mapping):
             raise ValidationError.single("predictor", "must be a JSON object")
-
-        def model(path: str, m: Any) -> LinearModel | None:
-            if not isinstance(m, Mapping):
-                errs.append(FieldViolation(path, "must be an object"))
-                return None
-            ic, w = m.get("intercept_ms"), m.get("weights")
-            ok_ic = isinstance(ic, int | float) and not isinstance(ic, bool) and np.isfinite(ic)
-            if not ok_ic:
-                errs.append(FieldViolation(f"{path}.intercept_ms", "must be a finite number"))
-            if (
-                not isinstance(w, list)
-                or len(w) != N_FEATURES
-                or not all(isinstance(x, int | float) and not isinstance(x, bool) and np.isfinite(x) for x in w)
-            ):
-                errs.append(FieldViolation(f"{path}.weights", f"must be a list of {N_FEATURES} finite numbers"))
-                return None
-            if not ok_ic:
-                return None
-            return LinearModel(float(ic), tuple(float(x) for x in w))  # type: ignore[arg-type]
-
+        errs: list[FieldViolation] = []
         scen = d.get("scenarios", {})
         if not isinstance(scen, Mapping):
             errs.append(FieldViolation("scenarios", "must be an object"))
             scen = {}
         models: dict[str, LinearModel | None] = {}
         for k, m in scen.items():
-            if k not in SCENARIOS:
+            if k in SCENARIOS:
+                models[k] = _model_from(f"scenarios.{k}", m, errs)
+            else:
                 errs.append(FieldViolation(f"scenarios.{k}", f"unknown scenario; valid: {list(SCENARIOS)}"))
-                continue
-            models[k] = model(f"scenarios.{k}", m)
-        g = None
-        if "global" in d:
-            g = model("global", d["global"])
-        else:
+        g = _model_from("global", d["global"], errs) if "global" in d else None
+        if "global" not in d:
             errs.append(FieldViolation("global", "is required"))
         margin = d.get("margin", 1.0)
-        if (not isinstance(margin, int | float) or isinstance(margin, bool)
-                or not MARGIN_LO <= margin <= MARGIN_HI):
+        if not _number(margin) or not MARGIN_LO <= margin <= MARGIN_HI:
             errs.append(FieldViolation("margin", f"must be a number within [{MARGIN_LO:g}, {MARGIN_HI:g}]"))
         if errs:
             raise ValidationError(errs)
@@ -270,9 +222,12 @@ class BatchLatencyPredictor:
             raise ValidationError.single("predictor", f"is not valid JSON: {e}") from None
         return cls.from_dict(d)
 
+    def _scenario_dicts(self) -> dict[str, dict[str, Any]]:
+        return {k: m.to_dict() for k in SCENARIOS if (m := self.scenarios.get(k)) is not None}
+
     def _content_version(self) -> str:
         content: dict[str, Any] = {
-            "s": {k: m.to_dict() for k in SCENARIOS if (m := self.scenarios.get(k)) is not None},
+            "s": self._scenario_dicts(),
             "g": self.global_model.to_dict(),
         }
         if self.margin != 1.0:  # versions of predictors without a learned margin stay as they were
@@ -281,10 +236,35 @@ class BatchLatencyPredictor:
         return "p-" + hashlib.sha256(body.encode()).hexdigest()[:12]
 
 
+def _number(x: Any) -> TypeGuard[float]:
+    """A JSON number (a bool is not one)."""
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def _finite(x: Any) -> TypeGuard[float]:
+    return _number(x) and bool(np.isfinite(x))
+
+
+def _model_from(path: str, m: Any, errs: list[FieldViolation]) -> LinearModel | None:
+    """The model at ``path`` of the predictor JSON; None, its violations added to ``errs``, if invalid."""
+    if not isinstance(m, Mapping):
+        errs.append(FieldViolation(path, "must be an object"))
+        return None
+    ic, w = m.get("intercept_ms"), m.get("weights")
+    if not _finite(ic):
+        errs.append(FieldViolation(f"{path}.intercept_ms", "must be a finite number"))
+    if not isinstance(w, list) or len(w) != N_FEATURES or not all(map(_finite, w)):
+        errs.append(FieldViolation(f"{path}.weights", f"must be a list of {N_FEATURES} finite numbers"))
+        return None
+    return LinearModel(float(ic), tuple(map(float, w))) if _finite(ic) else None
+
+
 #: Features that can be non-zero in a batch of each scenario (0-based, x1 = 0).
 #: In a decode-only batch x3 = Σu equals x5 = Σ_D u, so the decode model uses
 #: x5 alone; a prefill-only batch has no decodes (x4 = x5 = 0).
 SCENARIO_FEATURES = {DECODE: (3, 4), PREFILL: (0, 1, 2, 5, 6), MIXED: tuple(range(N_FEATURES))}
+#: The mixed model's weights of these features are at least the prefill model's.
+_PREFILL_COLS = SCENARIO_FEATURES[PREFILL]
 
 
 def _fit_bounded(
@@ -295,13 +275,11 @@ def _fit_bounded(
     g: np.ndarray | None = None,
     h: np.ndarray | None = None,
 ) -> LinearModel:
-    """Least squares over θ = (intercept, w1..w7) with θ ≥ ``lower`` and, when
-    given, the linear constraints ``g @ θ ≥ h``, on the features ``cols`` (the
-    other weights are 0).  Without ``g`` this is bounded-variable least squares
-    (``scipy.optimize.lsq_linear``, the generalisation of scikit-learn's
-    ``LinearRegression(positive=True)`` and of ``nnls`` to lower bounds, the
-    intercept included); with ``g`` a small quadratic programme solved by
-    SLSQP from that solution."""
+    """Least squares over θ = (intercept, w1..w7) with θ ≥ ``lower`` and, when given, the linear
+    constraints ``g @ θ ≥ h``, on the features ``cols`` (the other weights are 0).  Without ``g``
+    this is bounded-variable least squares (``scipy.optimize.lsq_linear``, the generalisation of
+    scikit-learn's ``LinearRegression(positive=True)`` and of ``nnls`` to lower bounds, the
+    intercept included); with ``g`` a small quadratic programme solved by SLSQP from that solution."""
     idx = [0, *(1 + j for j in cols)]
     a = np.column_stack([np.ones(len(x)), x[:, list(cols)]])
     lb = lower[idx]
@@ -340,12 +318,13 @@ def _fit_bounded(
     return LinearModel(float(theta[0]), tuple(float(v) for v in w))
 
 
-def _fit_linear(x: np.ndarray, y: np.ndarray, positive: bool) -> LinearModel:
+def _fit_linear(x: np.ndarray, y: np.ndarray) -> LinearModel:
+    """Unconstrained least squares on all seven features (``positive=False``)."""
     scale = np.abs(x).max(axis=0)
     scale[scale == 0] = 1.0
     from sklearn.linear_model import LinearRegression  # deferred, as in _fit_bounded
 
-    reg = LinearRegression(positive=positive).fit(x / scale, y)
+    reg = LinearRegression().fit(x / scale, y)
     w = reg.coef_ / scale
     return LinearModel(float(reg.intercept_), tuple(float(v) for v in w))
 
@@ -368,16 +347,14 @@ def _domain(predictor: BatchLatencyPredictor | None, domain: Mapping[str, Any] |
         return float(DEFAULT_DOMAIN["max_decodes"]), float(DEFAULT_DOMAIN["max_context"])
 
 
-def _cross_rows(n_max: float, ctx: float) -> np.ndarray:
-    """Features of "the smallest chunk + n decodes of total context U" at the
-    vertices of 1 ≤ n ≤ n_max, 0 ≤ U ≤ n·ctx, with a leading 1 (intercept),
-    and the decode-only part of each (same rows without the chunk)."""
+def _cross_rows(n_max: float, ctx: float) -> tuple[np.ndarray, np.ndarray]:
+    """Features, with a leading 1 (intercept), of "the smallest chunk + n decodes of total context U"
+    at the vertices of 1 ≤ n ≤ n_max, 0 ≤ U ≤ n·ctx; and the same rows without the chunk."""
     verts = [(1.0, 0.0), (1.0, ctx), (n_max, 0.0), (n_max, n_max * ctx)]
-    rows = []
-    for n, u in verts:
-        f = add_decodes(_MIN_CHUNK[None, :].copy(), n, u)[0]
-        rows.append(np.concatenate([[1.0], f]))
-    return np.array(rows)
+    rows = np.array([[1.0, *add_decodes(_MIN_CHUNK[None, :].copy(), n, u)[0]] for n, u in verts])
+    dec = rows.copy()
+    dec[:, 1:] -= _MIN_CHUNK[None, :]
+    return rows, dec
 
 
 def monotonicity_violations(
@@ -385,27 +362,23 @@ def monotonicity_violations(
 ) -> list[str]:
     """Why ``predictor`` is not monotone in work, or [] when it is.
 
-    Monotone means: adding a decode, adding a prefill chunk (c ≥ 2), growing a
-    chunk of ≥ 2 tokens, or adding cached tokens to any request never lowers a
-    prediction, across scenarios too (a prefill joining decodes, a decode
-    joining prefills).  For linear scenario models on non-negative features
-    that holds when
+    Monotone means: adding a decode, adding a prefill chunk (c ≥ 2), growing a chunk of ≥ 2 tokens,
+    or adding cached tokens to any request never lowers a prediction, across scenarios too (a
+    prefill joining decodes, a decode joining prefills).  For linear scenario models on non-negative
+    features that holds when
 
     * every intercept and weight is ≥ 0 (within a scenario);
-    * the mixed model is at least the prefill model on x1, x2, x3, x6, x7, and
-      its intercept plus one decode (x4 weight) at least the prefill intercept
-      (a decode joining prefills);
-    * the smallest chunk joining n decodes of total context U is predicted at
-      least the decodes alone, for 1 ≤ n ≤ ``max_decodes`` and U ≤
-      n·``max_context`` (a linear condition, checked at the four vertices).
+    * the mixed model is at least the prefill model on x1, x2, x3, x6, x7, and its intercept plus
+      one decode (x4 weight) at least the prefill intercept (a decode joining prefills);
+    * the smallest chunk joining n decodes of total context U is predicted at least the decodes
+      alone, for 1 ≤ n ≤ ``max_decodes`` and U ≤ n·``max_context`` (a linear condition, checked at
+      the four vertices).
 
-    The last rule needs a domain because a mixed batch's per-decode cost is
-    lower than a decode-only batch's on real GPUs (the weights are read once
-    for both); ``domain`` (default the predictor's ``meta["monotone_domain"]``,
-    else :data:`DEFAULT_DOMAIN`) bounds it.  A one-token piece of a prompt
-    counts as a decode (formula (5)); its growth to two tokens changes class and
-    is outside the rule.  The effective models are checked: a missing scenario
-    uses the global model."""
+    The last rule needs a domain because a mixed batch's per-decode cost is lower than a decode-only
+    batch's on real GPUs (the weights are read once for both); ``domain`` (default the predictor's
+    ``meta["monotone_domain"]``, else :data:`DEFAULT_DOMAIN`) bounds it.  A one-token piece of a
+    prompt counts as a decode (formula (5)); its growth to two tokens changes class and is outside
+    the rule.  The effective models are checked: a missing scenario uses the global model."""
     c = predictor._coef
     out = []
     for k, name in enumerate(SCENARIOS):
@@ -415,20 +388,16 @@ def monotonicity_violations(
             if c[k, 1 + j] < -tol:
                 out.append(f"{name}: weight x{j + 1} {c[k, 1 + j]:.6g} < 0")
     d, p, m = c[DECODE], c[PREFILL], c[MIXED]
-    for j in (0, 1, 2, 5, 6):
+    for j in _PREFILL_COLS:
         if m[1 + j] < p[1 + j] - tol * max(1.0, abs(p[1 + j])):
             out.append(f"mixed x{j + 1} {m[1 + j]:.6g} < prefill {p[1 + j]:.6g}")
     if m[0] + m[4] < p[0] - tol * max(1.0, abs(p[0])):
         out.append(f"mixed intercept + x4 {m[0] + m[4]:.6g} < prefill intercept {p[0]:.6g}")
-    n_max, ctx = _domain(predictor, domain)
-    rows = _cross_rows(n_max, ctx)
-    dec = rows.copy()
-    dec[:, 1:] -= _MIN_CHUNK[None, :]
+    rows, dec = _cross_rows(*_domain(predictor, domain))
     # decode-only part: x3 = x5 = U counts once in the decode model's x3 + x5
-    t_mix, t_dec = rows @ m, dec @ d
-    for (n, u), tm, td in zip(((r[4], r[5]) for r in rows), t_mix, t_dec, strict=True):
+    for r, tm, td in zip(rows, rows @ m, dec @ d, strict=True):
         if tm < td - tol * max(1.0, abs(td)):
-            out.append(f"a 2-token chunk joining {n:g} decodes of context {u:g} lowers the prediction "
+            out.append(f"a 2-token chunk joining {r[4]:g} decodes of context {r[5]:g} lowers the prediction "
                        f"({td:.6g} → {tm:.6g} ms)")
     return out
 
@@ -445,29 +414,24 @@ def fit_predictor(
     """Fit scenario models and the global fallback.
 
     ``positive`` (the default) fits a predictor that is monotone in work
-    (:func:`monotonicity_violations` is empty over the samples' domain, stored
-    in ``meta["monotone_domain"]``): every weight and intercept is ≥ 0 — each
-    feature measures work, so a negative weight is an artefact of
-    collinearity — and the mixed model is fitted under the cross-scenario
-    constraints of :func:`monotonicity_violations`, with the decode-only and
-    prefill-only models fitted first.  A scenario with fewer than
-    ``min_samples`` samples is listed in ``meta["borrowed"]``: a thin decode
-    or prefill scenario takes the mixed model on its own features; a thin
-    mixed scenario is fitted on all samples.  ``positive=False`` is the
-    unconstrained per-scenario least-squares fit, missing scenarios falling
-    back to the global model.
-    """
+    (:func:`monotonicity_violations` is empty over the samples' domain, stored in
+    ``meta["monotone_domain"]``): every weight and intercept is ≥ 0 — each feature measures work, so
+    a negative weight is an artefact of collinearity — and the mixed model is fitted under the
+    cross-scenario constraints of :func:`monotonicity_violations`, with the decode-only and
+    prefill-only models fitted first.  A scenario with fewer than ``min_samples`` samples is listed
+    in ``meta["borrowed"]``: a thin decode or prefill scenario takes the mixed model on its own
+    features; a thin mixed scenario is fitted on all samples.  ``positive=False`` is the
+    unconstrained per-scenario least-squares fit, missing scenarios falling back to the global
+    model."""
     x, s, y = _samples(features, scenario, latency_ms)
-    counts = {name: int((s == k).sum()) for k, name in enumerate(SCENARIOS)}
-    info: dict[str, Any] = {"samples": counts}
+    counts = [int((s == k).sum()) for k in range(len(SCENARIOS))]
+    info: dict[str, Any] = {"samples": dict(zip(SCENARIOS, counts, strict=True))}
     if not positive:
-        models: dict[str, LinearModel | None] = {}
-        for k, name in enumerate(SCENARIOS):
-            mask = s == k
-            models[name] = _fit_linear(x[mask], y[mask], False) if mask.sum() >= min_samples else None
-        info.update(meta or {})
-        return BatchLatencyPredictor(scenarios=models, global_model=_fit_linear(x, y, False), meta=info)
-    thin = {k for k in (DECODE, PREFILL, MIXED) if (s == k).sum() < min_samples}
+        models = {name: _fit_linear(x[s == k], y[s == k]) if counts[k] >= min_samples else None
+                  for k, name in enumerate(SCENARIOS)}
+        return BatchLatencyPredictor(scenarios=models, global_model=_fit_linear(x, y),
+                                     meta={**info, **(meta or {})})
+    thin = {k for k, n in enumerate(counts) if n < min_samples}
     fitted = _fit_pure_scenarios(x, s, y, thin)
     n_max, ctx = _sample_domain(x)
     lower, g, h = _mixed_bounds(fitted, n_max, ctx)
@@ -476,10 +440,9 @@ def fit_predictor(
     for k in (DECODE, PREFILL):
         if k not in fitted:
             fitted[k] = _borrow_mixed(m, k)
-    borrowed = [SCENARIOS[k] for k in sorted(thin)]
     info["monotone_domain"] = {"max_decodes": n_max, "max_context": ctx}
-    if borrowed:
-        info["borrowed"] = borrowed
+    if thin:
+        info["borrowed"] = [SCENARIOS[k] for k in sorted(thin)]
     info.update(meta or {})
     # Every scenario has its own model, so the global one never predicts; it
     # is the mixed model, the largest of the three.
@@ -494,15 +457,15 @@ def _samples(features: np.ndarray, scenario: np.ndarray,
     s = np.asarray(scenario, dtype=np.int64)
     y = np.asarray(latency_ms, dtype=np.float64)
     if x.ndim != 2 or x.shape[1] != N_FEATURES or len(x) != len(y) or len(s) != len(y):
-        raise ValidationError.single(
-            "samples", f"need features (N, {N_FEATURES}), scenario (N,), latency (N,)"
-        )
+        raise ValidationError.single("samples",
+                                     f"need features (N, {N_FEATURES}), scenario (N,), latency (N,)")
     if len(y) < 2 or not np.all(np.isfinite(x)) or not np.all(np.isfinite(y)):
         raise ValidationError.single("samples", "need at least 2 finite samples")
     return x, s, y
 
 
-def _fit_pure_scenarios(x: np.ndarray, s: np.ndarray, y: np.ndarray, thin: set[int]) -> dict[int, LinearModel]:
+def _fit_pure_scenarios(x: np.ndarray, s: np.ndarray, y: np.ndarray,
+                        thin: set[int]) -> dict[int, LinearModel]:
     """The decode-only and prefill-only models, fitted before the mixed one."""
     everything = np.ones(len(y), dtype=bool)
     zero = np.zeros(N_FEATURES + 1)
@@ -517,31 +480,26 @@ def _fit_pure_scenarios(x: np.ndarray, s: np.ndarray, y: np.ndarray, thin: set[i
 
 
 def _sample_domain(x: np.ndarray) -> tuple[float, float]:
-    """The domain the cross-scenario rule covers: the samples' largest decode
-    count and mean decode context."""
+    """The domain the cross-scenario rule covers: the samples' largest decode count and mean context."""
     has_d = x[:, 3] > 0
-    n_max = float(x[has_d, 3].max()) if has_d.any() else 1.0
-    ctx = float((x[has_d, 4] / x[has_d, 3]).max()) if has_d.any() else 0.0
-    return n_max, ctx
+    if not has_d.any():
+        return 1.0, 0.0
+    return float(x[has_d, 3].max()), float((x[has_d, 4] / x[has_d, 3]).max())
 
 
 def _mixed_bounds(fitted: Mapping[int, LinearModel], n_max: float,
                   ctx: float) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
-    """The cross-scenario constraints of the mixed model given the fitted
-    pure ones: lower bounds on its coefficients and rows g·θ ≥ h."""
+    """The mixed model's cross-scenario constraints given the pure ones: lower bounds on θ, rows g·θ ≥ h."""
     lower = np.zeros(N_FEATURES + 1)
     rows_g, rows_h = [], []
     if PREFILL in fitted:
         p = fitted[PREFILL]
-        for j in (0, 1, 2, 5, 6):
-            lower[1 + j] = p.weights[j]
-        rows_g.append(np.eye(N_FEATURES + 1)[0] + np.eye(N_FEATURES + 1)[4])
+        lower[[1 + j for j in _PREFILL_COLS]] = np.take(p.weights, _PREFILL_COLS)
+        rows_g.append(np.eye(N_FEATURES + 1)[[0, 4]].sum(axis=0))  # intercept + one decode (x4)
         rows_h.append(p.intercept_ms)
     if DECODE in fitted:
         d = fitted[DECODE]
-        cross = _cross_rows(n_max, ctx)
-        dec_part = cross.copy()
-        dec_part[:, 1:] -= _MIN_CHUNK[None, :]
+        cross, dec_part = _cross_rows(n_max, ctx)
         rows_g.extend(cross)
         rows_h.extend(dec_part @ np.array([d.intercept_ms, *d.weights]))
     g = np.array(rows_g) if rows_g else None
@@ -553,8 +511,8 @@ def _borrow_mixed(m: LinearModel, k: int) -> LinearModel:
     """The mixed model on the features scenario ``k`` has (x3 = x5 in a
     decode-only batch, so their weights merge): never above mixed."""
     w = np.zeros(N_FEATURES)
-    for j in SCENARIO_FEATURES[k]:
-        w[j] = m.weights[j]
+    cols = list(SCENARIO_FEATURES[k])
+    w[cols] = np.take(m.weights, cols)
     if k == DECODE:
         w[4] += m.weights[2]
     return LinearModel(m.intercept_ms, tuple(float(v) for v in w))
@@ -567,17 +525,13 @@ def evaluate(
     latency_ms: np.ndarray,
 ) -> dict[str, dict[str, float]]:
     """MAE, RMSE (ms) and R² per scenario and overall."""
-    from sklearn.metrics import (  # deferred, as in _fit_bounded
-        mean_absolute_error,
-        mean_squared_error,
-        r2_score,
-    )
+    # deferred, as in _fit_bounded
+    from sklearn.metrics import mean_absolute_error, mean_squared_error, r2_score
 
     pred = predictor.predict_ms(features, scenario)
     out = {}
-    groups = [(name, scenario == k) for k, name in enumerate(SCENARIOS)]
-    groups.append(("all", np.ones(len(latency_ms), dtype=bool)))
-    for name, m in groups:
+    every = np.ones(len(latency_ms), dtype=bool)
+    for name, m in [*((name, scenario == k) for k, name in enumerate(SCENARIOS)), ("all", every)]:
         if m.sum() < 2:
             continue
         y, p = latency_ms[m], pred[m]
