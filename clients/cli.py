@@ -29,7 +29,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -89,18 +89,24 @@ def _load_predictor(path: str | None) -> BatchLatencyPredictor:
     return BatchLatencyPredictor.from_dict(_read_json(path, "predictor"))
 
 
+def _client(args: argparse.Namespace) -> SchedulerClient:
+    """A client of ``--server``, secured by the environment (see the module docstring)."""
+    return SchedulerClient(args.server, timeout_s=args.timeout, security=ClientSecurity.from_env())
+
+
 # ------------------------------------------------------------------ commands
 def cmd_plan(args: argparse.Namespace) -> int:
     snapshot = Snapshot.from_json(_read_json(args.snapshot, "snapshot"))
     params = _params(args.param)
     if args.deployment and not args.server:
-        raise CliError("--deployment names a deployment of a server's policy config; it needs --server")
+        raise CliError("--deployment names a deployment of a server's policy config; "
+                       "it needs --server")
     if args.deployment and args.policy:
         raise CliError("give --deployment or --policy, not both")
     if args.server:
         if args.predictor:
             raise CliError("--predictor applies offline only; a server uses its own predictor")
-        with SchedulerClient(args.server, timeout_s=args.timeout, security=ClientSecurity.from_env()) as client:
+        with _client(args) as client:
             plan = client.schedule(snapshot, policy=args.deployment or args.policy, params=params)
     else:
         policy = registry.create(args.policy or "slidingserve", params)
@@ -109,13 +115,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_explain(args: argparse.Namespace) -> int:
-    return _cmd_explain(args, _read_json, _params, _load_predictor)
-
-
 def cmd_policies(args: argparse.Namespace) -> int:
     if args.server:
-        with SchedulerClient(args.server, timeout_s=args.timeout, security=ClientSecurity.from_env()) as client:
+        with _client(args) as client:
             info = client.list_policies().to_dict()
     else:
         info = {"policies": [registry.describe(n) for n in registry.names()], "default": "slidingserve"}
@@ -151,14 +153,11 @@ def _num(v: Any) -> str:
 def cmd_predictor_fit(args: argparse.Namespace) -> int:
     features, latency = _read_samples_csv(args.csv)
     scen = scenario_codes(features[:, 3], features[:, 5])
-    rng = np.random.default_rng(args.seed)
-    perm = rng.permutation(len(latency))
+    perm = np.random.default_rng(args.seed).permutation(len(latency))
     n_test = int(len(perm) * args.holdout)
     test, train = perm[:n_test], perm[n_test:]
-    pred = fit_predictor(
-        features[train], scen[train], latency[train], min_samples=args.min_samples,
-        meta={"source": f"slidingserve predictor fit {Path(args.csv).name}"},
-    )
+    pred = fit_predictor(features[train], scen[train], latency[train], min_samples=args.min_samples,
+                         meta={"source": f"slidingserve predictor fit {Path(args.csv).name}"})
     metrics = evaluate(pred, features[test], scen[test], latency[test]) if n_test >= 2 else {}
     return _emit_predictor(pred, metrics, args.out)
 
@@ -166,11 +165,8 @@ def cmd_predictor_fit(args: argparse.Namespace) -> int:
 def _emit_predictor(pred: Any, metrics: dict[str, dict[str, float]], out: str | None) -> int:
     """Print the held-out errors on stderr and the predictor JSON to ``out`` (or stdout)."""
     for name, m in metrics.items():
-        print(
-            f"held-out {name:7s} n={m['n']:6d}  MAE {m['mae_ms']:.3f} ms  "
-            f"RMSE {m['rmse_ms']:.3f} ms  R² {m['r2']:.4f}",
-            file=sys.stderr,
-        )
+        print(f"held-out {name:7s} n={m['n']:6d}  MAE {m['mae_ms']:.3f} ms  RMSE {m['rmse_ms']:.3f} ms  "
+              f"R² {m['r2']:.4f}", file=sys.stderr)
     text = pred.to_json()
     if out:
         Path(out).write_text(text + "\n")
@@ -218,11 +214,10 @@ def _read_samples_csv(path: str) -> tuple[np.ndarray, np.ndarray]:
 
 def cmd_predictor_show(args: argparse.Namespace) -> int:
     if args.server:
-        with SchedulerClient(args.server, timeout_s=args.timeout, security=ClientSecurity.from_env()) as client:
-            info = client.get_predictor(args.profile or None).to_dict()
-        print(json.dumps(info, indent=2, default=str))
-        return 0
-    print(_load_predictor(args.file).to_json())
+        with _client(args) as client:
+            print(json.dumps(client.get_predictor(args.profile or None).to_dict(), indent=2, default=str))
+    else:
+        print(_load_predictor(args.file).to_json())
     return 0
 
 
@@ -236,21 +231,18 @@ def cmd_health(args: argparse.Namespace) -> int:
         raise CliError("--address must not be empty")
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         raise CliError(f"--timeout must be a positive number of seconds, got {args.timeout}")
-    what = f"{args.address} service {args.service!r}" if args.service else f"{args.address}"
+    what = f"{args.address} service {args.service!r}" if args.service else args.address
+    request = health_pb2.HealthCheckRequest(service=args.service)
     with grpc.insecure_channel(args.address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
         try:
-            resp = stub.Check(health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+            resp = health_pb2_grpc.HealthStub(channel).Check(request, timeout=args.timeout)
+            status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
         except grpc.RpcError as e:
-            code = e.code()
-            if code == grpc.StatusCode.NOT_FOUND:
-                print(f"unhealthy: {what}: unknown service", file=sys.stderr)
-            else:
-                detail = " ".join((e.details() or "").split())
-                print(f"unhealthy: {what}: {code.name}{': ' + detail if detail else ''}", file=sys.stderr)
-            return EXIT_UNHEALTHY
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
-    if resp.status != health_pb2.HealthCheckResponse.SERVING:
+            detail = " ".join((e.details() or "").split())
+            status = f"{e.code().name}: {detail}" if detail else e.code().name
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                status = "unknown service"
+    if status != "SERVING":
         print(f"unhealthy: {what}: {status}", file=sys.stderr)
         return EXIT_UNHEALTHY
     print(status)
@@ -261,105 +253,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from scheduler_service.server import ServerConfig, serve  # deferred: only `serve` loads the server
 
     config = ServerConfig.from_file(args.config) if args.config else ServerConfig()
-    overrides = {k: v for k, v in (("port", args.port), ("host", args.host),
-                                    ("metrics_port", args.metrics_port), ("workers", args.workers)) if v is not None}
-    if overrides:
-        config = config.replace(**overrides)
-    serve(config)
+    flags = ("port", "host", "metrics_port", "workers")
+    serve(config.replace(**{k: getattr(args, k) for k in flags if getattr(args, k) is not None}))
     return 0
 
 
-def cmd_token_new(args: argparse.Namespace) -> int:
-    from scheduler_service.server import tokens  # deferred: the token commands live with the server's auth
-
-    return tokens.cmd_token_new(args)
-
-
-def cmd_token_hash(args: argparse.Namespace) -> int:
+def cmd_token(args: argparse.Namespace) -> int:
+    """``token new`` and ``token hash``; they live with the server's auth, imported only here."""
     from scheduler_service.server import tokens
 
-    return tokens.cmd_token_hash(args)
-
-
-# -------------------------------------------------------------------- parser
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="slidingserve", description="SLO-aware batch scheduling service for LLM engines.")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    _add_serve(sub)
-    _add_health(sub)
-    _add_plan(sub)
-    add_explain(sub, cmd_explain)
-    _add_policies(sub)
-    _add_predictor(sub)
-    _add_token(sub)
-    _add_whatif(sub)
-    add_subcommands(sub)  # bench, demo
-    return p
-
-
-def _add_serve(sub: Any) -> None:
-    s = sub.add_parser("serve", help="run the gRPC scheduling service")
-    s.add_argument("--port", type=int, help="gRPC port (default from config: 50051)")
-    s.add_argument("--host", help="bind address (default from config: 0.0.0.0)")
-    s.add_argument("--metrics-port", type=int, help="Prometheus port, 0 disables")
-    s.add_argument("--config", help="YAML/TOML/JSON server config file")
-    s.add_argument("--workers", type=int,
-                   help="worker processes sharing the port (default from config: 1); see docs/operations.md")
-    s.set_defaults(func=cmd_serve)
-
-
-def _add_health(sub: Any) -> None:
-    s = sub.add_parser("health", help="gRPC health check of a running service; exit 0 when SERVING")
-    s.add_argument("--address", required=True, metavar="HOST:PORT", help="service address (any gRPC target)")
-    s.add_argument("--service", default="",
-                   help="service name, e.g. slidingserve.v1.SchedulerService (default: the whole server)")
-    s.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
-    s.set_defaults(func=cmd_health)
-
-
-def _add_plan(sub: Any) -> None:
-    s = sub.add_parser("plan", help="decide one iteration for a snapshot JSON file")
-    s.add_argument("--snapshot", required=True, help="snapshot JSON (docs/usage.md), '-' for stdin")
-    s.add_argument("--policy", help="policy name (default slidingserve; see `slidingserve policies`)")
-    s.add_argument("--deployment", help="with --server: a deployment of its policy config (default: the "
-                                        "server's default deployment; see `slidingserve policies --server`)")
-    s.add_argument("--predictor", help="predictor JSON (default: the built-in one)")
-    s.add_argument("--param", action="append", metavar="KEY=VALUE", help="policy parameter override")
-    s.add_argument("--server", metavar="HOST:PORT", help="ask a running service instead of deciding locally")
-    s.add_argument("--timeout", type=float, default=5.0, help="per-call deadline in seconds (with --server)")
-    s.set_defaults(func=cmd_plan)
-
-
-def _add_policies(sub: Any) -> None:
-    s = sub.add_parser("policies", help="list policies and their parameters (with --server, its deployments too)")
-    s.add_argument("--server", metavar="HOST:PORT")
-    s.add_argument("--timeout", type=float, default=5.0)
-    s.add_argument("--json", action="store_true", help="print JSON")
-    s.set_defaults(func=cmd_policies)
-
-
-def _add_predictor(sub: Any) -> None:
-    s = sub.add_parser("predictor", help="fit or show batch-latency predictors")
-    psub = s.add_subparsers(dest="action", required=True, parser_class=_Parser)
-    f = psub.add_parser("fit", help="fit from a CSV with columns x1..x7,latency_ms")
-    f.add_argument("--csv", required=True)
-    f.add_argument("--out", help="write the predictor JSON here (default: stdout)")
-    f.add_argument("--min-samples", type=int, default=30, help="samples a scenario needs for its own model")
-    f.add_argument("--holdout", type=float, default=0.2, help="fraction held out for the printed errors")
-    f.add_argument("--seed", type=int, default=0)
-    f.set_defaults(func=cmd_predictor_fit)
-    sw = psub.add_parser("sweep", help="fit from a seeded profiling sweep of a simulated engine profile")
-    sw.add_argument("--profile", default="a100-tp2-llama2-7b", help="simulated engine profile")
-    sw.add_argument("--samples", type=int, default=3000, help="batches timed for the fit")
-    sw.add_argument("--seed", type=int, default=0, help="seed of the fit sweep (the held-out one uses seed + 1)")
-    sw.add_argument("--out", help="write the predictor JSON here (default: stdout)")
-    sw.set_defaults(func=cmd_predictor_sweep)
-    sh = psub.add_parser("show", help="print a predictor")
-    sh.add_argument("--file", help="predictor JSON (default: the built-in one)")
-    sh.add_argument("--server", metavar="HOST:PORT")
-    sh.add_argument("--profile", help="engine profile key (with --server)")
-    sh.add_argument("--timeout", type=float, default=5.0)
-    sh.set_defaults(func=cmd_predictor_show)
+    return tokens.cmd_token_new(args) if args.action == "new" else tokens.cmd_token_hash(args)
 
 
 def cmd_whatif(args: argparse.Namespace) -> int:
@@ -372,27 +275,96 @@ def cmd_whatif(args: argparse.Namespace) -> int:
     return whatif.main(args)
 
 
-def _add_whatif(sub: Any) -> None:
-    from clients.whatif import add_arguments
-
-    s = sub.add_parser("whatif", help="how other policies would do on an engine's recorded traffic "
-                                      "(docs/operations.md, 'Before you switch')")
-    add_arguments(s)
-    s.add_argument("--server", metavar="HOST:PORT", help="ask a running service, on its own recording")
-    s.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the service's answer")
-    s.set_defaults(func=cmd_whatif)
+# -------------------------------------------------------------------- parser
+def _opt(flag: str, **kw: Any) -> tuple[str, dict[str, Any]]:
+    """One option of a subcommand: its flag and ``add_argument``'s keywords."""
+    return flag, kw
 
 
-def _add_token(sub: Any) -> None:
-    s = sub.add_parser("token", help="bearer tokens for the server's auth_tokens_file (docs/security.md)")
-    tsub = s.add_subparsers(dest="action", required=True, parser_class=_Parser)
-    n = tsub.add_parser("new", help="print a fresh token and its tokens-file entry")
-    n.add_argument("--identity", required=True, help="engine (or token) name, shown in logs and metrics")
-    n.add_argument("--tenant", required=True, help="isolation domain of the engine's predictors")
-    n.add_argument("--token-out", help="write the token to this file (mode 0600) instead of stdout")
-    n.set_defaults(func=cmd_token_new)
-    h = tsub.add_parser("hash", help="SHA-256 of a token read from stdin, for a tokens-file entry")
-    h.set_defaults(func=cmd_token_hash)
+_SERVER = _opt("--server", metavar="HOST:PORT")
+_TIMEOUT = _opt("--timeout", type=float, default=5.0)
+_OUT = _opt("--out", help="write the predictor JSON here (default: stdout)")
+
+
+def _command(sub: Any, name: str, func: Callable[[argparse.Namespace], int], help_text: str,
+             *opts: tuple[str, dict[str, Any]]) -> argparse.ArgumentParser:
+    """Subcommand ``name`` with ``opts``, run by ``func``."""
+    s = sub.add_parser(name, help=help_text)
+    for flag, kw in opts:
+        s.add_argument(flag, **kw)
+    s.set_defaults(func=func)
+    return s
+
+
+def _group(sub: Any, name: str, help_text: str) -> Any:
+    """Subcommand ``name`` whose actions are subcommands (``predictor fit``): their subparsers."""
+    s = sub.add_parser(name, help=help_text)
+    return s.add_subparsers(dest="action", required=True, parser_class=_Parser)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from clients.whatif import add_arguments as add_whatif_arguments
+
+    p = _Parser(prog="slidingserve", description="SLO-aware batch scheduling service for LLM engines.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _command(sub, "serve", cmd_serve, "run the gRPC scheduling service",
+             _opt("--port", type=int, help="gRPC port (default from config: 50051)"),
+             _opt("--host", help="bind address (default from config: 0.0.0.0)"),
+             _opt("--metrics-port", type=int, help="Prometheus port, 0 disables"),
+             _opt("--config", help="YAML/TOML/JSON server config file"),
+             _opt("--workers", type=int,
+                  help="worker processes sharing the port (default from config: 1); see docs/operations.md"))
+    _command(sub, "health", cmd_health, "gRPC health check of a running service; exit 0 when SERVING",
+             _opt("--address", required=True, metavar="HOST:PORT", help="service address (any gRPC target)"),
+             _opt("--service", default="",
+                  help="service name, e.g. slidingserve.v1.SchedulerService (default: the whole server)"),
+             _opt("--timeout", type=float, default=2.0, help="seconds to wait for the answer"))
+    _command(sub, "plan", cmd_plan, "decide one iteration for a snapshot JSON file",
+             _opt("--snapshot", required=True, help="snapshot JSON (docs/usage.md), '-' for stdin"),
+             _opt("--policy", help="policy name (default slidingserve; see `slidingserve policies`)"),
+             _opt("--deployment", help="with --server: a deployment of its policy config (default: the "
+                                       "server's default deployment; see `slidingserve policies --server`)"),
+             _opt("--predictor", help="predictor JSON (default: the built-in one)"),
+             _opt("--param", action="append", metavar="KEY=VALUE", help="policy parameter override"),
+             _opt("--server", metavar="HOST:PORT", help="ask a running service instead of deciding locally"),
+             _opt("--timeout", type=float, default=5.0, help="per-call deadline in seconds (with --server)"))
+    add_explain(sub, lambda args: _cmd_explain(args, _read_json, _params, _load_predictor))
+    _command(sub, "policies", cmd_policies,
+             "list policies and their parameters (with --server, its deployments too)",
+             _SERVER, _TIMEOUT, _opt("--json", action="store_true", help="print JSON"))
+    _add_predictor(sub)
+    token = _group(sub, "token", "bearer tokens for the server's auth_tokens_file (docs/security.md)")
+    _command(token, "new", cmd_token, "print a fresh token and its tokens-file entry",
+             _opt("--identity", required=True, help="engine (or token) name, shown in logs and metrics"),
+             _opt("--tenant", required=True, help="isolation domain of the engine's predictors"),
+             _opt("--token-out", help="write the token to this file (mode 0600) instead of stdout"))
+    _command(token, "hash", cmd_token, "SHA-256 of a token read from stdin, for a tokens-file entry")
+    w = _command(sub, "whatif", cmd_whatif, "how other policies would do on an engine's recorded traffic "
+                                            "(docs/operations.md, 'Before you switch')")
+    add_whatif_arguments(w)
+    w.add_argument("--server", metavar="HOST:PORT", help="ask a running service, on its own recording")
+    w.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the service's answer")
+    add_subcommands(sub)  # bench, demo
+    return p
+
+
+def _add_predictor(sub: Any) -> None:
+    pred = _group(sub, "predictor", "fit or show batch-latency predictors")
+    _command(pred, "fit", cmd_predictor_fit, "fit from a CSV with columns x1..x7,latency_ms",
+             _opt("--csv", required=True), _OUT,
+             _opt("--min-samples", type=int, default=30, help="samples a scenario needs for its own model"),
+             _opt("--holdout", type=float, default=0.2, help="fraction held out for the printed errors"),
+             _opt("--seed", type=int, default=0))
+    _command(pred, "sweep", cmd_predictor_sweep,
+             "fit from a seeded profiling sweep of a simulated engine profile",
+             _opt("--profile", default="a100-tp2-llama2-7b", help="simulated engine profile"),
+             _opt("--samples", type=int, default=3000, help="batches timed for the fit"),
+             _opt("--seed", type=int, default=0,
+                  help="seed of the fit sweep (the held-out one uses seed + 1)"),
+             _OUT)
+    _command(pred, "show", cmd_predictor_show, "print a predictor",
+             _opt("--file", help="predictor JSON (default: the built-in one)"), _SERVER,
+             _opt("--profile", help="engine profile key (with --server)"), _TIMEOUT)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,25 +10,21 @@ Phase 1 — goodput searches, one job per (variant, seed):
 Variants that are the same (policy, parameters) — ``slidingserve`` and
 ``slidingserve[window=2]`` — share one search.
 
-Phase 2 — fixed-rate runs to completion (no early stop), one job per
-(policy, seed), at rates that phase 1 decides:
+Phase 2 — fixed-rate runs to completion (no early stop), one job per (policy, seed), at rates
+relative to the *reference rate* = the best baseline's mean goodput (the most a user gets today
+without SlidingServe):
 
-* reference: every main policy at the *reference rate* = the best baseline's
-  mean goodput (the most a user gets today without SlidingServe); its TTFT/TBT
-  samples make the CDF plots, so every policy is compared at the same load;
-* ``overload`` at 2× each policy's *own* goodput (how gracefully each one
-  degrades past its own capacity) and at 2× the reference rate (the same
-  absolute load for all);
-* ``burst``   base rate 0.8× the reference rate with a 3× burst of 10 s
-  starting a quarter of the way into the arrivals (a transient overload a
-  provisioned deployment sees);
-* ``load``    1.5× the reference rate, so that violations and recompute
-  preemptions per 1,000 requests can be read at 1×, 1.5× and 2× the
-  reference rate for every policy (implies ``overload``);
-* ``classes`` the class mix ``interactive-batch`` (critical / standard /
-  sheddable batch) at 1×, 1.5×, 2× and 3× the reference rate, every policy
-  plus ``vllm-priority`` (vLLM's own way to serve priorities): SLO attainment
-  per class, rejections, weighted goodput;
+* reference: every main policy at the reference rate; its TTFT/TBT samples make the CDF plots,
+  so every policy is compared at the same load;
+* ``overload`` at 2× each policy's *own* goodput (how gracefully each one degrades past its own
+  capacity) and at 2× the reference rate (the same absolute load for all);
+* ``burst``   0.8× the reference rate with a 3× burst of 10 s starting a quarter of the way
+  into the arrivals (a transient overload a provisioned deployment sees);
+* ``load``    1.5× the reference rate, so that violations and recompute preemptions per 1,000
+  requests can be read at 1×, 1.5× and 2× for every policy (implies ``overload``);
+* ``classes`` the class mix ``interactive-batch`` (critical / standard / sheddable batch) at 1×,
+  1.5×, 2× and 3×, every policy plus ``vllm-priority`` (vLLM's own way to serve priorities):
+  SLO attainment per class, rejections, weighted goodput;
 * ``reasons`` every main policy at ``reasons_factor`` (1.5) × the reference rate with the
   simulator's reason history on: the share of violated (and met) requests' waiting time
   spent in each reason code (:mod:`clients.bench.reasons`).
@@ -40,9 +36,10 @@ they imply ``goodput``.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,17 +54,8 @@ from .goodput import DEFAULT_TOLERANCE, TARGET_VIOLATION, GoodputSpec, initial_g
 from .reasons import reasons_experiment
 from .runner import MAIN_POLICIES, RunSpec
 
-__all__ = [
-    "ABLATION",
-    "EXPERIMENTS",
-    "LOAD_FACTORS",
-    "MARGINS",
-    "WINDOWS",
-    "BenchConfig",
-    "Variant",
-    "plan_variants",
-    "run_bench",
-]
+__all__ = ["ABLATION", "EXPERIMENTS", "LOAD_FACTORS", "MARGINS", "WINDOWS", "BenchConfig", "Variant",
+           "plan_variants", "run_bench"]
 
 EXPERIMENTS = ("goodput", "overload", "burst", "load", "window", "ablation", "margin", "classes", "reasons")
 ABLATION = ("sarathi-edf", "sarathi-edf+sc", "sarathi-edf+sc+mlps", "slidingserve")
@@ -81,6 +69,10 @@ CLASS_FACTORS = (1.0, 1.5, 2.0, 3.0)
 #: ``classes`` experiment adds it to the compared policies.
 CLASS_BASELINE = "vllm-priority"
 OURS = "slidingserve"
+#: ``progress(label, total)`` returns the per-job callback of one phase; None shows none.
+Progress = Callable[[str, int], Callable[[Job, dict[str, Any]], None]] | None
+#: Fixed-rate runs by experiment tag, then policy.
+Grouped = Mapping[str, Mapping[str, list[dict[str, Any]]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,11 +136,15 @@ def _canon(policy: str, params: Mapping[str, str]) -> tuple[tuple[str, str], ...
     return tuple(sorted((k, str(v)) for k, v in params.items() if defaults.get(k) != str(v).lower()))
 
 
+def _with_implied(experiments: tuple[str, ...]) -> set[str]:
+    """``experiments`` and those ``load`` needs: its 1x and 2x runs are ``goodput``'s and ``overload``'s."""
+    exps = set(experiments)
+    return exps | {"goodput", "overload"} if "load" in exps else exps
+
+
 def plan_variants(cfg: BenchConfig) -> dict[str, list[Variant]]:
     """The variants each goodput-type experiment compares, by experiment."""
-    exps = set(cfg.experiments)
-    if "load" in exps:
-        exps.add("overload")
+    exps = _with_implied(cfg.experiments)
 
     def variant(policy: str, label: str = "", **extra: str) -> Variant:
         params = {**cfg.params.get(policy, {}), **extra}
@@ -169,88 +165,73 @@ def plan_variants(cfg: BenchConfig) -> dict[str, list[Variant]]:
 def _base_spec(cfg: BenchConfig, v: Variant, seed: int, rate: float) -> RunSpec:
     return RunSpec(policy=v.policy, workload=cfg.workload, rate=rate, seed=seed, n_requests=cfg.n_requests,
                    profile=cfg.profile, transport=cfg.transport, params=v.params, label=v.label,
-                   deadline_ms=cfg.deadline_ms, shed_after=cfg.shed_after, slo=SLOConfig(definition=cfg.slo_definition))
+                   deadline_ms=cfg.deadline_ms, shed_after=cfg.shed_after,
+                   slo=SLOConfig(definition=cfg.slo_definition))
+
+
+def _mean(values: Iterable[float]) -> float:
+    return float(np.mean(list(values)))
 
 
 def _aggregate_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Mean over seeds of a fixed-rate run's headline numbers, plus per-seed violation rates."""
     runs = sorted(runs, key=lambda r: r["seed"])
-    first = runs[0]
 
     def mean(k: str) -> float:
         vals = [r[k] for r in runs if r[k] == r[k]]  # NaN when a run produced no sample
         return float(np.mean(vals)) if vals else float("nan")
 
     return {
-        "policy": first["policy"],
-        "rate_rps": first["rate_rps"],
+        "policy": runs[0]["policy"],
+        "rate_rps": runs[0]["rate_rps"],
         "seeds": [r["seed"] for r in runs],
         "violation_rate": mean("violation_rate"),
         "violation_rate_by_seed": [r["violation_rate"] for r in runs],
-        "completed_fraction": float(np.mean([r["completed"] / r["requests"] for r in runs])),
-        "ttft_p50_s": mean("ttft_p50_s"),
-        "ttft_p99_s": mean("ttft_p99_s"),
-        "ttft_max_s": max((r["ttft_max_s"] for r in runs if r["ttft_max_s"] == r["ttft_max_s"]), default=float("nan")),
-        "rejected": float(np.mean([r["rejected"] for r in runs])),
-        "tbt_p50_s": mean("tbt_p50_s"),
-        "tbt_p99_s": mean("tbt_p99_s"),
-        "throughput_rps": mean("throughput_rps"),
-        "preemptions": float(np.mean([r["preemptions"] for r in runs])),
-        "decision_us_p50": mean("decision_us_p50"),
-        "decision_us_p99": mean("decision_us_p99"),
+        "completed_fraction": _mean(r["completed"] / r["requests"] for r in runs),
+        **{k: mean(k) for k in ("ttft_p50_s", "ttft_p99_s")},
+        "ttft_max_s": max((r["ttft_max_s"] for r in runs if r["ttft_max_s"] == r["ttft_max_s"]),
+                          default=float("nan")),
+        **{k: mean(k) for k in ("rejected", "tbt_p50_s", "tbt_p99_s", "throughput_rps", "preemptions",
+                                "decision_us_p50", "decision_us_p99")},
         "fallback_decisions": int(sum(r["fallback_decisions"] for r in runs)),
-        "burst": first.get("burst"),
+        "burst": runs[0].get("burst"),
     }
 
 
-def run_bench(cfg: BenchConfig, progress: Callable[[str, int], Callable[[Job, dict[str, Any]], None]] | None = None
-              ) -> dict[str, Any]:
-    """Run the configured experiments; a JSON-ready dict.
-
-    ``progress(label, total)`` returns the per-job callback of one phase.
-    """
+def run_bench(cfg: BenchConfig, progress: Progress = None) -> dict[str, Any]:
+    """Run the configured experiments; a JSON-ready dict."""
     t0 = time.perf_counter()
     by_exp = plan_variants(cfg)
     guess = initial_guess(cfg.workload, cfg.profile)
     unique: dict[Any, Variant] = {}
-    for vs in by_exp.values():
-        for v in vs:
-            unique.setdefault(v.key, v)
-    searches_jobs: list[Job] = [
-        GoodputSpec(_base_spec(cfg, v, seed, guess), guess=guess, tolerance=cfg.tolerance)
-        for v in unique.values() for seed in cfg.seed_list
-    ]
-    cb = progress("goodput searches", len(searches_jobs)) if progress else None
-    searches = run_jobs(searches_jobs, workers=cfg.workers, executor=cfg.executor, on_done=cb)
+    for v in itertools.chain.from_iterable(by_exp.values()):
+        unique.setdefault(v.key, v)
+    keys = [v.key for v in unique.values() for _ in cfg.seed_list]
+    searches = run_jobs(
+        [GoodputSpec(_base_spec(cfg, v, seed, guess), guess=guess, tolerance=cfg.tolerance)
+         for v in unique.values() for seed in cfg.seed_list],
+        workers=cfg.workers, executor=cfg.executor,
+        on_done=progress("goodput searches", len(keys)) if progress else None)
     by_key: dict[Any, list[dict[str, Any]]] = defaultdict(list)
-    for job, res in zip(searches_jobs, searches, strict=True):
-        assert isinstance(job, GoodputSpec)
-        by_key[(job.run.policy, job.run.params)].append(res)
+    for key, res in zip(keys, searches, strict=True):
+        by_key[key].append(res)
 
     out: dict[str, Any] = {
         "settings": cfg.to_dict(),
         "target_violation": TARGET_VIOLATION,
         "tolerance": cfg.tolerance,
-        "search": (f"start {guess:.3f} rps, ×1.5 bracketing, bisection until (hi-lo)/lo <= {cfg.tolerance:g}; "
-                   f"goodput = highest passing rate; probes stop early once >{TARGET_VIOLATION:.0%} violate"),
+        "search": (f"start {guess:.3f} rps, ×1.5 bracketing, bisection until (hi-lo)/lo <= "
+                   f"{cfg.tolerance:g}; goodput = highest passing rate; probes stop early once "
+                   f">{TARGET_VIOLATION:.0%} violate"),
         "initial_guess_rps": guess,
         "slo": dataclasses.asdict(SLOConfig(definition=cfg.slo_definition)),
     }
     for exp, vs in by_exp.items():
-        rows = []
-        for v in vs:
-            row = summarize_seeds(by_key[v.key])
-            row.update(policy=v.label, base_policy=v.policy, params=dict(v.params))
-            rows.append(row)
-        out[exp] = rows
+        out[exp] = [summarize_seeds(by_key[v.key]) | {"policy": v.label, "base_policy": v.policy,
+                                                      "params": dict(v.params)} for v in vs]
     out["searches"] = searches
-
-    main = out.get("goodput", [])
-    exps = set(cfg.experiments)
-    if "load" in exps:
-        exps |= {"goodput", "overload"}
-    if main:
-        out.update(_phase2(cfg, main, exps, progress))
+    if out.get("goodput"):
+        out.update(_phase2(cfg, out["goodput"], _with_implied(cfg.experiments), progress))
     out["wall_s"] = time.perf_counter() - t0
     return out
 
@@ -264,8 +245,8 @@ def _reference(main: list[dict[str, Any]]) -> tuple[float, str]:
     return low["goodput_rps"], f"lowest mean goodput among the policies ({low['policy']})"
 
 
-def _phase2(cfg: BenchConfig, main: list[dict[str, Any]], exps: set[str],
-            progress: Callable[[str, int], Callable[[Job, dict[str, Any]], None]] | None) -> dict[str, Any]:
+def _phase2(cfg: BenchConfig, main: list[dict[str, Any]], exps: set[str], progress: Progress
+            ) -> dict[str, Any]:
     ref, basis = _reference(main)
     out: dict[str, Any] = {"reference": {"rate_rps": ref, "basis": basis}}
     if ref <= 0:
@@ -274,8 +255,8 @@ def _phase2(cfg: BenchConfig, main: list[dict[str, Any]], exps: set[str],
     variants = {r["policy"]: Variant(r["policy"], r["base_policy"], tuple(sorted(r["params"].items())))
                 for r in main}
     jobs, tags = _phase2_jobs(cfg, main, exps, variants, ref)
-    cb = progress("fixed-rate runs", len(jobs)) if progress else None
-    results = run_jobs(jobs, workers=cfg.workers, executor=cfg.executor, on_done=cb)
+    results = run_jobs(jobs, workers=cfg.workers, executor=cfg.executor,
+                       on_done=progress("fixed-rate runs", len(jobs)) if progress else None)
     grouped: dict[str, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
     for tag, res in zip(tags, results, strict=True):
         grouped[tag][res["policy"]].append(res)
@@ -309,10 +290,7 @@ def _phase2_jobs(cfg: BenchConfig, main: list[dict[str, Any]], exps: set[str], v
         if "load" in exps:
             add("load", v, 1.5 * ref)
         if "burst" in exps:
-            base = cfg.burst_base_fraction * ref
-            burst = Burst(start_s=0.25 * cfg.n_requests / base, duration_s=cfg.burst_duration_s,
-                          multiplier=cfg.burst_multiplier)
-            add("burst", v, base, burst=burst)
+            add("burst", v, cfg.burst_base_fraction * ref, burst=_burst(cfg, ref))
     if "classes" in exps:
         for v in _class_variants(cfg, variants):
             for f in CLASS_FACTORS:
@@ -320,8 +298,14 @@ def _phase2_jobs(cfg: BenchConfig, main: list[dict[str, Any]], exps: set[str], v
     return jobs, tags
 
 
-def _phase2_sections(cfg: BenchConfig, exps: set[str], grouped: dict[str, dict[str, list[dict[str, Any]]]],
-                     order: list[str], ref: float, basis: str) -> dict[str, Any]:
+def _burst(cfg: BenchConfig, ref: float) -> Burst:
+    """``burst``'s extra arrivals, from a quarter of the way into those at its base rate."""
+    start_s = 0.25 * cfg.n_requests / (cfg.burst_base_fraction * ref)
+    return Burst(start_s=start_s, duration_s=cfg.burst_duration_s, multiplier=cfg.burst_multiplier)
+
+
+def _phase2_sections(cfg: BenchConfig, exps: set[str], grouped: Grouped, order: list[str], ref: float,
+                     basis: str) -> dict[str, Any]:
     """The report's sections of the fixed-rate experiments, from their runs by tag and policy."""
     out: dict[str, Any] = {}
 
@@ -337,18 +321,17 @@ def _phase2_sections(cfg: BenchConfig, exps: set[str], grouped: dict[str, dict[s
         }
     if "overload" in exps:
         out["overload"] = {
-            "note": (f"violation rate of runs to completion at {cfg.overload_factor:g}x each policy's own mean "
-                     f"goodput (own) and at {cfg.overload_factor:g}x the reference rate {ref:.3f} rps "
+            "note": (f"violation rate of runs to completion at {cfg.overload_factor:g}x each policy's own "
+                     f"mean goodput (own) and at {cfg.overload_factor:g}x the reference rate {ref:.3f} rps "
                      f"= {basis} (common)"),
             "own": rows("overload_own"),
             "common": rows("overload_common"),
         }
     if "burst" in exps:
-        base = cfg.burst_base_fraction * ref
         out["burst"] = {
-            "note": (f"base {base:.3f} rps = {cfg.burst_base_fraction:g}x the reference rate ({basis}), "
-                     f"{cfg.burst_multiplier:g}x burst for {cfg.burst_duration_s:g} s from "
-                     f"{0.25 * cfg.n_requests / base:.1f} s"),
+            "note": (f"base {cfg.burst_base_fraction * ref:.3f} rps = {cfg.burst_base_fraction:g}x the "
+                     f"reference rate ({basis}), {cfg.burst_multiplier:g}x burst for "
+                     f"{cfg.burst_duration_s:g} s from {_burst(cfg, ref).start_s:.1f} s"),
             "rows": rows("burst"),
         }
     if "load" in exps:
@@ -358,27 +341,27 @@ def _phase2_sections(cfg: BenchConfig, exps: set[str], grouped: dict[str, dict[s
     return out
 
 
-def _load_section(cfg: BenchConfig, grouped: dict[str, dict[str, list[dict[str, Any]]]], order: list[str],
-                  ref: float, basis: str) -> dict[str, Any]:
+def _load_section(cfg: BenchConfig, grouped: Grouped, order: list[str], ref: float, basis: str
+                  ) -> dict[str, Any]:
     """Preemptions and violations per 1,000 requests at 1x, 1.5x and the overload factor."""
-    by_factor = {1.0: grouped["reference"], 1.5: grouped["load"], cfg.overload_factor: grouped["overload_common"]}
+    by_factor = {1.0: grouped["reference"], 1.5: grouped["load"],
+                 cfg.overload_factor: grouped["overload_common"]}
+
+    def cell(f: float, runs: list[dict[str, Any]]) -> dict[str, float]:
+        return {"rate_rps": f * ref, "violations_per_1000": 1000 * _mean(r["violation_rate"] for r in runs),
+                "preemptions_per_1000": 1000 * _mean(r["preemptions"] / r["requests"] for r in runs)}
+
     return {
-        "note": f"runs to completion at 1x, 1.5x and {cfg.overload_factor:g}x the reference rate {ref:.3f} rps "
-                f"= {basis}; preemptions and violated requests per 1,000 requests, mean over seeds",
-        "rows": [
-            {"policy": p, **{f"{f:g}x": {
-                "rate_rps": f * ref,
-                "violations_per_1000": 1000 * float(np.mean([r["violation_rate"] for r in by_factor[f][p]])),
-                "preemptions_per_1000": 1000 * float(np.mean([r["preemptions"] / r["requests"]
-                                                              for r in by_factor[f][p]])),
-            } for f in sorted(by_factor) if by_factor[f].get(p)}}
-            for p in order
-        ],
+        "note": f"runs to completion at 1x, 1.5x and {cfg.overload_factor:g}x the reference rate "
+                f"{ref:.3f} rps = {basis}; preemptions and violated requests per 1,000 requests, "
+                "mean over seeds",
+        "rows": [{"policy": p, **{f"{f:g}x": cell(f, by_factor[f][p]) for f in sorted(by_factor)
+                                  if by_factor[f].get(p)}} for p in order],
     }
 
 
-def _reasons(cfg: BenchConfig, variants: list[Variant], ref: float, basis: str,
-             progress: Callable[[str, int], Callable[[Job, dict[str, Any]], None]] | None) -> dict[str, Any]:
+def _reasons(cfg: BenchConfig, variants: list[Variant], ref: float, basis: str, progress: Progress
+             ) -> dict[str, Any]:
     """The ``reasons`` experiment at ``cfg.reasons_factor`` × the reference rate."""
     rate = cfg.reasons_factor * ref
     specs = [_base_spec(cfg, v, seed, rate) for v in variants for seed in cfg.seed_list]
@@ -399,35 +382,34 @@ def _class_variants(cfg: BenchConfig, variants: Mapping[str, Variant]) -> list[V
     return out
 
 
-def _class_rows(cfg: BenchConfig, grouped: Mapping[str, Mapping[str, list[dict[str, Any]]]], ref: float,
-                basis: str) -> dict[str, Any]:
+def _class_rows(cfg: BenchConfig, grouped: Grouped, ref: float, basis: str) -> dict[str, Any]:
     """Per policy and load: each class's SLO attainment and rejections, the weighted goodput."""
     mix = CLASS_MIXES[cfg.class_mix]
     rows = []
     for p in grouped[f"classes {CLASS_FACTORS[0]:g}x"]:
         row: dict[str, Any] = {"policy": p}
         for f in CLASS_FACTORS:
-            runs = grouped[f"classes {f:g}x"].get(p, [])
-            if not runs:
-                continue
-            row[f"{f:g}x"] = {
-                "rate_rps": f * ref,
-                "weighted_goodput_rps": float(np.mean([r["weighted_goodput_rps"] for r in runs])),
-                "classes": {c.name: {
-                    "attainment": float(np.mean([r["classes"][c.name]["attainment"] for r in runs])),
-                    "attainment_by_seed": [r["classes"][c.name]["attainment"] for r in runs],
-                    "rejected_per_1000": 1000 * float(np.mean([r["classes"][c.name]["rejected"] / r["requests"]
-                                                                for r in runs])),
-                } for c in mix.classes},
-            }
+            if runs := grouped[f"classes {f:g}x"].get(p):
+                row[f"{f:g}x"] = {
+                    "rate_rps": f * ref,
+                    "weighted_goodput_rps": _mean(r["weighted_goodput_rps"] for r in runs),
+                    "classes": {c.name: {
+                        "attainment": _mean(r["classes"][c.name]["attainment"] for r in runs),
+                        "attainment_by_seed": [r["classes"][c.name]["attainment"] for r in runs],
+                        "rejected_per_1000": 1000 * _mean(r["classes"][c.name]["rejected"] / r["requests"]
+                                                          for r in runs),
+                    } for c in mix.classes},
+                }
         rows.append(row)
-    desc = ", ".join(f"{c.name} {c.fraction:.0%} (priority {c.priority}{', sheddable' if c.sheddable else ''}"
+    desc = ", ".join(f"{c.name} {c.fraction:.0%} (priority {c.priority}"
+                     f"{', sheddable' if c.sheddable else ''}"
                      f"{f', TTFT x{c.ttft_scale:g}' if c.ttft_scale != 1 else ''}"
                      f"{f', TBT x{c.tbt_scale:g}' if c.tbt_scale != 1 else ''}"
                      f"{f', end to end {c.e2e_s:g} s' if c.e2e_s else ''}, weight {c.weight:g})"
                      for c in mix.classes)
     return {"note": (f"class mix {cfg.class_mix}: {desc}; runs to completion at "
-                     f"{', '.join(f'{f:g}x' for f in CLASS_FACTORS)} the reference rate {ref:.3f} rps = {basis}; "
+                     f"{', '.join(f'{f:g}x' for f in CLASS_FACTORS)} the reference rate {ref:.3f} rps = "
+                     f"{basis}; "
                      "SLO attainment per class and weighted goodput (weight x met requests per second), "
                      "mean over seeds"),
             "mix": cfg.class_mix, "factors": list(CLASS_FACTORS), "classes": [c.name for c in mix.classes],

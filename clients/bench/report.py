@@ -30,6 +30,16 @@ from .reasons import GROUPS
 __all__ = ["format_report", "reasons_table", "write_outputs"]
 
 OURS = "slidingserve"
+#: Columns of goodput.csv, probes.csv and runs.csv.
+GOODPUT_COLUMNS = ["experiment", "policy", "base_policy", "params", "workload", "profile", "transport",
+                   "n_requests", "goodput_rps", "goodput_rps_std", "goodput_rps_min", "goodput_rps_max",
+                   "goodput_rps_by_seed", "converged", "tolerance", "probes", "fallback_decisions"]
+PROBE_COLUMNS = ["policy", "seed", "step", "rate", "violation_rate", "passed", "stopped_early", "iterations",
+                 "wall_s", "fallback_decisions"]
+RUN_COLUMNS = ["experiment", "policy", "params", "seed", "rate_rps", "requests", "completed",
+               "violation_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_max_s", "tbt_p50_s",
+               "tbt_p90_s", "tbt_p99_s", "throughput_rps", "preemptions", "iterations", "decision_us_p50",
+               "decision_us_p99", "fallback_decisions", "rejected", "weighted_goodput_rps", "wall_s"]
 
 
 def _clean(x: Any) -> Any:
@@ -43,16 +53,15 @@ def _clean(x: Any) -> Any:
 
 
 def _table(header: list[str], rows: Iterable[list[str]]) -> str:
+    """Columns padded to their widest cell; the first left-aligned, the others right-aligned."""
     rows = list(rows)
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-    right = [i > 0 for i in range(len(header))]
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(header)]
 
     def fmt(cells: list[str]) -> str:
-        return "  ".join(c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, widths, right, strict=True))
+        padded = (c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
+        return "  ".join(padded)
 
-    lines = [fmt(header), "  ".join("-" * w for w in widths)]
-    lines += [fmt(r) for r in rows]
-    return "\n".join(lines)
+    return "\n".join([fmt(header), "  ".join("-" * w for w in widths), *map(fmt, rows)])
 
 
 def _ms(x: float | None) -> str:
@@ -130,7 +139,7 @@ def _runs_table(rows: list[dict[str, Any]]) -> str:
     return _table(header, [[
         r["policy"], f"{r['rate_rps']:.3f}", _pct(r["violation_rate"]),
         " ".join(_pct(x) for x in r["violation_rate_by_seed"]),
-        _ms(r["ttft_p50_s"]), _ms(r["ttft_p99_s"]), _ms(r.get("ttft_max_s", float("nan"))), _ms(r["tbt_p99_s"]),
+        _ms(r["ttft_p50_s"]), _ms(r["ttft_p99_s"]), _ms(r.get("ttft_max_s")), _ms(r["tbt_p99_s"]),
         f"{r['preemptions']:.0f}", f"{r.get('rejected', 0):.0f}",
     ] for r in rows])
 
@@ -162,26 +171,25 @@ def format_report(res: dict[str, Any]) -> str:
         f"search tolerance {res['tolerance']:.0%} (the threshold lies within [goodput, goodput x "
         f"{1 + res['tolerance']:g}])",
     ]
-    titles = {"goodput": "Goodput", "window": "SlidingChunker window k",
-              "ablation": "Ablation (Table 4)", "margin": "Margin (predicted times count this many times over)"}
+    titles = {"goodput": "Goodput", "window": "SlidingChunker window k", "ablation": "Ablation (Table 4)",
+              "margin": "Margin (predicted times count this many times over)"}
     for key, title in titles.items():
         if res.get(key):
             parts += ["", f"{title}:", goodput_table(res[key])]
             if not all(r["converged"] for r in res[key]):
                 parts.append("  * search did not converge for some seed (see probes.csv)")
-            fb = sum(r["fallback_decisions"] for r in res[key])
-            if fb:
+            if fb := sum(r["fallback_decisions"] for r in res[key]):
                 parts.append(f"  note: {fb} decisions fell back to the local policy (see runs/probes)")
-    ref = res.get("reference")
-    if ref:
+    if ref := res.get("reference"):
         parts += ["", f"Reference rate {ref['rate_rps']:.3f} rps = {ref['basis']}."]
         if ref.get("note"):
             parts.append(ref["note"])
     if res.get("at_reference"):
-        parts += ["", "All policies at the reference rate (runs to completion):", _runs_table(res["at_reference"])]
-    if res.get("overload"):
-        o = res["overload"]
-        parts += ["", f"Overload: {o['note']}.", "own:", _runs_table(o["own"]), "common:", _runs_table(o["common"])]
+        parts += ["", "All policies at the reference rate (runs to completion):",
+                  _runs_table(res["at_reference"])]
+    if o := res.get("overload"):
+        parts += ["", f"Overload: {o['note']}.", "own:", _runs_table(o["own"]), "common:",
+                  _runs_table(o["common"])]
     if res.get("burst"):
         parts += ["", f"Burst: {res['burst']['note']}.", _runs_table(res["burst"]["rows"])]
     if res.get("load"):
@@ -190,51 +198,40 @@ def format_report(res: dict[str, Any]) -> str:
         parts += ["", f"Classes: {res['classes']['note']}; rejected/1k per class in the same order.",
                   _classes_table(res)]
     if res.get("reasons", {}).get("rows"):
-        parts += ["", f"Why violated requests waited: {res['reasons']['note']}.", reasons_table(res["reasons"]["rows"])]
+        parts += ["", f"Why violated requests waited: {res['reasons']['note']}.",
+                  reasons_table(res["reasons"]["rows"])]
     parts += ["", f"wall time {res['wall_s']:.1f} s"]
     return "\n".join(parts)
 
 
-def _write_csv(path: Path, rows: list[dict[str, Any]], columns: list[str]) -> None:
+def _write_json(path: Path, data: Any, indent: int | None = None) -> Path:
+    path.write_text(json.dumps(_clean(data), indent=indent) + "\n")
+    return path
+
+
+def _write_csv(path: Path, rows: list[dict[str, Any]], columns: list[str]) -> Path:
     with path.open("w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=columns, extrasaction="ignore")
         w.writeheader()
         for r in rows:
             w.writerow({k: json.dumps(v) if isinstance(v, dict | list) else v for k, v in _clean(r).items()})
+    return path
 
 
 def write_outputs(res: dict[str, Any], out_dir: Path) -> list[Path]:
     """Write the JSON and CSV files; the paths written."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
     body = {k: v for k, v in res.items() if k != "latency_samples"}
     body.setdefault("goodput", [])
-    p = out_dir / "goodput.json"
-    p.write_text(json.dumps(_clean(body), indent=2) + "\n")
-    written.append(p)
+    written = [_write_json(out_dir / "goodput.json", body, indent=2)]
     if res.get("latency_samples"):
-        p = out_dir / "latency_samples.json"
-        p.write_text(json.dumps(_clean(res["latency_samples"])) + "\n")
-        written.append(p)
+        written.append(_write_json(out_dir / "latency_samples.json", res["latency_samples"]))
     rows = [r | {"experiment": exp} for exp in ("goodput", "window", "ablation", "margin")
             for r in res.get(exp, [])]
-    p = out_dir / "goodput.csv"
-    _write_csv(p, rows, ["experiment", "policy", "base_policy", "params", "workload", "profile", "transport",
-                         "n_requests", "goodput_rps", "goodput_rps_std", "goodput_rps_min", "goodput_rps_max",
-                         "goodput_rps_by_seed", "converged", "tolerance", "probes", "fallback_decisions"])
-    written.append(p)
+    written.append(_write_csv(out_dir / "goodput.csv", rows, GOODPUT_COLUMNS))
     probes = [{"policy": s["policy"], "seed": s["seed"], "step": i} | pr
               for s in res.get("searches", []) for i, pr in enumerate(s["probes"])]
-    p = out_dir / "probes.csv"
-    _write_csv(p, probes, ["policy", "seed", "step", "rate", "violation_rate", "passed", "stopped_early",
-                           "iterations", "wall_s", "fallback_decisions"])
-    written.append(p)
+    written.append(_write_csv(out_dir / "probes.csv", probes, PROBE_COLUMNS))
     if res.get("runs"):
-        p = out_dir / "runs.csv"
-        _write_csv(p, res["runs"], ["experiment", "policy", "params", "seed", "rate_rps", "requests", "completed",
-                                    "violation_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_max_s", "tbt_p50_s",
-                                    "tbt_p90_s", "tbt_p99_s", "throughput_rps", "preemptions", "iterations",
-                                    "decision_us_p50", "decision_us_p99", "fallback_decisions", "rejected",
-                                    "weighted_goodput_rps", "wall_s"])
-        written.append(p)
+        written.append(_write_csv(out_dir / "runs.csv", res["runs"], RUN_COLUMNS))
     return written

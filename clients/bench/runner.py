@@ -1,18 +1,14 @@
 """One simulated run: (policy, workload, profile, rate, seed, requests, transport, params) → summary.
 
-Everything a run needs that is expensive and identical between runs is cached
-per process: the ground truth (trace and profile tables), the offline
-predictor fitted from a seeded profiling sweep, and — for ``transport="grpc"``
-— the embedded scheduling service.  A worker process therefore pays those
-costs once, not once per run.
+What is expensive and the same for every run is cached per process, so that a worker pays for it
+once, not once per run: the ground truth (trace and profile tables), the offline predictor fitted
+from a seeded profiling sweep and, for ``transport="grpc"``, the embedded scheduling service.
 
-Isolation between runs matters more than it looks: the predictor refits
-online from each run's reports, so a run must not inherit what an earlier run
-taught it, or results would depend on which worker ran which job in what
-order.  In-process runs get a fresh backend (and registry); gRPC runs share
-one server per process but each run reports under its own engine profile key,
-so the server keeps a separate predictor per run, bootstrapped from the same
-offline fit.
+Isolation between runs matters more than it looks: the predictor refits online from each run's
+reports, so a run must not inherit what an earlier run taught it, or results would depend on which
+worker ran which job in what order.  In-process runs get a fresh backend (and registry); gRPC runs
+share one server per process, but each run reports under its own engine profile key, so the server
+keeps a separate predictor per run, bootstrapped from the same offline fit.
 """
 
 from __future__ import annotations
@@ -39,15 +35,8 @@ from engine_adapter.sim.groundtruth import DEFAULT_PROFILE, PROFILES, load_groun
 from engine_adapter.sim.profiling import fit_profile_predictor
 from scheduler_service.core import BatchLatencyPredictor
 
-__all__ = [
-    "MAIN_POLICIES",
-    "TRANSPORTS",
-    "RunSpec",
-    "install_predictors",
-    "profile_predictor",
-    "quiet_logs",
-    "run",
-]
+__all__ = ["MAIN_POLICIES", "TRANSPORTS", "RunSpec", "install_predictors", "profile_predictor", "quiet_logs",
+           "run"]
 
 #: The four policies every comparison shows (baselines first, ours last).
 MAIN_POLICIES = ("vllm-fcfs", "sarathi-edf", "qoserve", "slidingserve")
@@ -119,11 +108,9 @@ def install_predictors(predictors: dict[str, str]) -> None:
 
 def profile_predictor(profile: str) -> BatchLatencyPredictor:
     """The offline predictor of ``profile`` (seeded sweep, cached per process)."""
-    pred = _PREDICTORS.get(profile)
-    if pred is None:
-        pred = fit_profile_predictor(profile, n=PREDICTOR_SWEEP, seed=PREDICTOR_SEED)
-        _PREDICTORS[profile] = pred
-    return pred
+    if profile not in _PREDICTORS:
+        _PREDICTORS[profile] = fit_profile_predictor(profile, n=PREDICTOR_SWEEP, seed=PREDICTOR_SEED)
+    return _PREDICTORS[profile]
 
 
 class _EmbeddedServer:
@@ -219,9 +206,8 @@ def run(spec: RunSpec) -> dict[str, Any]:
     workload = make_workload(spec.workload, spec.n_requests, spec.rate, seed=spec.seed, burst=spec.burst,
                              slo=spec.slo, classes=spec.classes)
     profile = PROFILES[spec.profile]
-    key = profile.key
     backend: SchedulerBackend
-    settings = AdapterSettings(policy=spec.policy, params=dict(spec.params), profile=key,
+    settings = AdapterSettings(policy=spec.policy, params=dict(spec.params), profile=profile.key,
                                deadline_ms=spec.deadline_ms, shed_after=spec.shed_after)
     if spec.transport == "grpc":
         server = _SERVERS.setdefault(spec.profile, _EmbeddedServer(spec.profile))
@@ -243,18 +229,14 @@ def run(spec: RunSpec) -> dict[str, Any]:
         "policy": spec.name,
         "base_policy": spec.policy,
         "params": dict(spec.params),
-        "workload": spec.workload,
-        "profile": spec.profile,
-        "transport": spec.transport,
-        "deadline_ms": spec.deadline_ms,
-        "shed_after": spec.shed_after,
+        **{k: getattr(spec, k) for k in ("workload", "profile", "transport", "deadline_ms", "shed_after")},
         "rate_rps": spec.rate,
         "seed": spec.seed,
         "burst": dataclasses.asdict(spec.burst) if spec.burst else None,
         "wall_s": result.wall_time_s,
         "sim_time_s": result.sim_time_s,
+        **result.summary(),
     }
-    out.update(result.summary())
     out["slo_attainment"] = 1.0 - out["violation_rate"]
     out["fallback_decisions"] = sum(result.adapter.get("fallbacks", {}).values())
     if spec.classes is not None:
