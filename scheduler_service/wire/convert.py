@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Literal
 
 import numpy as np
 
@@ -42,20 +42,9 @@ from scheduler_service.gen.slidingserve.v1 import scheduler_pb2 as pb
 from .profile import EngineProfile
 from .status import MAX_DESCRIPTION_BYTES, MAX_FIELD_BYTES, MAX_VIOLATIONS, clip
 
-__all__ = [
-    "MAX_TOKENS",
-    "describe_to_pb",
-    "encode_plan",
-    "plan_from_pb",
-    "plan_to_pb",
-    "profile_from_pb",
-    "profile_to_pb",
-    "report_from_pb",
-    "snapshot_from_pb",
-    "snapshot_to_pb",
-    "violations_from_pb",
-    "violations_to_pb",
-]
+__all__ = ["MAX_TOKENS", "describe_to_pb", "encode_plan", "plan_from_pb", "plan_to_pb", "profile_from_pb",
+           "profile_to_pb", "report_from_pb", "snapshot_from_pb", "snapshot_to_pb", "violations_from_pb",
+           "violations_to_pb"]
 
 #: Largest plausible iteration latency (ms): anything above is a unit error, not a sample.
 MAX_LATENCY_MS = 600_000.0
@@ -67,15 +56,22 @@ MAX_FEATURE = float(2**61)
 #: always sent, and the optional ones (empty on the wire = the default for every request).
 _ALWAYS = tuple(c for c in COLUMNS if not c.optional)
 _OPTIONAL = tuple(c for c in COLUMNS if c.optional)
-_COLUMN_FIELD_NUMBERS = {f.name: f.number for f in pb.RequestColumns.DESCRIPTOR.fields}
 #: Always-sent columns encoded as packed fixed-width bytes straight from numpy (doubles,
-#: bools), and those protobuf encodes as varints (int64).
-_FIXED_COLUMNS = tuple(c for c in _ALWAYS if c.dtype in (np.float64, np.bool_))
+#: bools; with their field numbers), and those protobuf encodes as varints (int64).
+_FIXED_COLUMNS = tuple((c, pb.RequestColumns.DESCRIPTOR.fields_by_name[c.wire].number)
+                       for c in _ALWAYS if c.dtype in (np.float64, np.bool_))
 _VARINT_COLUMNS = tuple(c for c in _ALWAYS if c.dtype not in (np.float64, np.bool_))
 #: The core's column name → the field of ``RequestColumns`` and ``Request``.
 _WIRE_NAMES = {c.name: c.wire for c in COLUMNS}
 _ROW_PATH = re.compile(r"^requests\[(\d+)\]\.(\w+)$")
-_SCALARS = frozenset({"now", "max_batch_tokens", "max_num_seqs", "free_kv_tokens", "prefill_throughput"})
+#: The snapshot's scalar fields, the same names in the core and on the wire; the optional
+#: ones (proto3 ``optional``) are None in the core when unset.
+_OPTIONAL_SCALARS: tuple[Literal["free_kv_tokens", "prefill_throughput"], ...] = (
+    "free_kv_tokens", "prefill_throughput")
+_SCALARS = ("now", "max_batch_tokens", "max_num_seqs", *_OPTIONAL_SCALARS)
+#: The plan's scalar fields, the same names in :class:`Plan` and ``pb.Plan``.
+_PLAN_SCALARS = ("policy", "policy_version", "predictor_version", "path", "token_budget",
+                 "predicted_latency_ms", "decision_us", "deployment")
 
 
 # ---------------------------------------------------------------- profiles
@@ -95,16 +91,14 @@ def _profile(model: str, hardware: str, tensor_parallel: int) -> EngineProfile:
 
 
 def profile_to_pb(profile: EngineProfile) -> pb.EngineProfile:
-    return pb.EngineProfile(
-        model=profile.model, hardware=profile.hardware, tensor_parallel=profile.tensor_parallel
-    )
+    return pb.EngineProfile(model=profile.model, hardware=profile.hardware,
+                            tensor_parallel=profile.tensor_parallel)
 
 
 # --------------------------------------------------------------- snapshots
 def _wire_field(core_field: str, prefix: str, encoding: str) -> str:
     """Rename a core (JSON) field path to the path in the protobuf message."""
-    m = _ROW_PATH.match(core_field)
-    if m:
+    if m := _ROW_PATH.match(core_field):
         i, name = m.groups()
         if encoding == "rows":
             return f"{prefix}.rows.requests[{i}].{_WIRE_NAMES.get(name, name)}"
@@ -119,43 +113,31 @@ def _wire_field(core_field: str, prefix: str, encoding: str) -> str:
 
 
 def _rename(err: ValidationError, prefix: str, encoding: str) -> ValidationError:
-    return ValidationError(
-        [FieldViolation(_wire_field(v.field, prefix, encoding), v.description) for v in err.violations]
-    )
+    return ValidationError([FieldViolation(_wire_field(v.field, prefix, encoding), v.description)
+                            for v in err.violations])
 
 
-def snapshot_from_pb(
-    msg: pb.Snapshot, *, max_requests: int, prefix: str = "snapshot"
-) -> tuple[Snapshot, EngineProfile]:
+def snapshot_from_pb(msg: pb.Snapshot, *, max_requests: int,
+                     prefix: str = "snapshot") -> tuple[Snapshot, EngineProfile]:
     """Validate a wire snapshot into a core :class:`Snapshot` (profile key set) and its profile."""
     profile = profile_from_pb(msg.engine_profile, f"{prefix}.engine_profile")
     encoding = msg.WhichOneof("requests") or "columns"
     n = len(msg.columns.ids) if encoding == "columns" else len(msg.rows.requests)
     if n > max_requests:  # before any column is read: the limit bounds the work
-        where = f"{prefix}.columns" if encoding == "columns" else f"{prefix}.rows.requests"
-        raise ValidationError.single(where, f"has {n} requests, more than the limit {max_requests}")
-    scalars: dict[str, Any] = {
-        "now": msg.now,
-        "max_batch_tokens": msg.max_batch_tokens,
-        "max_num_seqs": msg.max_num_seqs,
-        "free_kv_tokens": msg.free_kv_tokens if msg.HasField("free_kv_tokens") else None,
-        "prefill_throughput": msg.prefill_throughput if msg.HasField("prefill_throughput") else None,
-        "profile": profile.key,
-        "max_requests": max_requests,
-    }
+        raise ValidationError.single(_wire_field("requests", prefix, encoding),
+                                     f"has {n} requests, more than the limit {max_requests}")
+    scalars: dict[str, Any] = {k: getattr(msg, k) for k in _SCALARS}
+    scalars.update({k: None for k in _OPTIONAL_SCALARS if not msg.HasField(k)})
+    scalars.update(profile=profile.key, max_requests=max_requests)
     try:
         if encoding == "columns":
-            snap = _columns_snapshot(msg.columns, scalars)
+            ids, columns = columns_to_arrays(msg.columns)
+            snap = Snapshot.from_arrays(ids=ids, columns=columns, **scalars)
         else:
             snap = _rows_snapshot(msg.rows.requests, scalars)
     except ValidationError as e:
         raise _rename(e, prefix, encoding) from None
     return snap, profile
-
-
-def _columns_snapshot(c: pb.RequestColumns, scalars: dict[str, Any]) -> Snapshot:
-    ids, columns = columns_to_arrays(c)
-    return Snapshot.from_arrays(ids=ids, columns=columns, **scalars)
 
 
 def columns_to_arrays(c: pb.RequestColumns) -> tuple[tuple[str, ...], dict[str, np.ndarray]]:
@@ -164,17 +146,15 @@ def columns_to_arrays(c: pb.RequestColumns) -> tuple[tuple[str, ...], dict[str, 
     10x faster than ``np.fromiter``), no per-request Python object but the id strings.
     Not validated: :meth:`Snapshot.from_arrays` does that vectorised, relying on the
     container's type for each element's."""
-    columns = {col.name: np.asarray(getattr(c, col.wire), dtype=col.dtype) for col in _ALWAYS}
-    for col in _OPTIONAL:
-        values = getattr(c, col.wire)
-        if len(values):
-            columns[col.name] = np.asarray(values, dtype=col.dtype)
-    return tuple(c.ids), columns
+    fields = {col: getattr(c, col.wire) for col in COLUMNS}
+    return tuple(c.ids), {col.name: np.asarray(v, dtype=col.dtype)
+                          for col, v in fields.items() if len(v) or not col.optional}
 
 
 def _rows_snapshot(rows: Sequence[pb.Request], scalars: dict[str, Any]) -> Snapshot:
     """The row encoding: one Python object per request and field (slower; see the module)."""
-    cols: dict[str, Any] = {c.name: np.array([getattr(r, c.wire) for r in rows], dtype=c.dtype) for c in COLUMNS}
+    cols: dict[str, Any] = {c.name: np.array([getattr(r, c.wire) for r in rows], dtype=c.dtype)
+                            for c in COLUMNS}
     return Snapshot.from_columns(ids=tuple(r.id for r in rows), **scalars, **cols)
 
 
@@ -186,16 +166,7 @@ def snapshot_to_pb(
     encoding: str = "columns",
 ) -> pb.Snapshot:
     """Encode a core snapshot; ``encoding`` is ``"columns"`` (default, faster) or ``"rows"``."""
-    msg = pb.Snapshot(
-        now=snap.now,
-        max_batch_tokens=snap.max_batch_tokens,
-        max_num_seqs=snap.max_num_seqs,
-        engine_id=engine_id,
-    )
-    if snap.free_kv_tokens is not None:
-        msg.free_kv_tokens = snap.free_kv_tokens
-    if snap.prefill_throughput is not None:
-        msg.prefill_throughput = snap.prefill_throughput
+    msg = pb.Snapshot(engine_id=engine_id, **{k: getattr(snap, k) for k in _SCALARS})  # None: unset
     if profile is None and snap.profile:
         profile = EngineProfile.parse(snap.profile)
     if profile is not None:
@@ -221,7 +192,7 @@ def snapshot_to_pb(
     return msg
 
 
-_LEN = [bytes((n,)) for n in range(128)]
+_LEN = [bytes((n,)) for n in range(128)]  # the one-byte varints
 
 
 def _varint(n: int) -> bytes:
@@ -238,6 +209,7 @@ def _varint(n: int) -> bytes:
 
 
 def _packed(field_number: int, raw: bytes) -> bytes:
+    """A length-delimited field (a packed repeated one, a string) as wire bytes."""
     return _varint((field_number << 3) | 2) + _varint(len(raw)) + raw
 
 
@@ -246,13 +218,9 @@ def _packed_fixed_columns(snap: Snapshot) -> bytes:
     numpy (little-endian IEEE doubles; bools are one-byte varints 0/1).  About twice as
     fast as ``extend(arr.tolist())``; merged into the message, so the result is the same
     message protobuf itself would build (pinned by a test)."""
-    parts = []
-    for col in _FIXED_COLUMNS:
-        a = getattr(snap, col.name)
-        if len(a):
-            raw = a.astype(np.uint8).tobytes() if a.dtype == np.bool_ else a.astype("<f8").tobytes()
-            parts.append(_packed(_COLUMN_FIELD_NUMBERS[col.wire], raw))
-    return b"".join(parts)
+    arrays = ((number, getattr(snap, col.name)) for col, number in _FIXED_COLUMNS)
+    return b"".join(_packed(number, a.astype(np.uint8 if a.dtype == np.bool_ else "<f8").tobytes())
+                    for number, a in arrays if len(a))
 
 
 # ------------------------------------------------------------------- plans
@@ -261,47 +229,32 @@ def plan_to_pb(plan: Plan) -> pb.Plan:
     message constructor, which copies each repeated field at C speed.  Reasons go in
     field 15 and, kept as :class:`Reasons` arrays, in the compact fields too (what
     :func:`encode_plan` writes faster)."""
-    msg = _plan_msg(plan)
-    if plan.reasons:
-        msg.reasons.extend([pb.PlanReason(id=r.id, code=r.code, value=r.value) for r in plan.reasons])
+    msg = _plan_msg(plan, plan.reasons)
     if isinstance(plan.reasons, Reasons):  # kept as arrays: the compact form too
         msg.MergeFromString(_compact_reasons(plan.reasons))
     return msg
 
 
-def _plan_msg(plan: Plan) -> pb.Plan:
-    """The plan's message without its reasons."""
+def _plan_msg(plan: Plan, reasons: Iterable[Reason] = ()) -> pb.Plan:
+    """The plan's message with ``reasons`` as field 15 (the compact fields left to the caller)."""
     ids, tokens = zip(*plan.allocations, strict=True) if plan.allocations else ((), ())
-    msg = pb.Plan(
-        policy=plan.policy,
-        policy_version=plan.policy_version,
-        predictor_version=plan.predictor_version,
-        path=plan.path,
-        token_budget=plan.token_budget,
-        predicted_latency_ms=plan.predicted_latency_ms,
-        decision_us=plan.decision_us,
+    return pb.Plan(
+        **{k: getattr(plan, k) for k in _PLAN_SCALARS},
         allocation_ids=ids,
         allocation_tokens=tokens,
+        breakdown_us={str(k): int(v) for k, v in plan.breakdown_us.items()},
+        reject_ids=[r.id for r in plan.rejections],
+        reject_reasons=[r.reason for r in plan.rejections],
+        preempt_ids=plan.preemptions,
+        reasons=[pb.PlanReason(id=r.id, code=r.code, value=r.value) for r in reasons],
     )
-    if plan.breakdown_us:
-        msg.breakdown_us.update({str(k): int(v) for k, v in plan.breakdown_us.items()})
-    if plan.deployment:
-        msg.deployment = plan.deployment
-    if plan.rejections:
-        msg.reject_ids.extend([r.id for r in plan.rejections])
-        msg.reject_reasons.extend([r.reason for r in plan.rejections])
-    if plan.preemptions:
-        msg.preempt_ids.extend(plan.preemptions)
-    return msg
 
 
 #: ``Plan.reasons`` (field 15) entries: each code's encoded ``code`` field, one-byte lengths.
 _CODE_FIELDS = [b"\x12" + bytes((len(c),)) + c.encode() for c in CODES]
-_PLAN_FIELDS = {f.name: f.number for f in pb.Plan.DESCRIPTOR.fields}
-_F_TABLE, _F_CODES, _F_ROWS, _F_VALUES = (
-    _PLAN_FIELDS[k] for k in ("reason_code_table", "reason_codes", "reason_rows", "reason_values"))
-#: The compact fields' tags (length-delimited).
-_TAG_CODES, _TAG_ROWS, _TAG_VALUES = (_varint((f << 3) | 2) for f in (_F_CODES, _F_ROWS, _F_VALUES))
+#: The compact reason fields (16-19).
+_F_TABLE, _F_CODES = pb.Plan.REASON_CODE_TABLE_FIELD_NUMBER, pb.Plan.REASON_CODES_FIELD_NUMBER
+_F_ROWS, _F_VALUES = pb.Plan.REASON_ROWS_FIELD_NUMBER, pb.Plan.REASON_VALUES_FIELD_NUMBER
 
 
 @functools.lru_cache(maxsize=16)
@@ -318,15 +271,12 @@ def _compact_reasons(reasons: Reasons) -> bytes:
     arrays: the code table (constant; built once), one byte per code, the rows as little-endian
     fixed32 and the values as doubles, each one numpy ``tobytes``."""
     rows, codes, values = reasons.arrays()
-    n = len(rows)
     table = _CODES_TABLE if reasons.names is CODES else _table_bytes(reasons.names)
-    if not n:
+    if not len(rows):
         return table
     raw = codes.view(np.uint8) if codes.itemsize == 1 else codes.astype(np.uint8)  # int8 codes: a view
-    return b"".join((table,
-                     _TAG_CODES, _varint(n), raw.tobytes(),
-                     _TAG_ROWS, _varint(4 * n), rows.astype("<u4").tobytes(),
-                     _TAG_VALUES, _varint(8 * n), values.astype("<f8", copy=False).tobytes()))
+    return b"".join((table, _packed(_F_CODES, raw.tobytes()), _packed(_F_ROWS, rows.astype("<u4").tobytes()),
+                     _packed(_F_VALUES, values.astype("<f8", copy=False).tobytes())))
 
 
 def encode_plan(plan: Plan, ids: Sequence[str], *, full: bool = True) -> pb.Plan:
@@ -339,14 +289,13 @@ def encode_plan(plan: Plan, ids: Sequence[str], *, full: bool = True) -> pb.Plan
     reasons = plan.reasons
     if not isinstance(reasons, Reasons):
         return plan_to_pb(plan)
-    msg = _plan_msg(plan)
-    parts = [_compact_reasons(reasons)]
     rows, codes, values = reasons.arrays()
-    if full and len(rows):
-        if reasons.names is not CODES:  # a table decoded from the wire: field 15 by protobuf itself
-            msg.reasons.extend([pb.PlanReason(id=r.id, code=r.code, value=r.value) for r in reasons])
-        else:
-            parts.append(_plan_reasons(rows, codes, values, ids))
+    full = full and len(rows) > 0
+    # Field 15 of a table decoded from the wire by protobuf itself, of CODES as bytes here.
+    msg = _plan_msg(plan, reasons if full and reasons.names is not CODES else ())
+    parts = [_compact_reasons(reasons)]
+    if full and reasons.names is CODES:
+        parts.append(_plan_reasons(rows, codes, values, ids))
     msg.MergeFromString(b"".join(parts))
     return msg
 
@@ -356,13 +305,12 @@ def _plan_reasons(rows: np.ndarray, codes: np.ndarray, values: np.ndarray, ids: 
     vals = values.astype("<f8").tobytes()
     fields = _CODE_FIELDS
     parts: list[bytes] = []
-    k = 0
-    for r, c in zip(rows.tolist(), codes.tolist(), strict=True):
+    for r, c, k in zip(rows.tolist(), codes.tolist(), range(0, len(vals), 8), strict=True):
         rid = ids[r].encode()
-        code = fields[c]
-        parts += (b"z", _varint(len(rid) + len(_varint(len(rid))) + len(code) + 10), b"\n", _varint(len(rid)), rid,
-                  code, b"\x19", vals[k:k + 8])  # z: field 15, length-delimited; \n: field 1; \x19: field 3, double
-        k += 8
+        code, n = fields[c], _varint(len(rid))
+        # z: field 15, length-delimited; \n: field 1 (id); \x19: field 3 (value), a double
+        parts += (b"z", _varint(len(rid) + len(n) + len(code) + 10), b"\n", n, rid, code, b"\x19",
+                  vals[k:k + 8])
     return b"".join(parts)
 
 
@@ -376,18 +324,10 @@ def plan_from_pb(msg: pb.Plan, ids: Sequence[str] | None = None) -> Plan:
     if ids is not None and msg.reason_code_table:
         reasons = _decode_reasons(msg, ids) or reasons
     return Plan(
-        policy=msg.policy,
-        policy_version=msg.policy_version,
-        predictor_version=msg.predictor_version,
-        path=msg.path,
-        token_budget=msg.token_budget,
-        predicted_latency_ms=msg.predicted_latency_ms,
-        allocations=tuple(
-            Allocation(i, t) for i, t in zip(msg.allocation_ids, msg.allocation_tokens, strict=True)
-        ),
-        decision_us=msg.decision_us,
+        **{k: getattr(msg, k) for k in _PLAN_SCALARS},
+        allocations=tuple(Allocation(i, t)
+                          for i, t in zip(msg.allocation_ids, msg.allocation_tokens, strict=True)),
         breakdown_us=dict(msg.breakdown_us),
-        deployment=msg.deployment,
         rejections=tuple(map(Rejection, msg.reject_ids, msg.reject_reasons)),
         preemptions=tuple(msg.preempt_ids),
         reasons=reasons,
@@ -410,10 +350,9 @@ def _decode_reasons(msg: pb.Plan, ids: Sequence[str]) -> Reasons | None:
 # -------------------------------------------------------------- violations
 def violations_to_pb(err: ValidationError) -> list[pb.FieldViolation]:
     """Bounded like the unary status (:mod:`.status`): violations echo client input."""
-    return [
-        pb.FieldViolation(field=clip(v.field, MAX_FIELD_BYTES), description=clip(v.description, MAX_DESCRIPTION_BYTES))
-        for v in err.violations[:MAX_VIOLATIONS]
-    ]
+    return [pb.FieldViolation(field=clip(v.field, MAX_FIELD_BYTES),
+                              description=clip(v.description, MAX_DESCRIPTION_BYTES))
+            for v in err.violations[:MAX_VIOLATIONS]]
 
 
 def violations_from_pb(items: Sequence[Any]) -> tuple[FieldViolation, ...]:
@@ -436,36 +375,34 @@ def report_from_pb(
     if not np.isfinite(lat) or not 0 < lat <= MAX_LATENCY_MS:
         raise ValidationError.single(f"{field}.latency_ms", f"must be finite, > 0 and <= {MAX_LATENCY_MS:g}")
     kind = msg.WhichOneof("batch")
+    at = f"{field}.{kind}"
     if kind == "composition":
         c = np.array(msg.composition.c, dtype=np.int64)
         u = np.array(msg.composition.u, dtype=np.int64)
         if len(c) != len(u):
-            raise ValidationError.single(f"{field}.composition.u", f"has {len(u)} entries, c has {len(c)}")
+            raise ValidationError.single(f"{at}.u", f"has {len(u)} entries, c has {len(c)}")
         if not 1 <= len(c) <= max_requests:
-            raise ValidationError.single(f"{field}.composition.c", f"must have 1..{max_requests} entries")
+            raise ValidationError.single(f"{at}.c", f"must have 1..{max_requests} entries")
         if c.min() < 1 or c.max() > MAX_BATCH_TOKENS or int(c.sum()) > MAX_BATCH_TOKENS:
-            raise ValidationError.single(
-                f"{field}.composition.c", f"every entry must be >= 1, all together <= {MAX_BATCH_TOKENS}"
-            )
+            raise ValidationError.single(f"{at}.c",
+                                         f"every entry must be >= 1, all together <= {MAX_BATCH_TOKENS}")
         if u.min() < 0 or u.max() > MAX_TOKENS:
-            raise ValidationError.single(f"{field}.composition.u", f"every entry must be in [0, {MAX_TOKENS}]")
+            raise ValidationError.single(f"{at}.u", f"every entry must be in [0, {MAX_TOKENS}]")
         x, scen = batch_features(c, u)
-        return profile, x, scen, float(lat)
-    if kind == "features":
+    elif kind == "features":
         x = np.array(msg.features.x, dtype=np.float64)
         if len(x) != N_FEATURES or not np.all((x >= 0) & (x <= MAX_FEATURE)):
-            raise ValidationError.single(
-                f"{field}.features.x", f"must be {N_FEATURES} numbers in [0, {MAX_FEATURE:.3g}]"
-            )
+            raise ValidationError.single(f"{at}.x", f"must be {N_FEATURES} numbers in [0, {MAX_FEATURE:.3g}]")
         s = int(msg.features.scenario)
         if s == pb.SCENARIO_UNSPECIFIED:
             scen = int(scenario_codes(np.array([x[3]]), np.array([x[5]]))[0])
         elif s in (pb.SCENARIO_DECODE, pb.SCENARIO_PREFILL, pb.SCENARIO_MIXED):
             scen = s - 1  # wire enums are offset by the UNSPECIFIED zero value
         else:
-            raise ValidationError.single(f"{field}.features.scenario", f"unknown scenario {s}")
-        return profile, x, scen, float(lat)
-    raise ValidationError.single(f"{field}.batch", "set either composition or features")
+            raise ValidationError.single(f"{at}.scenario", f"unknown scenario {s}")
+    else:
+        raise ValidationError.single(f"{field}.batch", "set either composition or features")
+    return profile, x, scen, float(lat)
 
 
 # ---------------------------------------------------------------- policies
@@ -473,14 +410,10 @@ def describe_to_pb(d: Mapping[str, Any]) -> pb.PolicyInfo:
     """``registry.describe(name)`` → :class:`pb.PolicyInfo`."""
     info = pb.PolicyInfo(name=d["name"], version=d["version"], doc=d.get("doc", ""))
     for p in d.get("params", []):
-        item = info.params.add(
-            name=p["name"], type=str(p["type"]), default_value=param_text(p["default"]), doc=p.get("doc", "")
-        )
-        if p.get("min") is not None:
-            item.min = float(p["min"])
-        if p.get("max") is not None:
-            item.max = float(p["max"])
-        item.choices.extend(param_text(c) for c in p.get("choices") or ())
+        bounds: dict[str, Any] = {k: float(p[k]) for k in ("min", "max") if p.get(k) is not None}
+        info.params.add(name=p["name"], type=str(p["type"]), default_value=param_text(p["default"]),
+                        doc=p.get("doc", ""), choices=[param_text(c) for c in p.get("choices") or ()],
+                        **bounds)
     return info
 
 
