@@ -120,17 +120,12 @@ def _classes_table(res: dict[str, Any]) -> str:
     c = res["classes"]
     names = c["classes"]
     header = ["policy", "load", *[f"{n} %" for n in names], "weighted rps", "rejected/1k"]
-    body = []
-    for r in c["rows"]:
-        for f in c["factors"]:
-            cell = r.get(f"{f:g}x")
-            if cell is None:
-                continue
-            body.append([r["policy"], f"{f:g}x ({cell['rate_rps']:.2f} rps)",
-                         *[_pct(cell["classes"][n]["attainment"]) for n in names],
-                         f"{cell['weighted_goodput_rps']:.2f}",
-                         " ".join(f"{cell['classes'][n]['rejected_per_1000']:.0f}" for n in names)])
-    return _table(header, body)
+    return _table(header, [[r["policy"], f"{f:g}x ({cell['rate_rps']:.2f} rps)",
+                            *[_pct(cell["classes"][n]["attainment"]) for n in names],
+                            f"{cell['weighted_goodput_rps']:.2f}",
+                            " ".join(f"{cell['classes'][n]['rejected_per_1000']:.0f}" for n in names)]
+                           for r in c["rows"] for f in c["factors"]
+                           if (cell := r.get(f"{f:g}x")) is not None])
 
 
 def _runs_table(rows: list[dict[str, Any]]) -> str:

@@ -188,8 +188,6 @@ def class_summary(mix: ClassMix, workload: Workload, result: SimResult) -> dict[
 
 def _order_stats(a: np.ndarray, k: int = MAX_LATENCY_SAMPLES) -> list[float]:
     """At most k evenly spaced order statistics of a (the CDF without the bulk)."""
-    if len(a) == 0:
-        return []
     s = np.sort(a)
     if len(s) > k:
         s = s[np.linspace(0, len(s) - 1, k).round().astype(np.int64)]
