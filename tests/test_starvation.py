@@ -34,6 +34,7 @@ from scheduler_service.core import (
     plan_violations,
     registry,
 )
+from scheduler_service.core.reasons import explain, plan_explained
 from tests.factories import (
     decoding,
     make_snapshot,
@@ -203,6 +204,29 @@ def test_the_properties_above_were_decided_by_the_bound() -> None:
     assert ACTED.get("decode", 0) >= 20, ACTED
     assert ACTED.get("unchanged", 0) >= 20, ACTED
     assert ACTED.get("waited", 0) >= 20, ACTED
+
+
+@pytest.mark.parametrize("late_tbts", [3, 4, 6])
+def test_a_plan_made_while_the_bound_waits_is_explained_by_the_rules_it_was_made_by(late_tbts: int) -> None:
+    """While the bound waits (here: a starving 38-token prompt whose backlog the fresh
+    prompts' slack cannot carry), plan() plans without it, so a decode ``late_tbts`` TBTs
+    late, starving under the bound, sits out for the fresh prompts as ``late``.  Explaining
+    the plan afterwards (``reasons.explain``) replays those rules too: the same reasons as
+    the decision's own (it used to replay the bound's and call the decode ``behind``)."""
+    tbt = 1 / 256
+    reqs = [waiting("old", 38, arrival=NOW - 1 / 32, ttft=1 / 128, tbt=1 / 64),
+            waiting("mid", 1, arrival=NOW - 1 / 64, ttft=3 / 128, tbt=1 / 64),
+            *(waiting(f"new{i}", 1, arrival=NOW, ttft=1 / 32, tbt=1 / 64) for i in range(4)),
+            decoding("dec", 1, 1, arrival=NOW - 1 / 32, ttft=1 / 32 - (1 + late_tbts) * tbt, tbt=tbt)]
+    snap = make_snapshot(reqs, now=NOW, max_batch_tokens=64, max_num_seqs=300)
+    pol = registry.create("slidingserve")
+    pred = default_predictor()
+    assert not pol._bound_fits(snap, pred)
+    assert snap.slack[snap.index_of["dec"]] == pytest.approx(-late_tbts * tbt)
+    plan = pol.plan(snap, pred)
+    told = explain(pol, snap, pred, plan)
+    assert [(r.id, r.code) for r in told.reasons] == [("dec", "late")]
+    assert list(told.reasons) == list(plan_explained(pol, snap, pred).reasons)
 
 
 def _seeded(seed: int) -> Snapshot:

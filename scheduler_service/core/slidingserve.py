@@ -333,6 +333,19 @@ class SlidingServePolicy:
         rho = snap.prefill_throughput or predictor.prefill_throughput(snap.max_batch_tokens)
         return _spare_holds(snap, pre, starving, self._lost(snap, predictor, pre, rho), rho)
 
+    def _planned_unbounded(self, snap: Snapshot, predictor: BatchLatencyPredictor, gone: np.ndarray) -> bool:
+        """Whether :meth:`plan` planned ``snap`` without the starvation bound (its backlog did
+        not fit, :meth:`_bound_fits`): on the whole snapshot, or, for a plan that preempted the
+        rows ``gone``, on the snapshot without them (where the plan was made)."""
+        if self.params.starve_after <= 0:
+            return False
+        if not self._bound_fits(snap, predictor):
+            return True
+        if not gone.any():
+            return False
+        free = int(snap.free_kv_tokens or 0) + int(snap.kv_tokens[gone].sum())
+        return not self._bound_fits(_without(snap, ~gone, free), predictor)
+
     def _unbounded(self) -> SlidingServePolicy:
         """This policy without the starvation bound, for the decisions where it waits."""
         off = self.unbounded[0]
@@ -489,6 +502,8 @@ class SlidingServePolicy:
         gone = np.zeros(len(snap), dtype=bool)
         if plan.preemptions:
             gone[[snap.index_of[r] for r in plan.preemptions]] = True
+        if self._planned_unbounded(snap, predictor, gone):  # so was the plan: its rules, not the bound's
+            return self._unbounded().facts(snapshot, predictor, plan)
         lost, held, rescued = self.held_back(snap, predictor, gone)
         got = reason_tokens(len(snap), _NO_ROWS, *allocated_rows(snap, plan))
         chosen = int(np.count_nonzero((got > 0) & ~snap.is_decoding)) if plan.path == "batch_constructor" else None
