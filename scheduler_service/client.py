@@ -367,6 +367,44 @@ def _params_text(params: Mapping[str, Any] | None) -> dict[str, str]:
     return {str(k): param_text(v) for k, v in (params or {}).items()}
 
 
+class _Reports:
+    """Reports encoded as a ReportIterations call reads them.  One that cannot be encoded
+    ends the stream there (grpc would turn the error into UNKNOWN, or cancel an async call):
+    :meth:`check` then raises it as the ValueError it is, saying how many were sent."""
+
+    def __init__(self, encode: Callable[[Any], pb.IterationReport]) -> None:
+        self.encode = encode
+        self.sent = 0
+        self.error: ValueError | None = None
+
+    def _one(self, r: Any) -> pb.IterationReport | None:
+        try:
+            msg = self.encode(r)
+        except ValueError as e:
+            self.error = e
+            return None
+        self.sent += 1
+        return msg
+
+    def of(self, reports: Iterable[Any]) -> Iterator[pb.IterationReport]:
+        for r in reports:
+            msg = self._one(r)
+            if msg is None:
+                return
+            yield msg
+
+    async def of_async(self, reports: AsyncIterable[Any]) -> Any:
+        async for r in reports:
+            msg = self._one(r)
+            if msg is None:
+                return
+            yield msg
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise ValueError(f"reports[{self.sent}]: {self.error} (the {self.sent} before it were sent)")
+
+
 @dataclass(slots=True)
 class _Encoder:
     """Builds every call's request and metadata; shared by the sync and async clients."""
@@ -563,8 +601,12 @@ class SchedulerClient(_BaseClient):
     def report(self, reports: Iterable[IterationReport | pb.IterationReport],
                timeout_s: float | None = None) -> ReportSummary:
         """Send measured iterations (the service fits its latency predictor to them); the
-        :class:`ReportSummary` of what it took.  Raises :class:`SchedulerError`."""
-        return self._unary(self._stub.ReportIterations, map(self._enc.report, reports), timeout_s, _summary)
+        :class:`ReportSummary` of what it took.  Raises :class:`SchedulerError`, and ValueError
+        for a report that cannot be encoded (the ones before it are sent)."""
+        enc = _Reports(self._enc.report)
+        summary = self._unary(self._stub.ReportIterations, enc.of(reports), timeout_s, _summary)
+        enc.check()
+        return summary
 
     def list_policies(self, timeout_s: float | None = None) -> PolicyList:
         """The server's policies and policy config, a :class:`PolicyList`; raises :class:`SchedulerError`."""
@@ -740,13 +782,13 @@ class AsyncSchedulerClient(_BaseClient):
                      | AsyncIterable[IterationReport | pb.IterationReport],
                      timeout_s: float | None = None) -> ReportSummary:
         """:meth:`SchedulerClient.report`, ``reports`` also an async iterable: the
-        :class:`ReportSummary`; raises :class:`SchedulerError`."""
-        enc = self._enc
-        if isinstance(reports, AsyncIterable):
-            reqs: Any = (enc.report(r) async for r in reports)
-        else:
-            reqs = map(enc.report, reports)
-        return await self._unary(self._stub.ReportIterations, reqs, timeout_s, _summary)
+        :class:`ReportSummary`; raises :class:`SchedulerError`, and ValueError for a report that
+        cannot be encoded."""
+        enc = _Reports(self._enc.report)
+        reqs = enc.of_async(reports) if isinstance(reports, AsyncIterable) else enc.of(reports)
+        summary = await self._unary(self._stub.ReportIterations, reqs, timeout_s, _summary)
+        enc.check()
+        return summary
 
     async def whatif(self, deployments: Sequence[str] = (), loads: Sequence[float] = (), engine_id: str = "",
                      timeout_s: float | None = None) -> dict[str, Any]:

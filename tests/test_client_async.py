@@ -49,8 +49,16 @@ def test_async_client_all_methods(server: SchedulerServer) -> None:
 
             summary = await cl.report(reports())
             assert (summary.accepted, summary.rejected) == (3, 0)
+
+            async def one_bad():
+                yield IterationReport(latency_ms=10.0, c=np.array([1]), u=np.array([5]))
+                yield IterationReport(latency_ms=10.0)  # no batch: cannot be encoded
+
+            for bad in (one_bad(), [IterationReport(latency_ms=10.0)]):
+                with pytest.raises(ValueError, match="needs c and u, or features"):
+                    await cl.report(bad)
             info = await cl.get_predictor()  # the client's default profile
-            assert info.profile_key == prof.key and info.reports_accepted == 3
+            assert info.profile_key == prof.key and info.reports_accepted == 4  # 3, and the one before the bad
 
     asyncio.run(main())
 

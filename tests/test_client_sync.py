@@ -21,6 +21,16 @@ def test_report_needs_a_batch() -> None:
         IterationReport(latency_ms=1.0).to_pb()
 
 
+def test_a_report_that_cannot_be_sent_is_a_clear_error_and_the_ones_before_it_arrive() -> None:
+    good = [IterationReport(latency_ms=10.0 + i, c=[1, 1, 64], u=[5, 9, 0]) for i in range(2)]
+    with make_server() as srv, SchedulerClient(srv.target, timeout_s=10.0) as cl:
+        with pytest.raises(ValueError, match=r"^reports\[2\]: an IterationReport needs c and u, or features "
+                                             r"\(the 2 before it were sent\)$"):
+            cl.report(iter([*good, IterationReport(latency_ms=1.0), *good]))
+        assert cl.get_predictor().reports_accepted == 2
+        assert cl.report(good).accepted == 2  # the client goes on
+
+
 def test_profile_defaults_and_stream_reuse() -> None:
     prof = EngineProfile("m", "h", 8)
     with make_server() as srv, SchedulerClient(srv.target, timeout_s=10.0, profile=prof, engine_id="e1") as cl:
