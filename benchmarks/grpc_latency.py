@@ -210,6 +210,8 @@ def _load_client(target: str, pid: str, blobs: list[bytes], seconds: float, out:
         if got == pid:
             break
         ch.close()
+    else:  # the kernel never handed this client to its worker: say so rather than stream on a closed channel
+        raise SystemExit(f"grpc_latency: 256 connections never reached worker {pid}")
     call = ch.stream_stream(SCHEDULE_STREAM, request_serializer=None, response_deserializer=None)
     start.wait()  # every client connected: all run over the same seconds
     end, done = time.monotonic() + seconds, 0
