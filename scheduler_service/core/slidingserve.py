@@ -198,10 +198,9 @@ class SlidingServePolicy:
         if p.preempt and not snap.one_class and snap.free_kv_tokens is not None and len(pre):
             victims = _kv_victims(snap, pre, lost, len(dec_all), p.kv_growth_iters, p.kv_decode_reserve, p.shed)
             if len(victims):
-                # plan on the snapshot without them, their KV counted as free
-                keep = np.ones(len(snap), dtype=bool)
-                keep[victims] = False
-                sub = _without(snap, keep, snap.free_kv_tokens + int(snap.kv_tokens[victims].sum()))
+                gone = np.zeros(len(snap), dtype=bool)
+                gone[victims] = True
+                sub = _without(snap, gone)  # plan on the snapshot without them, their KV counted as free
                 plan = replace(self, params=replace(p, preempt=False)).plan(sub, predictor)
                 return replace(plan, preemptions=tuple(snap.ids[i] for i in victims.tolist()),
                                decision_us=(time.perf_counter_ns() - t0) // 1000)
@@ -222,8 +221,7 @@ class SlidingServePolicy:
         back, and of the decodes the class rescue sits out.  Never called by :meth:`plan`."""
         if preempted.any():
             keep = np.flatnonzero(~preempted)
-            free = int(snapshot.free_kv_tokens or 0) + int(snapshot.kv_tokens[preempted].sum())
-            return tuple(keep[m] for m in self._held_back(_without(snapshot, ~preempted, free), predictor))  # type: ignore[return-value]
+            return tuple(keep[m] for m in self._held_back(_without(snapshot, preempted), predictor))  # type: ignore[return-value]
         return tuple(np.flatnonzero(m) for m in self._held_back(snapshot, predictor))  # type: ignore[return-value]
 
     def _held_back(self, snap: Snapshot, predictor: BatchLatencyPredictor
@@ -341,10 +339,7 @@ class SlidingServePolicy:
             return False
         if not self._bound_fits(snap, predictor):
             return True
-        if not gone.any():
-            return False
-        free = int(snap.free_kv_tokens or 0) + int(snap.kv_tokens[gone].sum())
-        return not self._bound_fits(_without(snap, ~gone, free), predictor)
+        return bool(gone.any()) and not self._bound_fits(_without(snap, gone), predictor)
 
     def _unbounded(self) -> SlidingServePolicy:
         """This policy without the starvation bound, for the decisions where it waits."""
@@ -782,9 +777,12 @@ def _kv_victims(snap: Snapshot, pre: np.ndarray, lost: np.ndarray, n_dec: int, g
     return np.sort(cand[:m])
 
 
-def _without(snap: Snapshot, keep: np.ndarray, free_kv_tokens: int) -> Snapshot:
-    """``snap``'s rows ``keep`` (a mask), with ``free_kv_tokens`` free: every per-request
-    column is cut the same way, whichever columns the snapshot has."""
+def _without(snap: Snapshot, gone: np.ndarray) -> Snapshot:
+    """``snap`` without the rows ``gone`` (a mask: the requests a plan preempts), their KV
+    counted as free: every per-request column is cut the same way, whichever columns the
+    snapshot has."""
+    keep = ~gone
+    free = int(snap.free_kv_tokens or 0) + int(snap.kv_tokens[gone].sum())
     cols = {c.name: getattr(snap, c.name)[keep] for c in COLUMNS}
     ids = tuple(r for r, k in zip(snap.ids, keep.tolist(), strict=True) if k)
-    return replace(snap, ids=ids, free_kv_tokens=free_kv_tokens, **cols)
+    return replace(snap, ids=ids, free_kv_tokens=free, **cols)
