@@ -195,8 +195,10 @@ class BatchLatencyPredictor:
                 models[k] = _model_from(f"scenarios.{k}", m, errs)
             else:
                 errs.append(FieldViolation(f"scenarios.{k}", f"unknown scenario; valid: {list(SCENARIOS)}"))
-        g = _model_from("global", d["global"], errs) if "global" in d else None
-        if "global" not in d:
+        g = None
+        if "global" in d:
+            g = _model_from("global", d["global"], errs)
+        else:
             errs.append(FieldViolation("global", "is required"))
         margin = d.get("margin", 1.0)
         if not _number(margin) or not MARGIN_LO <= margin <= MARGIN_HI:
