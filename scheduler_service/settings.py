@@ -2,8 +2,8 @@
 
 The server (:class:`scheduler_service.server.config.ServerConfig`) and the vLLM adapter
 (:class:`engine_adapter.vllm.settings.VllmAdapterSettings`) are frozen dataclasses built on
-the pieces here, so that a new setting is one annotated field plus, when it has a range, one
-:meth:`Checks.check` line:
+the pieces here, so that a new setting is one annotated field (the server's carries its range
+in the field's metadata, checked in one loop; the adapter checks its few ranges by hand):
 
 * :func:`field_types` — the fields and their types (``int``, ``float``, ``str``, ``bool``,
   mappings), read from the annotations;

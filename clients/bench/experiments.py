@@ -52,7 +52,7 @@ from scheduler_service.core import registry
 from .executor import Job, run_jobs
 from .goodput import DEFAULT_TOLERANCE, TARGET_VIOLATION, GoodputSpec, initial_guess, summarize_seeds
 from .reasons import reasons_experiment
-from .runner import MAIN_POLICIES, RunSpec
+from .runner import MAIN_POLICIES, OURS, RunSpec
 
 __all__ = ["ABLATION", "EXPERIMENTS", "LOAD_FACTORS", "MARGINS", "WINDOWS", "BenchConfig", "Variant",
            "plan_variants", "run_bench"]
@@ -68,7 +68,6 @@ CLASS_FACTORS = (1.0, 1.5, 2.0, 3.0)
 #: The baseline that serves classes the way vLLM's own priority policy does; the
 #: ``classes`` experiment adds it to the compared policies.
 CLASS_BASELINE = "vllm-priority"
-OURS = "slidingserve"
 #: ``progress(label, total)`` returns the per-job callback of one phase; None shows none.
 Progress = Callable[[str, int], Callable[[Job, dict[str, Any]], None]] | None
 #: Fixed-rate runs by experiment tag, then policy.

@@ -26,10 +26,10 @@ from typing import Any
 from scheduler_service.core.plan import CODES
 
 from .reasons import GROUPS
+from .runner import OURS
 
 __all__ = ["format_report", "reasons_table", "write_outputs"]
 
-OURS = "slidingserve"
 #: Columns of goodput.csv, probes.csv and runs.csv.
 GOODPUT_COLUMNS = ["experiment", "policy", "base_policy", "params", "workload", "profile", "transport",
                    "n_requests", "goodput_rps", "goodput_rps_std", "goodput_rps_min", "goodput_rps_max",

@@ -35,11 +35,13 @@ from engine_adapter.sim.groundtruth import DEFAULT_PROFILE, PROFILES, load_groun
 from engine_adapter.sim.profiling import fit_profile_predictor
 from scheduler_service.core import BatchLatencyPredictor
 
-__all__ = ["MAIN_POLICIES", "TRANSPORTS", "RunSpec", "install_predictors", "profile_predictor", "quiet_logs",
+__all__ = ["MAIN_POLICIES", "OURS", "TRANSPORTS", "RunSpec", "install_predictors", "profile_predictor", "quiet_logs",
            "run"]
 
+#: The policy the benchmarks compare the others with.
+OURS = "slidingserve"
 #: The four policies every comparison shows (baselines first, ours last).
-MAIN_POLICIES = ("vllm-fcfs", "sarathi-edf", "qoserve", "slidingserve")
+MAIN_POLICIES = ("vllm-fcfs", "sarathi-edf", "qoserve", OURS)
 TRANSPORTS = ("inproc", "grpc")
 #: Size and seed of the offline profiling sweep each profile's predictor is fitted from.
 PREDICTOR_SWEEP = 3000
