@@ -22,9 +22,10 @@ class Req:
 
 
 @st.composite
-def views(draw: st.DrawFn, max_waiting: int = 6) -> View:
+def views(draw: st.DrawFn, max_waiting: int = 6, hits: bool = False) -> View:
     """Running decodes and prefills, then up to ``max_waiting`` waiting requests (some
-    partly computed)."""
+    partly computed); with ``hits``, prefix-cache hits (some evictable) on some of the
+    waiting requests with nothing computed."""
     reqs, rows, computed = [], [], []
     n_run = draw(st.integers(0, 6))
     for i in range(n_run + draw(st.integers(0, max_waiting))):
@@ -41,4 +42,12 @@ def views(draw: st.DrawFn, max_waiting: int = 6) -> View:
         rows.append(Req(rid, comp, prompt + out))
         computed.append(comp)
     snap = Snapshot.from_requests(reqs, now=0.0, max_batch_tokens=4096, max_num_seqs=64)
-    return View(snap, rows, np.array(computed, np.int64), n_run, set())
+    view = View(snap, rows, np.array(computed, np.int64), n_run, set())
+    if hits and draw(st.booleans()):
+        n = len(rows)
+        view.hits, view.evictable = np.zeros(n, np.int64), np.zeros(n, np.int64)
+        for i in range(n_run, n):
+            if computed[i] == 0 and draw(st.booleans()):
+                view.hits[i] = draw(st.integers(1, rows[i].num_tokens - 1)) if rows[i].num_tokens > 1 else 0
+                view.evictable[i] = draw(st.integers(0, 3))
+    return view

@@ -18,7 +18,11 @@ It comes in two steps because a plan may ask vLLM to act before it schedules:
    (``empty_plan``: the plan allocates nothing; ``unallocatable``: the running requests
    need more KV blocks than are free, or vLLM would admit none of the planned requests).
 
-:func:`settle` is both steps with nothing carried out between them.  The checks before
+:func:`settle` is both steps with nothing carried out between them.  A decision taken in
+the background takes both there too (:func:`prepare`), on the KV state its view was taken
+with; the engine thread then only checks that the fit still stands (:func:`reuse`): vLLM's
+free blocks and sequence slots only grow until ``schedule()`` allocates, so a plan that fit
+whole then fits whole now, less the requests finished meanwhile.  The checks before
 an answer exists (``unsupported``, ``kv_pressure``, ``snapshot_error``) are one line each
 in the scheduler; :func:`fallback` makes their outcome.  While vLLM executes a plan, :func:`cap`
 gives each request's token count (vLLM's per-request hooks call it).
@@ -36,7 +40,8 @@ from scheduler_service.core import Rejection
 
 from .fit import Fit, KvRules, View, fit_plan
 
-__all__ = ["Answer", "Outcome", "cap", "fallback", "fit_answer", "read_answer", "settle"]
+__all__ = ["Answer", "Outcome", "Prepared", "cap", "fallback", "fit_answer", "prepare", "read_answer", "reuse",
+           "settle"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +115,51 @@ def settle(view: View, decision: Decision, kv: KvRules, finished: Collection[str
     if isinstance(answer, Outcome):
         return answer
     return fit_answer(answer, view, kv, finished)
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A decision's :class:`Answer` and its fit, taken where the decision was (in the
+    background), on the KV state ``kv`` of the view it was taken on."""
+
+    answer: Answer
+    outcome: Outcome
+    kv: KvRules
+
+
+def prepare(view: View, decision: Decision) -> Prepared | None:
+    """:func:`read_answer` and :func:`fit_answer` on ``view``'s KV state, ahead of the
+    iteration; None when there is nothing to prepare: no plan, no KV state read with the
+    view, or a plan that rejects or preempts (carried out on the engine thread first)."""
+    if decision.plan is None or view.kv is None or decision.plan.rejections or decision.plan.preemptions:
+        return None
+    answer = read_answer(decision)
+    assert isinstance(answer, Answer)
+    return Prepared(answer, fit_answer(answer, view, view.kv), view.kv)
+
+
+def reuse(prepared: Prepared, kv: KvRules, finished: Collection[str] = ()) -> Outcome | None:
+    """``prepared``'s outcome as :func:`fit_answer` would give it now, with vLLM's state
+    ``kv`` and the requests ``finished`` since the view was taken; None when that takes a
+    fit: the prepared one trimmed or fell back, ``kv`` is tighter than the view's in some
+    way, or nothing is left once the finished requests are dropped.  A fit that took the
+    whole plan on the tighter state takes it on the looser one: the same plan, less the
+    finished requests (which only free blocks)."""
+    out, then = prepared.outcome, prepared.kv
+    fit = out.fit
+    if (fit is None or out.trimmed or kv.free_blocks < then.free_blocks or kv.slots < then.slots
+            or kv.watermark > then.watermark or (kv.block_size, kv.lookahead, kv.full_isl)
+            != (then.block_size, then.lookahead, then.full_isl)):
+        return None
+    gone = [k for k in fit.plan if k in finished] if finished else ()
+    if not gone:
+        return out
+    if len(gone) == len(fit.plan):
+        return None
+    kept = Fit({k: v for k, v in fit.plan.items() if k not in finished},
+               [r for r in fit.run_order if r.request_id not in finished],
+               [r for r in fit.admit if r.request_id not in finished])
+    return Outcome(kept, ahead_s=out.ahead_s)
 
 
 def cap(plan: Mapping[str, int] | None, blocked: Collection[str], request: Any, n: int, computed: int) -> int:

@@ -34,6 +34,22 @@ __all__ = [
 ]
 
 
+@dataclass(frozen=True, slots=True)
+class KvRules:
+    """vLLM's KV and admission state a plan must fit."""
+
+    block_size: int
+    #: speculative lookahead tokens every scheduled request reserves room for
+    lookahead: int
+    free_blocks: int
+    #: sequence slots left: min(max_num_running_reqs, max_num_active_reqs) − running
+    slots: int
+    #: blocks an admission must leave free (vLLM's watermark; 0 while nothing runs)
+    watermark: int = 0
+    #: ``scheduler_reserve_full_isl``: an admission needs room for its whole prompt
+    full_isl: bool = False
+
+
 @dataclass(slots=True)
 class View:
     """One snapshot of vLLM's queues with what executing a plan on it needs."""
@@ -54,22 +70,10 @@ class View:
     #: None = no hits (all 0)
     hits: np.ndarray | None = None
     evictable: np.ndarray | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class KvRules:
-    """vLLM's KV and admission state a plan must fit."""
-
-    block_size: int
-    #: speculative lookahead tokens every scheduled request reserves room for
-    lookahead: int
-    free_blocks: int
-    #: sequence slots left: min(max_num_running_reqs, max_num_active_reqs) − running
-    slots: int
-    #: blocks an admission must leave free (vLLM's watermark; 0 while nothing runs)
-    watermark: int = 0
-    #: ``scheduler_reserve_full_isl``: an admission needs room for its whole prompt
-    full_isl: bool = False
+    #: a projected view's KV and admission state, as the next ``schedule()`` should find it
+    #: (None: not read); a plan is fitted on it ahead (:func:`.decision.prepare`) and the fit
+    #: kept when the state then is no tighter (:func:`.decision.reuse`)
+    kv: KvRules | None = None
 
 
 @dataclass(slots=True)

@@ -17,15 +17,17 @@ import threading
 import time
 from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from engine_adapter.core import AdapterCore, Decision
 from scheduler_service.core import Plan, Snapshot
 
+from .decision import Prepared, prepare
 from .fit import View
 from .stats import AdapterStats
 
-__all__ = ["MAX_GRACE_S", "CoreSource", "Pending", "Pipeline", "Statuses", "is_stale", "room_for_arrivals"]
+__all__ = ["MAX_GRACE_S", "CoreSource", "Pending", "Pipeline", "Ready", "Statuses", "is_stale",
+           "room_for_arrivals"]
 
 #: The most a decision taken ahead may add to the deadline (the running step's predicted
 #: time, :attr:`Pipeline.ahead_s`): a wild prediction must not let the engine wait long.
@@ -53,12 +55,21 @@ class CoreSource(Protocol):
     def get(self) -> AdapterCore: ...
 
 
+class Ready(NamedTuple):
+    """A decision taken in the background: the view, the decision on it, and its answer
+    read and fitted on the view's KV state (:func:`.decision.prepare`; None: not prepared)."""
+
+    view: View
+    decision: Decision
+    prepared: Prepared | None
+
+
 @dataclass(slots=True)
 class Pending:
     """A decision for the next iteration, taken in the background."""
 
     #: the snapshot and the decision on it; None when no snapshot could be taken
-    future: concurrent.futures.Future[tuple[View, Decision] | None]
+    future: concurrent.futures.Future[Ready | None]
     core: AdapterCore
     #: set once the job has read vLLM's queues: until then they must not change
     #: (``update_from_output`` waits for it; with a synchronous engine the job
@@ -158,7 +169,7 @@ class Pipeline:
             ex = self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="slidingserve-decide")
         snapped = threading.Event()
 
-        def job() -> tuple[View, Decision] | None:
+        def job() -> Ready | None:
             v = view
             try:
                 if v is None and take_view is not None:
@@ -169,13 +180,14 @@ class Pipeline:
                 snapped.set()
             if v is None or len(v.snap) == 0:
                 return None
-            return v, core.decide(v.snap, grace_s)  # its plan check builds v.snap.index_of, here
+            decision = core.decide(v.snap, grace_s)  # its plan check builds v.snap.index_of, here
+            return Ready(v, decision, prepare(v, decision))
 
         if view is not None:
             snapped.set()
         self.pending = Pending(ex.submit(job), core, snapped)
 
-    def collect(self, pending: Pending, *, finished_since: bool) -> tuple[View, Decision] | None:
+    def collect(self, pending: Pending, *, finished_since: bool) -> Ready | None:
         """``pending``'s view and decision when its plan stands (:func:`is_stale`), None when
         the iteration must decide on the queues as they are now.  Raises what the job raised."""
         t = time.perf_counter()
@@ -184,7 +196,7 @@ class Pipeline:
         c["wait_us"] += int((time.perf_counter() - t) * 1e6)
         if done is None:
             return None
-        view, decision = done
+        view, decision, _ = done
         if decision.plan is not None and is_stale(
                 view, decision.plan, self.statuses, finished_since=finished_since, arrivals=self.arrivals,
                 max_tokens=self.max_tokens, max_seqs=self.max_seqs):

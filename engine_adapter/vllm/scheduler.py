@@ -91,7 +91,7 @@ from engine_adapter.core import AdapterCore, Decision  # noqa: E402
 from scheduler_service.core import Rejection, Snapshot  # noqa: E402
 from scheduler_service.recording import NATIVE as NATIVE_POLICY  # noqa: E402
 
-from .decision import Outcome, cap, fallback, fit_answer, read_answer  # noqa: E402
+from .decision import Answer, Outcome, Prepared, cap, fallback, fit_answer, read_answer, reuse  # noqa: E402
 from .effects import live_rejections, preemptible  # noqa: E402
 from .fit import (  # noqa: E402
     Fit,
@@ -246,7 +246,8 @@ class SlidingServeMixin(_VllmScheduler):
         """The snapshot of the queues (``project``: "sync"/"async", as the next
         ``schedule()`` will find them, see :meth:`SnapshotBuilder.build`;
         ``ahead_s``: when that will be)."""
-        free_tokens = kv_headroom(self.running, self.block_size, self._ss_free_blocks())
+        free_blocks = self._ss_free_blocks()
+        free_tokens = kv_headroom(self.running, self.block_size, free_blocks)
         # Blocked requests (remote KV load, grammar, streaming input) are left out: the
         # plan cannot know whether they become ready.  vLLM promotes them inside
         # schedule() and schedules them uncapped from the budget the plan left (decision.cap).
@@ -260,10 +261,14 @@ class SlidingServeMixin(_VllmScheduler):
         rr = builder.last_running_rows
         # a view taken now is checked with kv_short instead, before it is taken
         kv_need = decodes_needing_block(snap, builder.last_computed, rr, self.block_size) if project else 0
+        # the KV state a decision taken ahead is fitted on (.decision.prepare; checked against
+        # the state then, .decision.reuse), with the slots of the requests finishing in the step
+        # that runs free; a view taken now is fitted on the state after the plan's preemptions
+        kv = self._kv_rules(free_blocks, rr) if project else None
         if hits is None:
-            return _View(snap, rows, builder.last_computed, rr, blocked, kv_need)
+            return _View(snap, rows, builder.last_computed, rr, blocked, kv_need, kv=kv)
         return _View(snap, rows, builder.last_computed, rr, blocked, kv_need, builder.last_hits,
-                     builder.last_evictable)
+                     builder.last_evictable, kv)
 
     def _snapshot(self) -> tuple[Snapshot, list[Any], int]:
         """(snapshot, request objects per row, free KV blocks) of the queues now."""
@@ -271,11 +276,13 @@ class SlidingServeMixin(_VllmScheduler):
         self._ss_blocked = v.blocked
         return v.snap, v.rows, self._ss_free_blocks()
 
-    def _kv_rules(self, free_blocks: int) -> KvRules:
-        """vLLM's KV and admission state now, with ``free_blocks`` free."""
+    def _kv_rules(self, free_blocks: int, running: int | None = None) -> KvRules:
+        """vLLM's KV and admission state now, with ``free_blocks`` free (``running``: the
+        requests that hold a slot, default vLLM's running queue's)."""
         return KvRules(
             block_size=self.block_size, lookahead=self.num_lookahead_tokens, free_blocks=free_blocks,
-            slots=min(self.max_num_running_reqs, self.max_num_active_reqs) - len(self.running),
+            slots=min(self.max_num_running_reqs, self.max_num_active_reqs) - (
+                len(self.running) if running is None else running),
             watermark=int(getattr(self.kv_cache_manager, "watermark_blocks", 0)) if self.running else 0,
             full_isl=bool(getattr(self, "scheduler_reserve_full_isl", False)))
 
@@ -329,6 +336,7 @@ class SlidingServeMixin(_VllmScheduler):
         if short:  # vLLM must preempt to let every decode advance; a plan cannot preempt
             return fallback("kv_pressure", short)
         self._ss_pipe.arrivals = []
+        prepared = None
         if done is None:
             try:
                 view = self._view()
@@ -338,9 +346,9 @@ class SlidingServeMixin(_VllmScheduler):
                 return Outcome()
             decision = core.decide(view.snap)
         else:
-            view, decision = done
+            view, decision, prepared = done
         self._ss_blocked = view.blocked
-        return self._take(view, decision, core.last_error, free_blocks, stale=done is not None)
+        return self._take(view, decision, core.last_error, free_blocks, stale=done is not None, prepared=prepared)
 
     def _observe(self) -> Outcome:
         """vLLM schedules; the queues go to the recording as vLLM's own (``observe``)."""
@@ -353,12 +361,20 @@ class SlidingServeMixin(_VllmScheduler):
         return Outcome()
 
     def _take(self, view: _View, decision: Decision, last_error: str, free_blocks: int, *,
-              stale: bool) -> Outcome:
+              stale: bool, prepared: Prepared | None = None) -> Outcome:
         """:func:`.decision.read_answer`, the answer's rejections and preemptions carried out
-        now, and :func:`.decision.fit_answer` on vLLM's state after them.  ``stale``: the view
+        now, and :func:`.decision.fit_answer` on vLLM's state after them; a fit ``prepared``
+        in the background when it still stands (:func:`.decision.reuse`).  ``stale``: the view
         was taken before the last ``update_from_output`` (vLLM collects the requests freed
         since the last ``schedule()`` in ``finished_req_ids``, exactly that window)."""
-        answer = read_answer(decision, last_error)
+        finished = self.finished_req_ids if stale else ()
+        if prepared is not None:
+            out = reuse(prepared, self._kv_rules(free_blocks), finished)
+            if out is not None:
+                return out
+            answer: Answer | Outcome = prepared.answer
+        else:
+            answer = read_answer(decision, last_error)
         if isinstance(answer, Outcome):
             return answer
         if answer.rejections:
@@ -367,7 +383,7 @@ class SlidingServeMixin(_VllmScheduler):
             free_blocks = self._ss_free_blocks()
         if view.hits is not None:
             view = self._ss_hits_now(view, answer.allocations)
-        return fit_answer(answer, view, self._kv_rules(free_blocks), self.finished_req_ids if stale else ())
+        return fit_answer(answer, view, self._kv_rules(free_blocks), finished)
 
     def _apply(self, outcome: Outcome) -> Fit | None:
         """Count ``outcome``; its fit, or None for native scheduling."""

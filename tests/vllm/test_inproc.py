@@ -3,6 +3,7 @@ conserved, no KV leaks, valid plans are executed exactly, reports carry the step
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -10,16 +11,26 @@ import pytest
 
 from engine_adapter.vllm import RemoteScheduler, RemoteSyncScheduler
 
-from .support import Driver, FakeClock, build_scheduler, make_request, scheduler_class, workload
+from .support import (
+    Driver,
+    FakeClock,
+    build_scheduler,
+    check_prepared_fits,
+    make_request,
+    scheduler_class,
+    workload,
+)
 
 CASES = [(RemoteSyncScheduler, False), (RemoteScheduler, True)]
 
 
 def _run(base: type, async_: bool, mdir: str, policy: str, *, n: int = 80, num_blocks: int = 400,
-         seed: int = 0) -> tuple[Any, Any, list[Any], Driver, int]:
+         seed: int = 0, on_build: Callable[[Any], None] | None = None) -> tuple[Any, Any, list[Any], Driver, int]:
     clock = FakeClock()
     cls = scheduler_class(base, {"SLIDINGSERVE_ADDRESS": "inproc", "SLIDINGSERVE_DEPLOYMENT": policy}, clock)
     s = build_scheduler(cls, mdir, async_scheduling=async_, num_blocks=num_blocks)
+    if on_build is not None:
+        on_build(s)
     free0 = s.kv_cache_manager.block_pool.get_num_free_blocks()
     reqs = [make_request(p, o, extra_args={"slo_ttft_ms": 400, "slo_tbt_ms": 60, "slo_protected": i % 7 == 0})
             for i, (p, o) in enumerate(workload(n, seed))]
@@ -63,6 +74,22 @@ def test_plans_honoured_and_invariants(base: type, async_: bool, policy: str, nu
     assert len(lat) >= len(res.step_ms) - 2
     for smp in samples:
         assert smp.c.shape == smp.u.shape and (smp.c >= 1).all() and (smp.u >= 0).all()
+    s.slidingserve_close()
+
+
+@pytest.mark.parametrize("base,async_", CASES, ids=["sync", "async"])
+@pytest.mark.parametrize("num_blocks", [400, 90], ids=["roomy", "kv-pressure"])
+def test_a_fit_prepared_ahead_is_the_one_the_step_would_make(base: type, async_: bool, num_blocks: int,
+                                                             mdir: str) -> None:
+    """A decision taken in the background is fitted to vLLM there, on the KV state its view
+    projects; wherever the step keeps that fit, it is the fit the step would have made on
+    vLLM's state then (its prefix hits looked up again)."""
+    seen: dict[str, int] = {}
+    s, res, _, _, _ = _run(base, async_, mdir, "slidingserve", num_blocks=num_blocks, on_build=lambda s: check_prepared_fits(s, seen))
+    st = s.slidingserve_stats()
+    assert sorted(res.finished.values()) == sorted(o for _, o in workload(80, 0))
+    assert st["deviating_iterations"] == 0, st
+    assert seen.get("reused", 0) > 0.2 * st["pipelined"], (seen, st)
     s.slidingserve_close()
 
 

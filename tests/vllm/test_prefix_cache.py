@@ -20,7 +20,16 @@ from vllm.v1.request import Request
 from engine_adapter.vllm import RemoteScheduler, RemoteSyncScheduler
 from engine_adapter.vllm.compat import prefix_lookup_off
 
-from .support import BLOCK, Driver, FakeClock, build_scheduler, fake_output, make_request, scheduler_class
+from .support import (
+    BLOCK,
+    Driver,
+    FakeClock,
+    build_scheduler,
+    check_prepared_fits,
+    fake_output,
+    make_request,
+    scheduler_class,
+)
 
 CASES = [(RemoteSyncScheduler, False), (RemoteScheduler, True)]
 _ids = itertools.count()
@@ -145,6 +154,8 @@ def test_shared_prefixes_many_iterations_nothing_lost_or_stalled(base: type, asy
 
     s._view = view
     execs = _record_executions(s)
+    prepared: dict[str, int] = {}
+    check_prepared_fits(s, prepared)
 
     def arrive(k: int, so: Any) -> None:
         for _ in range(2):
@@ -163,6 +174,7 @@ def test_shared_prefixes_many_iterations_nothing_lost_or_stalled(base: type, asy
     assert st["deviating_iterations"] == 0, st
     admitted = [(p, out) for p, out in execs if p]
     assert admitted
+    assert prepared.get("reused", 0) > 0.2 * st["pipelined"], (prepared, st)
     s.slidingserve_close()
 
 
