@@ -139,8 +139,9 @@ def prepare(view: View, decision: Decision) -> Prepared | None:
 
 
 def reuse(prepared: Prepared, kv: KvRules, finished: Collection[str] = ()) -> Outcome | None:
-    """``prepared``'s outcome as :func:`fit_answer` would give it now, with vLLM's state
-    ``kv`` and the requests ``finished`` since the view was taken; None when that takes a
+    """``prepared``'s outcome as :func:`fit_answer` would give it now on the view, with
+    vLLM's state ``kv`` and the requests ``finished`` since the view was taken (prefix hits
+    only grow meanwhile: nothing allocates blocks between steps); None when that takes a
     fit: the prepared one trimmed or fell back, ``kv`` is tighter than the view's in some
     way, or nothing is left once the finished requests are dropped.  A fit that took the
     whole plan on the tighter state takes it on the looser one: the same plan, less the

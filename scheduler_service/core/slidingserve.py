@@ -279,14 +279,14 @@ class SlidingServePolicy:
             out[:] = False  # every live prefill makes its TTFT beside every decode: no decode waits
         if rescued is not None:
             out |= rescued
-        if out.any():
-            plan = self._plan(d, dec_all[~out])
-            if plan.path in _PREFILL_PATHS:  # a prefill got the room
-                return plan
-            if rescued is not None:  # the higher-class decodes catch up without them
-                return self._plan(d, dec_all[~rescued])
-            # No prefill could use the room (KV, limits): sitting out would only idle decodes.
-        return self._plan(d, dec_all)
+        batch = self._batch(d, dec_all[~out]) if out.any() else None
+        if batch is None or batch.path not in _PREFILL_PATHS:
+            # No decode sits out, or no prefill could use their room (KV, limits): sitting
+            # out would only idle decodes.  Only the rescued ones do (the higher-class
+            # decodes catch up without them).
+            batch = self._batch(d, dec_all if rescued is None else dec_all[~rescued])
+        return assemble_plan(self, d.snap, d.predictor, batch.decodes, batch.pre_rows, batch.pre_toks, batch.path,
+                             d.t0, batch.laps, batch.predicted, reasons=batch.reasons)
 
     def _sit_out(self, snap: Snapshot, dec_all: np.ndarray, pre: np.ndarray,
                  lost: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -393,8 +393,8 @@ class SlidingServePolicy:
         done = np.cumsum(snap.remaining_prefill[queue]) * (self.params.margin / rho)
         return queue if bool(((done <= slack) | (slack <= 0)).all()) else None  # expired ones: nothing to keep
 
-    def _plan(self, d: _Decision, runnable: np.ndarray) -> Plan:
-        """The plan of decision ``d`` with the decodes ``runnable`` (those not sitting out):
+    def _batch(self, d: _Decision, runnable: np.ndarray) -> _Batch:
+        """The batch of decision ``d`` with the decodes ``runnable`` (those not sitting out):
         the decodes that fit, the prefill queue, then BatchConstructor's batch when the
         queue is at risk, else the sliding chunker's (or the queue's first-come fill when
         there is nothing to trade)."""
@@ -444,11 +444,10 @@ class SlidingServePolicy:
                     pre_rows, pre_toks, filled = classify_fill(snap, self._facts(d, W), cq, p1)
                 predicted = float(curve.times[p1])  # the curve holds exactly this batch
                 path = "sliding_chunker" if len(pre_rows) else ("decode_only" if len(decodes) else "idle")
-        return assemble_plan(self, snap, predictor, decodes, pre_rows, pre_toks, path, d.t0, watch.laps, predicted,
-                             reasons=filled)
+        return _Batch(decodes, pre_rows, pre_toks, path, predicted, filled, watch.laps)
 
     def _trading_queue(self, d: _Decision) -> np.ndarray:
-        """Decision ``d``'s prefill queue (:meth:`_queue`), built once for every plan it tries."""
+        """Decision ``d``'s prefill queue (:meth:`_queue`), built once for every batch it tries."""
         if d.queue is None:
             d.queue = self._queue(d.snap, d.pre, d.lost, d.rho, d.starving)
         return d.queue
@@ -536,7 +535,7 @@ class _Decision:
     once the class rules and the sit-out rules ran, the live prefills, the requests holding
     KV, the starving prefills (a
     mask over ``pre``), vLLM's first-come queue when there is nothing to trade (else None)
-    and the trading queue once built: every plan the decision tries shares them."""
+    and the trading queue once built: every batch the decision tries shares them."""
 
     snap: Snapshot
     predictor: BatchLatencyPredictor
@@ -551,6 +550,22 @@ class _Decision:
     starving: np.ndarray = field(default_factory=lambda: _NO_MASK)
     fcfs: np.ndarray | None = None
     queue: np.ndarray | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    """One batch a decision tried (:meth:`SlidingServePolicy._batch`): the decodes, the
+    prefill rows and their tokens, the path that chose them, the predicted time when the
+    chunker's curve holds exactly this batch, the reasons classified with it (explaining),
+    and the time each stage took (ns, from the decision's start)."""
+
+    decodes: np.ndarray
+    pre_rows: np.ndarray
+    pre_toks: np.ndarray
+    path: str
+    predicted: float | None
+    reasons: Reasons | None
+    laps: dict[str, int]
 
 
 class _Stopwatch:

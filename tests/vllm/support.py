@@ -144,8 +144,11 @@ class Driver:
 def check_prepared_fits(s: Any, seen: dict[str, int]) -> None:
     """Check, at every step of scheduler ``s`` that keeps a fit prepared in the background
     (``engine_adapter.vllm.decision.reuse``), that it is the fit the step would have made
-    itself on vLLM's state then, its prefix hits looked up again; ``seen`` counts the steps
-    that kept one ("reused") and those that fitted again ("refitted")."""
+    itself on vLLM's KV state then and the view's prefix hits.  (Not the hits looked up
+    again: a refit counts the blocks of a shared prefix that became evictable meanwhile once
+    per admission, where vLLM takes them once; the kept fit is the closer one, and the
+    callers check that vLLM executes it exactly.)  ``seen`` counts the steps that kept one
+    ("reused") and those that fitted again ("refitted")."""
     from engine_adapter.vllm.decision import fit_answer, reuse
 
     take = s._take
@@ -156,8 +159,7 @@ def check_prepared_fits(s: Any, seen: dict[str, int]) -> None:
             kv, finished = s._kv_rules(free_blocks), (s.finished_req_ids if stale else ())
             kept = reuse(prepared, kv, finished)
             if kept is not None:
-                now = s._ss_hits_now(view, prepared.answer.allocations) if view.hits is not None else view
-                assert kept == fit_answer(prepared.answer, now, kv, finished)
+                assert kept == fit_answer(prepared.answer, view, kv, finished)
             key = "refitted" if kept is None else "reused"
             seen[key] = seen.get(key, 0) + 1
         return take(view, decision, last_error, free_blocks, stale=stale, prepared=prepared)
