@@ -233,8 +233,12 @@ class Recorder:
             self._snapshot(*item[1:])
         elif kind == "iter":
             _, eid, x, s, ms = item
-            self._write({"t": "iteration", "engine": eid, "ms": round(float(ms), 4),
-                         "x": [round(float(v), 6) for v in x], "s": int(s)})
+            line = {"t": "iteration", "engine": eid, "ms": round(float(ms), 4), "x": [round(float(v), 6) for v in x],
+                    "s": int(s)}
+            e = self._engines.get(eid)
+            if e is not None and math.isfinite(e.last_now):
+                line["at"] = round(e.last_now, 4)  # the engine's latest snapshot: within an iteration
+            self._write(line)
         else:
             _, eid, c, u, ms = item
             x, s = batch_features(np.asarray(c, np.int64), np.asarray(u, np.int64))
@@ -351,6 +355,9 @@ class Recording:
     scenarios: np.ndarray
     latency_ms: np.ndarray
     files: int
+    #: when each iteration was reported, on the engine clock of the requests' times, within
+    #: an iteration (N,; NaN where the line has none: recorded before the field existed)
+    iteration_at: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
 
     def __len__(self) -> int:
         return len(self.requests["arrival"])
@@ -389,7 +396,7 @@ def read_recording(directory: str | os.PathLike[str], engine: str = "", *, prefi
         raise RecordingError(f"{d}: no recording files (recording-*.jsonl); record with `record: DIR` in "
                              "server.yaml or SLIDINGSERVE_RECORD=DIR on the engine")
     reqs: dict[str, list[tuple[Any, ...]]] = collections.defaultdict(list)
-    its: dict[str, list[tuple[list[float], int, float]]] = collections.defaultdict(list)
+    its: dict[str, list[tuple[list[float], int, float, float]]] = collections.defaultdict(list)
     infos: dict[str, dict[str, Any]] = {}
     served: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     for path in files:
@@ -403,7 +410,7 @@ def read_recording(directory: str | os.PathLike[str], engine: str = "", *, prefi
                     reqs[eid].append(tuple(line[k] for k in REQUEST_FIELDS))
                     served[eid][_label(eng.get(eid, {}))] += 1
                 elif t == "iteration":
-                    its[eid].append((line["x"], int(line["s"]), float(line["ms"])))
+                    its[eid].append((line["x"], int(line["s"]), float(line["ms"]), float(line.get("at", math.nan))))
             except (KeyError, TypeError, ValueError):
                 raise RecordingError(f"{path}:{no}: a {t} line without its fields") from None
     if prefix:
@@ -420,7 +427,7 @@ def read_recording(directory: str | os.PathLike[str], engine: str = "", *, prefi
     x = np.array([r[0] for r in it], dtype=np.float64).reshape(-1, 7)
     return Recording(eid, infos.get(eid, {}), dict(served[eid]), cols, x,
                      np.array([r[1] for r in it], dtype=np.int64), np.array([r[2] for r in it], dtype=np.float64),
-                     len(files))
+                     len(files), np.array([r[3] for r in it], dtype=np.float64))
 
 
 def _label(info: Mapping[str, Any]) -> str:

@@ -61,6 +61,12 @@ def test_the_recording_holds_each_request_as_the_engine_ran_it(recorded: tuple[P
     np.testing.assert_array_equal(rec.requests["output"], w.output_tokens)
     np.testing.assert_allclose(rec.requests["ttft_slo"], w.ttft_slo)
     assert len(rec.latency_ms) > 1000 and rec.features.shape == (len(rec.latency_ms), 7)
+    # each iteration is stamped on the requests' clock, in order, the gaps its measured times
+    at = rec.iteration_at
+    assert at.shape == rec.latency_ms.shape and np.isfinite(at).all() and (np.diff(at) >= 0).all()
+    assert rec.requests["arrival"].min() <= at[0] < np.nanmax(rec.requests["first_token"])
+    busy = np.diff(at) < 0.5  # not across an idle stretch
+    assert np.median(np.abs(np.diff(at)[busy] * 1e3 - rec.latency_ms[1:][busy])) < 0.05 * np.median(rec.latency_ms)
     # the outcome read off the snapshots is the engine's own, to a request or two
     assert abs(recorded_outcome(rec)["attain_f1"] - attained) <= 2 / len(w)
 
