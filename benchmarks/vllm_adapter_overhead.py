@@ -103,7 +103,7 @@ def run_case(cls: Any, mdir: str, steps: int, seed: int, warmup: int, step_ms: f
             times["own"].append((c1["own_us"] - c0.get("own_us", 0)) / 1e3)
     if hasattr(s, "slidingserve_stats"):
         st = s.slidingserve_stats()
-        times["_stats"] = [st["planned"], st["pipelined"], st["native"], st["deviating_iterations"]]
+        times["_stats"] = [st["planned"], st["pipelined"], st["prefitted"], st["native"], st["deviating_iterations"]]
         s.slidingserve_close()
     return times
 
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"schedule() with ~256 running + ~800 waiting, 2048-token budget, GPU step {args.step_ms:g} ms, "
           f"shared prefix {args.shared_prefix} tokens, {args.steps} calls each (ms)")
     print(f"{'case':32s} {'p50':>7s} {'p99':>7s} {'ratio50':>8s} {'ratio99':>8s} {'engine+':>8s} {'update+':>8s} {'own50':>7s} {'own99':>7s} {'decide50':>9s} "
-          f"{'wait50':>7s} {'ahead50':>8s} {'running':>8s} {'waiting':>8s}  planned/pipelined/native/deviating")
+          f"{'wait50':>7s} {'ahead50':>8s} {'running':>8s} {'waiting':>8s}  planned/pipelined/prefitted/native/deviating")
     for name, t in res.items():
         p50, p99 = _pct(t["total"])
         eng = _pct([a + b for a, b in zip(t["total"], t["update"], strict=True)])[0] - engine0

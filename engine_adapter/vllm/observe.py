@@ -133,6 +133,8 @@ def collect_families(s: dict[str, Any], info: dict[str, str]) -> Iterator[Any]:
                                           (["send"], core.get("report_errors", 0))])
     yield _fam("counter", p + "pipelined", "Plans decided in the background during the previous step",
                s["pipelined"])
+    yield _fam("counter", p + "prefitted", "Background plans executed as fitted in the background (vLLM's "
+               "KV state no tighter than projected)", s["prefitted"])
     yield _fam("counter", p + "resyncs", "Background plans taken again because the queues changed", s["resyncs"])
     yield _fam("counter", p + "own_seconds", "The adapter's own engine-thread time (schedule() and "
                "update_from_output() minus vLLM's work in them)", s["own_us"] / 1e6)

@@ -371,6 +371,7 @@ class SlidingServeMixin(_VllmScheduler):
         if prepared is not None:
             out = reuse(prepared, self._kv_rules(free_blocks), finished)
             if out is not None:
+                self._ss_counts["prefitted"] += 1
                 return out
             answer: Answer | Outcome = prepared.answer
         else:

@@ -76,7 +76,8 @@ class AdapterStats:
             "rejected": dict(self.rejects), "rejected_total": sum(self.rejects.values()),
             "plan_preemptions": c["plan_preemptions"], "reports": c["reports"], "report_errors": c["report_errors"],
             "mean_decide_us": c["decide_us"] / iters,
-            "pipelined": c["pipelined"], "mean_wait_us": c["wait_us"] / max(1, c["pipelined"]),
+            "pipelined": c["pipelined"], "prefitted": c["prefitted"],
+            "mean_wait_us": c["wait_us"] / max(1, c["pipelined"]),
             "mean_ahead_us": c["ahead_us"] / iters,
             #: the adapter's own engine-thread time per iteration (schedule() and
             #: update_from_output() minus vLLM's own work in them)
