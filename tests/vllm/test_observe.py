@@ -52,6 +52,7 @@ def test_metrics_endpoint_serves_the_stats(mdir: str) -> None:
     assert m[(p + "native_total", ())] == st["native"]
     assert m[(p + "reports_total", ())] == st["reports"]
     assert m[(p + "deviating_iterations_total", ())] == st["deviating_iterations"] == 0
+    assert m[(p + "prefitted_total", ())] == st["prefitted"] > 0 and st["prefitted"] <= st["pipelined"]
     assert m[(p + "report_errors_total", (("stage", "collect"),))] == st["report_errors"]
     for reason, n in st["fallbacks"].items():
         assert m[(p + "fallbacks_total", (("reason", reason),))] == n
