@@ -54,15 +54,13 @@ from .goodput import DEFAULT_TOLERANCE, TARGET_VIOLATION, GoodputSpec, initial_g
 from .reasons import reasons_experiment
 from .runner import MAIN_POLICIES, OURS, RunSpec
 
-__all__ = ["ABLATION", "EXPERIMENTS", "LOAD_FACTORS", "MARGINS", "WINDOWS", "BenchConfig", "Variant",
+__all__ = ["ABLATION", "EXPERIMENTS", "MARGINS", "WINDOWS", "BenchConfig", "Variant",
            "plan_variants", "run_bench"]
 
 EXPERIMENTS = ("goodput", "overload", "burst", "load", "window", "ablation", "margin", "classes", "reasons")
 ABLATION = ("sarathi-edf", "sarathi-edf+sc", "sarathi-edf+sc+mlps", "slidingserve")
 WINDOWS = (1, 2, 3, 4)
 MARGINS = ("1.0", "1.05", "1.1", "1.2")
-#: Multiples of the reference rate at which ``load`` reports preemptions.
-LOAD_FACTORS = (1.0, 1.5, 2.0)
 #: Multiples of the reference rate of the ``classes`` experiment.
 CLASS_FACTORS = (1.0, 1.5, 2.0, 3.0)
 #: The baseline that serves classes the way vLLM's own priority policy does; the
