@@ -19,10 +19,10 @@ It comes in two steps because a plan may ask vLLM to act before it schedules:
    need more KV blocks than are free, or vLLM would admit none of the planned requests).
 
 :func:`settle` is both steps with nothing carried out between them.  A decision taken in
-the background takes both there too (:func:`prepare`), on the KV state its view was taken
-with; the engine thread then only checks that the fit still stands (:func:`reuse`): vLLM's
-free blocks and sequence slots only grow until ``schedule()`` allocates, so a plan that fit
-whole then fits whole now, less the requests finished meanwhile.  The checks before
+the background takes both there too (:func:`prepare`), on the KV state its projected view
+carries (:attr:`.fit.View.kv`); the engine thread then only checks that the fit still
+stands (:func:`reuse`): a plan that fit whole on that state fits whole on a looser one, less
+the requests finished meanwhile.  The checks before
 an answer exists (``unsupported``, ``kv_pressure``, ``snapshot_error``) are one line each
 in the scheduler; :func:`fallback` makes their outcome.  While vLLM executes a plan, :func:`cap`
 gives each request's token count (vLLM's per-request hooks call it).
