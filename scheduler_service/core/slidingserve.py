@@ -281,9 +281,9 @@ class SlidingServePolicy:
             out |= rescued
         batch = self._batch(d, dec_all[~out]) if out.any() else None
         if batch is None or batch.path not in _PREFILL_PATHS:
-            # No decode sits out, or no prefill could use their room (KV, limits): sitting
-            # out would only idle decodes.  Only the rescued ones do (the higher-class
-            # decodes catch up without them).
+            # Nothing sits out, or no prefill could use the room (KV, limits) and sitting out
+            # would only idle decodes: every decode runs but the rescued ones (the
+            # higher-class decodes catch up without them).
             batch = self._batch(d, dec_all if rescued is None else dec_all[~rescued])
         return assemble_plan(self, d.snap, d.predictor, batch.decodes, batch.pre_rows, batch.pre_toks, batch.path,
                              d.t0, batch.laps, batch.predicted, reasons=batch.reasons)
