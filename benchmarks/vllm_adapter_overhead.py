@@ -23,6 +23,13 @@ part that is *not* overlapped with the GPU step in a synchronous engine; ``decid
 the time to get the plan in ``schedule()``, ``wait`` the part of it spent waiting for
 a background decision, ``ahead`` the hand-over to the next background decision.
 
+``--async-scheduling`` runs vLLM's ``AsyncScheduler`` and the adapter's ``RemoteScheduler``
+(vLLM's default on GPUs): vLLM calls ``schedule()`` for the next step while the GPU runs the
+current one, so ``schedule()`` is hidden behind the GPU step unless the engine thread's work
+per step outgrows it; the pipelined adapter takes the next snapshot at the end of
+``schedule()``, on the engine thread (``ahead50``), since vLLM applies the running step's
+output right after it.
+
 ``--shared-prefix N`` prepends the same N tokens (a system prompt) to every prompt, so
 that with vLLM's prefix caching (on here) every waiting request has a cached prefix the
 adapter looks up for its snapshot (``SLIDINGSERVE_PREFIX_LOOKUP``, docs/vllm.md, Prefix
@@ -30,7 +37,7 @@ caching); ``--cases`` runs only the cases whose names contain one of its comma-s
 words (``native`` always runs: it is the reference).
 
 Run: ``VLLM_TARGET_DEVICE=cpu python -m benchmarks.vllm_adapter_overhead [--steps 300] [--step-ms 30]
-[--shared-prefix 512] [--cases inproc]`` (needs the ``vllm`` extra).
+[--shared-prefix 512] [--cases inproc] [--async-scheduling]`` (needs the ``vllm`` extra).
 """
 
 from __future__ import annotations
@@ -56,12 +63,12 @@ def _pct(xs: list[float]) -> tuple[float, float]:
 
 
 def run_case(cls: Any, mdir: str, steps: int, seed: int, warmup: int, step_ms: float,
-             shared_prefix: int = 0) -> dict[str, list[float]]:
+             shared_prefix: int = 0, async_scheduling: bool = False) -> dict[str, list[float]]:
     # vLLM (the optional ``vllm`` extra) loads here, after main() has quieted its logs
     from engine_adapter.vllm.testbed import build_scheduler, fake_output, make_request
 
     rng = np.random.default_rng(seed)
-    s = build_scheduler(cls, mdir, async_scheduling=False, num_blocks=60_000, max_num_batched_tokens=2048,
+    s = build_scheduler(cls, mdir, async_scheduling=async_scheduling, num_blocks=60_000, max_num_batched_tokens=2048,
                         max_num_seqs=256, max_model_len=4096)
     with_prefix = _prefixed(shared_prefix, seed) if shared_prefix > 0 else None
 
@@ -126,25 +133,29 @@ def _prefixed(n: int, seed: int) -> Any:
     return with_prefix
 
 
-def _cases(target: str, tmp: Path) -> dict[str, Any]:
+def _cases(target: str, tmp: Path, async_scheduling: bool = False) -> dict[str, Any]:
     """The scheduler classes timed: vLLM's, and the adapter's in process and over gRPC, each
-    policy with pipelining on and off, recording, and observing."""
+    policy with pipelining on and off, recording, and observing (``async_scheduling``: vLLM's
+    ``AsyncScheduler`` and the adapter's ``RemoteScheduler``)."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from engine_adapter.vllm import RemoteSyncScheduler
+    from engine_adapter.vllm import RemoteScheduler, RemoteSyncScheduler
     from engine_adapter.vllm.testbed import scheduler_class
 
+    native, ours = (AsyncScheduler, RemoteScheduler) if async_scheduling else (Scheduler, RemoteSyncScheduler)
+
     grpc = {"SLIDINGSERVE_ADDRESS": target, "SLIDINGSERVE_DEADLINE_MS": "200"}
-    cases: dict[str, Any] = {"native": Scheduler}
+    cases: dict[str, Any] = {"native": native}
     for where, where_env in (("inproc", {}), ("grpc", grpc)):
         for policy in ("slidingserve", "vllm-fcfs"):
             for pipe in ("on", "off"):
                 env = {**where_env, "SLIDINGSERVE_DEPLOYMENT": policy, "SLIDINGSERVE_PIPELINE": pipe}
-                cases[f"{where} {policy} pipe={pipe}"] = scheduler_class(RemoteSyncScheduler, env)
+                cases[f"{where} {policy} pipe={pipe}"] = scheduler_class(ours, env)
     # the traffic recording (SLIDINGSERVE_RECORD), deciding and only watching (SLIDINGSERVE_OBSERVE)
     rec = {"SLIDINGSERVE_DEPLOYMENT": "slidingserve", "SLIDINGSERVE_RECORD": str(tmp / "recording")}
-    cases["inproc slidingserve pipe=on record"] = scheduler_class(RemoteSyncScheduler, rec)
-    cases["observe record"] = scheduler_class(RemoteSyncScheduler, {**rec, "SLIDINGSERVE_OBSERVE": "true"})
+    cases["inproc slidingserve pipe=on record"] = scheduler_class(ours, rec)
+    cases["observe record"] = scheduler_class(ours, {**rec, "SLIDINGSERVE_OBSERVE": "true"})
     return cases
 
 
@@ -158,6 +169,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="tokens of a common prefix (a system prompt) before every prompt; 0 = none")
     ap.add_argument("--cases", default="", help="comma-separated words: run only the cases naming one "
                     "(native always runs)")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="vLLM's AsyncScheduler and the adapter's RemoteScheduler (vLLM's default on GPUs)")
     args = ap.parse_args(argv)
     logging.getLogger("vllm").setLevel(logging.ERROR)
     # vLLM is heavy and optional (the ``vllm`` extra): it loads here, once its logs are quiet
@@ -167,21 +180,23 @@ def main(argv: list[str] | None = None) -> None:
     mdir = model_dir(tmp)
     srv = ServiceProcess(tmp).start()
     try:
-        cases = _cases(srv.target, tmp)
+        cases = _cases(srv.target, tmp, args.async_scheduling)
         words = [w.strip() for w in args.cases.split(",") if w.strip()]
         if words:
             cases = {k: v for k, v in cases.items() if k == "native" or any(w in k for w in words)}
         res: dict[str, dict[str, list[float]]] = {}
         for name, cls in cases.items():
             print(f"  running {name} ...", flush=True)
-            res[name] = run_case(cls, mdir, args.steps, args.seed, args.warmup, args.step_ms, args.shared_prefix)
+            res[name] = run_case(cls, mdir, args.steps, args.seed, args.warmup, args.step_ms, args.shared_prefix,
+                                 args.async_scheduling)
     finally:
         srv.stop()
     base50, base99 = _pct(res["native"]["total"])
     engine0 = _pct([a + b for a, b in zip(res["native"]["total"], res["native"]["update"], strict=True)])[0]
     update0 = _pct(res["native"]["update"])[0]
     print(f"schedule() with ~256 running + ~800 waiting, 2048-token budget, GPU step {args.step_ms:g} ms, "
-          f"shared prefix {args.shared_prefix} tokens, {args.steps} calls each (ms)")
+          f"shared prefix {args.shared_prefix} tokens, {'async' if args.async_scheduling else 'sync'} scheduling, "
+          f"{args.steps} calls each (ms)")
     print(f"{'case':32s} {'p50':>7s} {'p99':>7s} {'ratio50':>8s} {'ratio99':>8s} {'engine+':>8s} {'update+':>8s} {'own50':>7s} {'own99':>7s} {'decide50':>9s} "
           f"{'wait50':>7s} {'ahead50':>8s} {'running':>8s} {'waiting':>8s}  planned/pipelined/prefitted/native/deviating")
     for name, t in res.items():
